@@ -1,0 +1,1 @@
+"""kernels layer (see docs/design.md)."""

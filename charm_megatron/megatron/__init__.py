@@ -1,0 +1,1 @@
+"""megatron layer (see docs/design.md)."""

@@ -1,0 +1,1 @@
+"""ops layer (see docs/design.md)."""

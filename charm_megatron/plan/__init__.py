@@ -1,0 +1,1 @@
+"""plan layer (see docs/design.md)."""

@@ -1,0 +1,1 @@
+"""topology layer (see docs/design.md)."""
