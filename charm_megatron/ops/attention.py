@@ -1,0 +1,169 @@
+"""The public entry point: context-parallel attention over a CP process group."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+
+from charm_megatron.kernels import get_backend
+from charm_megatron.ops.executor import BlockShape, Executor
+from charm_megatron.ops.streams import stream_groups
+from charm_megatron.plan.builders import ALGOS, build_plan
+from charm_megatron.plan.core import Plan
+from charm_megatron.plan.validate import validate
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@functools.lru_cache(maxsize=256)
+def _plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool) -> tuple[Plan, Plan]:
+    """Forward and backward plans, validated once per (algo, topology, mask)."""
+    fwd = build_plan(algo, "forward", groups, causal)
+    bwd = build_plan(algo, "backward", groups, causal)
+    validate(fwd)
+    validate(bwd)
+    return fwd, bwd
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  cp_size: int) -> None:
+    """Identical checks on every rank, before any communication (ValueError / TypeError)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"cp_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"cp_attention: {name} must be 4-D [s_local, b, heads, head_dim] "
+                             f"(Megatron's sbhd layout), got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"cp_attention: {name} has dtype {t.dtype}; use float16, bfloat16, "
+                            "float32 or float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"cp_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); "
+                        "cast them to one dtype")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"cp_attention: q, k, v are on different devices ({q.device}, "
+                         f"{k.device}, {v.device}); move them to one device")
+    if k.shape != v.shape:
+        raise ValueError(f"cp_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have "
+                         "the same shape")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"cp_attention: q has {q.shape[0]} local tokens but k/v have "
+                         f"{k.shape[0]}; all three must be this rank's shard of one sequence")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"cp_attention: batch sizes differ (q {q.shape[1]}, k/v {k.shape[1]})")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"cp_attention: head dims differ (q {q.shape[3]}, k/v {k.shape[3]})")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"cp_attention: h_q={q.shape[2]} is not a multiple of h_kv="
+                         f"{k.shape[2]}; GQA needs each kv head to serve a whole group of "
+                         "query heads (set num_query_groups to a divisor of the head count)")
+    s_local = q.shape[0]
+    if causal and s_local % 2:
+        raise ValueError(
+            f"cp_attention: causal attention needs the sequence length "
+            f"({s_local}*{cp_size}={s_local * cp_size}) divisible by 2*cp_size={2 * cp_size} "
+            "(Megatron's load-balanced layout: 2 chunks per rank); pad the sequence or change "
+            "--seq-length"
+        )
+    if s_local == 0:
+        raise ValueError("cp_attention: empty sequence shard")
+
+
+def _resolve_groups(algo: str, topology, group, cp_size: int) -> tuple[tuple[int, ...], ...]:
+    if algo == "ring":
+        return (tuple(range(cp_size)),)
+    from charm_megatron.topology import resolve_topology
+
+    topo = resolve_topology(topology, group, algo, cp_size)
+    return tuple(tuple(g) for g in topo.groups)
+
+
+def cp_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    algo: str = "ring",
+    topology=None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+):
+    """Context-parallel attention over the CP process group ``group``.
+
+    Args:
+        q: ``[s_local, b, h_q, d]`` this rank's queries (Megatron sbhd layout). With
+            ``causal=True`` the shard is Megatron's load-balanced one (chunks ``r`` and
+            ``2n-1-r`` of ``2n``, see :mod:`charm_megatron.layout`); otherwise contiguous.
+        k, v: ``[s_local, b, h_kv, d]``; ``h_q`` a multiple of ``h_kv`` (GQA / MQA).
+        group: the CP process group (``None``: the default group).
+        algo: ``"ring"`` (TransformerEngine's p2p ring), ``"rmplus"`` (RM+ over a flat group),
+            ``"charm"`` (CHARM+: RM+ inside each topology group, queries across groups).
+        topology: a :class:`charm_megatron.Topology`, a string (``"2x4"``, ``"0-3,4-7"``,
+            ``"flat"``, ``"auto"``) or ``None`` (flat for rmplus; ``CHARM_TOPOLOGY`` or the
+            probe for charm). Ignored by ``ring``.
+        causal: causal mask over the full sequence.
+        softmax_scale: defaults to ``1/sqrt(d)``.
+        return_lse: also return the log-sum-exp.
+
+    Returns:
+        ``out [s_local, b, h_q, d]`` in q's dtype; with ``return_lse`` also
+        ``lse [b, h_q, s_local]`` fp32. Differentiable in q, k and v.
+    """
+    if algo not in ALGOS:
+        raise ValueError(f"cp_attention: unknown algo {algo!r}; choose one of "
+                         f"{', '.join(ALGOS)}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("cp_attention: torch.distributed is not initialised; call "
+                           "torch.distributed.init_process_group (or run under torchrun) first")
+    cp_size = dist.get_world_size(group)
+    _check_inputs(q, k, v, causal, cp_size)
+    groups = _resolve_groups(algo, topology, group, cp_size)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _CPAttention.apply(q, k, v, group, algo, groups, causal, float(scale))
+    return (out, lse) if return_lse else out
+
+
+def _make_executor(group, q: torch.Tensor, k: torch.Tensor, scale: float) -> Executor:
+    shape = BlockShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype,
+                       q.device)
+    return Executor(stream_groups(group), get_backend(q.device, q.dtype), shape, scale)
+
+
+class _CPAttention(torch.autograd.Function):
+    """Forward and backward plans under one autograd node (the kernels' lse has no autograd)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, algo, groups, causal, scale):
+        fwd, _ = _plans(algo, groups, causal)
+        rank = dist.get_rank(group)
+        ex = _make_executor(group, q, k, scale)
+        ex.set_own("own.q", q.contiguous())
+        ex.set_own("own.kv", torch.stack([k, v], dim=1))
+        ex.run(fwd.ops[rank])
+        acc_out, acc_lse = ex.result(Plan.OUT)
+        out = acc_out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, acc_lse)
+        ctx.cfg = (group, algo, groups, causal, scale)
+        lse = acc_lse.permute(1, 2, 0).contiguous()
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse_sbh = ctx.saved_tensors
+        group, algo, groups, causal, scale = ctx.cfg
+        _, bwd = _plans(algo, groups, causal)
+        rank = dist.get_rank(group)
+        ex = _make_executor(group, q, k, scale)
+        ex.set_own("own.qgrad", torch.stack([q, out, dout.to(q.dtype)], dim=1), lse_sbh)
+        ex.set_own("own.kv", torch.stack([k, v], dim=1))
+        ex.run(bwd.ops[rank])
+        (dq,) = ex.result(Plan.DQ)
+        (dkv,) = ex.result(Plan.DKV)
+        return (dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype),
+                None, None, None, None, None)

@@ -1,0 +1,368 @@
+"""Plan builders: ring (TransformerEngine ``p2p``), RM+ and CHARM+ (ALGORITHM.md §3–§6).
+
+Each builder returns a :class:`~charm_megatron.plan.core.Plan` for every CP rank. RM+ is CHARM+
+with a single group, so one builder serves both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from charm_megatron.plan.core import (
+    Comm,
+    Half,
+    Merge,
+    Op,
+    Plan,
+    Reset,
+    Tile,
+    TileBwd,
+    Wait,
+    Xfer,
+    tile_spec,
+)
+from charm_megatron.plan.pairing import group_rounds, rmplus_rounds
+
+ALGOS = ("ring", "rmplus", "charm")
+
+
+class _Program:
+    """Accumulates one rank's ops and hands out batch handles."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self._next = 0
+
+    def comm(self, stream: str, sends: Sequence[Xfer] = (), recvs: Sequence[Xfer] = ()) -> int:
+        handle = self._next
+        self._next += 1
+        self.ops.append(Comm(handle, stream, tuple(sends), tuple(recvs)))
+        return handle
+
+    def add(self, op: Op) -> None:
+        self.ops.append(op)
+
+
+def build_plan(
+    algo: str,
+    direction: str,
+    groups: Sequence[Sequence[int]],
+    causal: bool,
+) -> Plan:
+    """The plan of ``algo`` (``ring``, ``rmplus``, ``charm``) for ``direction`` (``forward`` or
+    ``backward``) on CP ranks partitioned into ``groups`` (CP-local ranks)."""
+    groups_t = tuple(tuple(g) for g in groups)
+    n = sum(len(g) for g in groups_t)
+    if algo not in ALGOS:
+        raise ValueError(f"unknown algo {algo!r}; choose one of {', '.join(ALGOS)}")
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    if algo in ("ring", "rmplus"):
+        groups_t = (tuple(range(n)),)
+    plan = Plan(algo, direction, n, groups_t, causal)
+    for rank in range(n):
+        if algo == "ring":
+            ops = _ring(rank, n, causal, direction == "backward")
+        else:
+            ops = _CharmRank(rank, groups_t, causal, direction == "backward").build()
+        plan.ops.append(ops)
+    return plan
+
+
+# --------------------------------------------------------------------------------------- ring
+def _ring(r: int, n: int, causal: bool, backward: bool) -> list[Op]:
+    """TransformerEngine's p2p ring: kv walks ``r -> r+1``; the next kv is posted before the
+    current tile is computed. Backward carries the dkv partial sums around the ring one step
+    behind kv, so a block's dkv arrives home complete after ``n`` hops."""
+    p = _Program()
+    nxt, prv = (r + 1) % n, (r - 1) % n
+    qloc = "own.qgrad" if backward else "own.q"
+    if backward:
+        p.add(Reset(Plan.DQ, "dq", r))
+    else:
+        p.add(Reset(Plan.OUT, "out", r))
+    cur = "own.kv"
+    kv_handle = dkv_handle = None
+    for step in range(n):
+        j = (r - step) % n
+        spec = tile_spec(r, j, causal)
+        if step < n - 1:
+            buf = f"ring.kv{step % 2}"
+            kv_handle = p.comm(
+                "kv",
+                sends=[Xfer(nxt, cur, "kv", j, Half.FULL)],
+                recvs=[Xfer(prv, buf, "kv", (j - 1) % n, Half.FULL)],
+            )
+        if not backward:
+            p.add(Tile(spec, qloc, cur, Plan.OUT))
+        elif n == 1:
+            p.add(Reset(Plan.DKV, "dkv", r))
+            p.add(TileBwd(spec, qloc, cur, Plan.DQ, Plan.DKV))
+        else:
+            mine = f"ring.dkv{step % 2}"
+            p.add(Reset(mine, "dkv", j))
+            p.add(TileBwd(spec, qloc, cur, Plan.DQ, mine))
+            if step > 0:
+                p.add(Wait(dkv_handle))
+                p.add(Merge(mine, f"ring.dkvin{(step - 1) % 2}"))
+            into = Plan.DKV if step == n - 1 else f"ring.dkvin{step % 2}"
+            dkv_handle = p.comm(
+                "q",  # the dkv ring gets its own stream so it never queues behind kv
+                sends=[Xfer(nxt, mine, "dkv", j, Half.FULL)],
+                recvs=[Xfer(prv, into, "dkv", (j - 1) % n, Half.FULL)],
+            )
+        if step < n - 1:
+            p.add(Wait(kv_handle))
+            cur = buf
+    if backward and n > 1:
+        p.add(Wait(dkv_handle))
+    return p.ops
+
+
+# ------------------------------------------------------------------------------- RM+ / CHARM+
+@dataclass(frozen=True)
+class _Item:
+    """A q block processed in a pass: whose rows, where they are, where they accumulate."""
+
+    owner: int
+    q_loc: str
+    acc: str
+
+
+class _CharmRank:
+    """Builds one rank's CHARM+ (or, with one group, RM+) forward or backward program.
+
+    Structure (ALGORITHM.md §3–§4, §6): for each cross round a *pass* runs the RM+ rounds of the
+    group for the q blocks held (own q in the first pass, plus the counterpart's q of that
+    round). Per unit (one RM+ round): post the next unit's exchange, wait for this one's, compute.
+    q-pair partials go back one unit later; cross partials go back at the end of the pass.
+    """
+
+    def __init__(self, rank: int, groups: tuple[tuple[int, ...], ...], causal: bool,
+                 backward: bool) -> None:
+        self.rank = rank
+        self.groups = groups
+        self.causal = causal
+        self.bwd = backward
+        self.g = next(i for i, grp in enumerate(groups) if rank in grp)
+        self.local = groups[self.g].index(rank)
+        self.rounds = rmplus_rounds(len(groups[self.g]))
+        self.cross = group_rounds(len(groups))
+        self.p = _Program()
+        self.qkind = "qgrad" if backward else "q"
+        self.pkind = "dq" if backward else "out"  # what comes back for a q block
+
+    # -- which q blocks a rank holds in pass k ------------------------------------------------
+    def _pass_owners(self, k: int, local: int) -> list[int]:
+        """Owners of the q blocks that local index ``local`` of our group holds in pass ``k``."""
+        grp = self.groups[self.g]
+        owners = [grp[local]] if k == 0 else []
+        if self.cross:
+            partner = self.cross[k].get(self.g)
+            if partner is not None:
+                owners.append(self.groups[partner][local])
+        return owners
+
+    def _num_passes(self) -> int:
+        return max(1, len(self.cross))
+
+    # -- message halves --------------------------------------------------------------------------
+    def _q_half(self, owner: int, kv_owners: Sequence[int]) -> Half:
+        half = None
+        for j in kv_owners:
+            h = tile_spec(owner, j, self.causal).q_half
+            half = h if half is None else half.union(h)
+        return half or Half.FULL
+
+    def _kv_half(self, kv_owner: int, q_owners: Sequence[int]) -> Half:
+        half = None
+        for i in q_owners:
+            h = tile_spec(i, kv_owner, self.causal).kv_half
+            half = h if half is None else half.union(h)
+        return half or Half.FULL
+
+    # -- ops ---------------------------------------------------------------------------------
+    def _tile(self, owner: int, q_loc: str, kv_owner: int, kv_loc: str, acc: str,
+              dkv_acc: str) -> None:
+        spec = tile_spec(owner, kv_owner, self.causal)
+        if self.bwd:
+            self.p.add(TileBwd(spec, q_loc, kv_loc, acc, dkv_acc))
+        else:
+            self.p.add(Tile(spec, q_loc, kv_loc, acc))
+
+    def build(self) -> list[Op]:
+        p, r = self.p, self.rank
+        own_q = "own.qgrad" if self.bwd else "own.q"
+        if self.bwd:
+            p.add(Reset(Plan.DQ, "dq", r))
+            p.add(Reset(Plan.DKV, "dkv", r))
+        else:
+            p.add(Reset(Plan.OUT, "out", r))
+        own_acc = Plan.DQ if self.bwd else Plan.OUT
+        group = self.groups[self.g]
+        cross_in: dict[int, int] = {}  # pass -> handle of the cross q exchange
+        cross_ret: list[tuple[int, str]] = []  # (handle, loc) of cross partials coming home
+        # Cross accumulators and return buffers alternate per pass that has a cross q (passes
+        # of an idle group, when G is odd, do not count).
+        cross_ret_all: list[int] = []
+
+        def post_cross_exchange(k: int) -> None:
+            partner = self.cross[k].get(self.g) if self.cross else None
+            if partner is None:
+                return
+            cp = self.groups[partner][self.local]
+            cross_in[k] = p.comm(
+                "cross",
+                sends=[Xfer(cp, own_q, self.qkind, r, self._q_half(r, self.groups[partner]))],
+                recvs=[Xfer(cp, f"cross.q{k % 2}", self.qkind, cp, self._q_half(cp, group))],
+            )
+
+        if self.cross:
+            post_cross_exchange(0)
+        for k in range(self._num_passes()):
+            if k + 1 < self._num_passes():
+                post_cross_exchange(k + 1)  # the next counterpart's q travels during this pass
+            owners = self._pass_owners(k, self.local)
+            if not owners:
+                continue
+            items = []
+            for o in owners:
+                if o == r:
+                    items.append(_Item(o, own_q, own_acc))
+                else:
+                    items.append(_Item(o, f"cross.q{k % 2}", f"acc.cross{len(cross_ret_all) % 2}"))
+            self._pass(k, items, cross_in)
+            cross_items = [it for it in items if it.owner != r]
+            for it in cross_items:
+                cp = it.owner
+                half = self._q_half(cp, group)
+                partner = self.cross[k][self.g]
+                ret_loc = f"cross.ret{len(cross_ret_all) % 2}"
+                h = p.comm(
+                    "cross",
+                    sends=[Xfer(cp, it.acc, self.pkind, cp, half)],
+                    recvs=[Xfer(cp, ret_loc, self.pkind, r,
+                                self._q_half(r, self.groups[partner]))],
+                )
+                cross_ret.append((h, ret_loc))
+                cross_ret_all.append(h)
+            self._flush_deferred()
+            # Keep at most one cross return in flight: its buffer is reused two passes on.
+            while len(cross_ret) > 1:
+                h, loc = cross_ret.pop(0)
+                p.add(Wait(h))
+                p.add(Merge(own_acc, loc))
+        for h, loc in cross_ret:
+            p.add(Wait(h))
+            p.add(Merge(own_acc, loc))
+        return p.ops
+
+    def _pass(self, k: int, items: list[_Item], cross_in: dict[int, int]) -> None:
+        p, r = self.p, self.rank
+        group = self.groups[self.g]
+        units = [(rd.role, rd.partner[self.local]) for rd in self.rounds if self.local in rd.partner]
+        self._deferred: list = []
+        cross_waited = False
+
+        def ensure_cross() -> None:
+            nonlocal cross_waited
+            if not cross_waited and k in cross_in:
+                p.add(Wait(cross_in[k]))
+                if any(it.owner != r for it in items):
+                    it = next(it for it in items if it.owner != r)
+                    p.add(Reset(it.acc, self.pkind, it.owner))
+                cross_waited = True
+
+        def phase1(u: int) -> int:
+            role, peer_local = units[u]
+            y = group[peer_local]
+            peer_owners = self._pass_owners(k, peer_local)
+            if role == "kv":
+                return p.comm(
+                    "kv",
+                    sends=[Xfer(y, "own.kv", "kv", r, self._kv_half(r, peer_owners))],
+                    recvs=[Xfer(y, f"kv.rx{u % 2}", "kv", y,
+                                self._kv_half(y, [it.owner for it in items]))],
+                )
+            if any(it.owner != r for it in items):
+                ensure_cross()
+            return p.comm(
+                "q",
+                sends=[Xfer(y, it.q_loc, self.qkind, it.owner, self._q_half(it.owner, [y]))
+                       for it in items],
+                recvs=[Xfer(y, f"q.rx{u % 2}.{i}", self.qkind, o, self._q_half(o, [r]))
+                       for i, o in enumerate(peer_owners)],
+            )
+
+        handles: dict[int, int] = {}
+        # Pending partial returns: (unit, handle, [(acc, loc)]). A unit's buffers are reused two
+        # units later, so its return is completed at the end of the next unit.
+        returns: list[tuple[int, int, list[tuple[str, str]]]] = []
+        if units:
+            handles[0] = phase1(0)
+        # Own kv first: the own q needs no communication, which hides the cross q's arrival.
+        for it in items:
+            if it.owner != r:
+                ensure_cross()
+            self._tile(it.owner, it.q_loc, r, "own.kv", it.acc, Plan.DKV)
+        last_kv = max((u for u, (role, _) in enumerate(units) if role == "kv"), default=None)
+        has_cross = any(it.owner != r for it in items)
+        for u, (role, peer_local) in enumerate(units):
+            if u + 1 < len(units):
+                handles[u + 1] = phase1(u + 1)
+            y = group[peer_local]
+            p.add(Wait(handles.pop(u)))
+            if role == "kv":
+                buf = f"kv.rx{u % 2}"
+                dkv = f"acc.pdkv{u % 2}"
+                if self.bwd:
+                    p.add(Reset(dkv, "dkv", y))
+                # Cross q first: its partial must travel home, the own q's need not.
+                ordered = sorted(items, key=lambda it: it.owner == r)
+                for it in ordered:
+                    if u == last_kv and has_cross and it.owner == r and not self.bwd:
+                        self._deferred.append((it.owner, it.q_loc, y, buf, it.acc, dkv))
+                        continue
+                    self._tile(it.owner, it.q_loc, y, buf, it.acc, dkv)
+                if self.bwd:
+                    half_back = self._kv_half(y, [it.owner for it in items])
+                    mine_half = self._kv_half(r, self._pass_owners(k, peer_local))
+                    h = p.comm(
+                        "kv",
+                        sends=[Xfer(y, dkv, "dkv", y, half_back)],
+                        recvs=[Xfer(y, f"kv.dret{u % 2}", "dkv", r, mine_half)],
+                    )
+                    returns.append((u, h, [(Plan.DKV, f"kv.dret{u % 2}")]))
+            else:
+                peer_owners = self._pass_owners(k, peer_local)
+                sends = []
+                for i, o in enumerate(peer_owners):
+                    acc = f"acc.svc{u % 2}.{i}"
+                    p.add(Reset(acc, self.pkind, o))
+                    self._tile(o, f"q.rx{u % 2}.{i}", r, "own.kv", acc, Plan.DKV)
+                    sends.append(Xfer(y, acc, self.pkind, o, self._q_half(o, [r])))
+                recvs = [Xfer(y, f"q.ret{u % 2}.{i}", self.pkind, it.owner,
+                              self._q_half(it.owner, [y])) for i, it in enumerate(items)]
+                h = p.comm("q", sends=sends, recvs=recvs)
+                returns.append((u, h, [(it.acc, f"q.ret{u % 2}.{i}")
+                                       for i, it in enumerate(items)]))
+            # Partials of the previous unit have had a whole unit of compute to arrive.
+            while returns and returns[0][0] < u:
+                self._finish_return(returns.pop(0))
+        # Cross partials must be complete before they go home: merge what is pending for them.
+        for ret in returns:
+            self._finish_return(ret)
+        if not units:
+            ensure_cross()
+
+    def _finish_return(self, ret: tuple[int, int, list[tuple[str, str]]]) -> None:
+        _, h, merges = ret
+        self.p.add(Wait(h))
+        for acc, loc in merges:
+            self.p.add(Merge(acc, loc))
+
+    def _flush_deferred(self) -> None:
+        for args in self._deferred:
+            self._tile(*args)
+        self._deferred = []

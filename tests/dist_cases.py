@@ -1,0 +1,105 @@
+"""Rank functions for the multi-rank tests (module level so the forkserver can pickle them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from charm_megatron import cp_attention
+from charm_megatron.kernels.reference import ReferenceBackend
+from charm_megatron.layout import shard
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_inputs(seed: int, s: int, b: int, hq: int, hkv: int, d: int):
+    """Random full-sequence q, k, v, dout in float64 (identical on every rank)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(s, b, hq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(s, b, hkv, d, generator=g, dtype=torch.float64)
+    v = torch.randn(s, b, hkv, d, generator=g, dtype=torch.float64)
+    dout = torch.randn(s, b, hq, d, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def reference(q, k, v, dout, causal: bool, scale: float):
+    """float64 full-sequence out, lse [b, h, s], dq, dk, dv (plain math, no CP)."""
+    ref = ReferenceBackend(torch.float64)
+    out, lse = ref.forward(q, k, v, causal, scale)
+    dq, dk, dv = ref.backward(dout, q, k, v, out, lse, causal, scale)
+    return out, lse, dq, dk, dv
+
+
+def local_part(x: torch.Tensor, rank: int, n: int, causal: bool, seq_dim: int = 0):
+    if causal:
+        return shard(x, rank, n, seq_dim=seq_dim)
+    return x.chunk(n, dim=seq_dim)[rank]
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def run_attention(rank: int, world: int, algo: str, topology, causal: bool, dtype: str,
+                  s: int, b: int, hq: int, hkv: int, d: int, seed: int = 0):
+    """One CP attention forward+backward; returns this rank's relative errors vs float64."""
+    dt = DTYPES[dtype]
+    q, k, v, dout = make_inputs(seed, s, b, hq, hkv, d)
+    scale = d ** -0.5
+    ref = reference(q, k, v, dout, causal, scale)
+    ql, kl, vl = (local_part(t, rank, world, causal).to(dt).requires_grad_() for t in (q, k, v))
+    out, lse = cp_attention(ql, kl, vl, algo=algo, topology=topology, causal=causal,
+                            return_lse=True)
+    out.backward(local_part(dout, rank, world, causal).to(dt))
+    want = [local_part(ref[0], rank, world, causal), local_part(ref[1], rank, world, causal, 2)]
+    want += [local_part(t, rank, world, causal) for t in ref[2:]]
+    got = [out, lse, ql.grad, kl.grad, vl.grad]
+    assert out.dtype == dt and lse.dtype == torch.float32
+    assert lse.shape == (b, hq, s // world)
+    return {name: rel_err(g, w) for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want)}
+
+
+def run_twice_bitwise(rank: int, world: int, algo: str, topology, causal: bool):
+    """Same inputs twice: outputs and gradients must be bitwise identical."""
+    q, k, v, dout = make_inputs(1, 8 * world, 2, 4, 2, 16)
+    results = []
+    for _ in range(2):
+        ql, kl, vl = (local_part(t, rank, world, causal).float().requires_grad_()
+                      for t in (q, k, v))
+        out = cp_attention(ql, kl, vl, algo=algo, topology=topology, causal=causal)
+        out.backward(local_part(dout, rank, world, causal).float())
+        results.append([out.detach(), ql.grad, kl.grad, vl.grad])
+    return all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def bad_input(rank: int, world: int, case: str):
+    """Each rank calls cp_attention with the same bad input; returns the error it raised."""
+    s, b, h, d = 4 * world, 2, 4, 8
+    q = torch.randn(s // world, b, h, d)
+    k = torch.randn(s // world, b, h, d)
+    v = torch.randn(s // world, b, h, d)
+    kwargs = {}
+    if case == "odd_seq":
+        q, k, v = q[:3], k[:3], v[:3]
+    elif case == "dtype":
+        k = k.double()
+    elif case == "batch":
+        k, v = k[:, :1], v[:, :1]
+    elif case == "head_dim":
+        k, v = k[..., :4], v[..., :4]
+    elif case == "gqa":
+        k, v = k[:, :, :3], v[:, :, :3]
+    elif case == "not_4d":
+        q = q[0]
+    elif case == "algo":
+        kwargs["algo"] = "spiral"
+    elif case == "topology_size":
+        kwargs.update(algo="charm", topology="2x3")
+    elif case == "topology_unequal":
+        kwargs.update(algo="charm", topology="0-2,3")
+    try:
+        cp_attention(q, k, v, **kwargs)
+    except (ValueError, TypeError) as exc:
+        dist.barrier()  # every rank got here: nobody is left waiting in a collective
+        return f"{type(exc).__name__}: {exc}"
+    return None
