@@ -103,3 +103,37 @@ def bad_input(rank: int, world: int, case: str):
         dist.barrier()  # every rank got here: nobody is left waiting in a collective
         return f"{type(exc).__name__}: {exc}"
     return None
+
+
+def run_matrix(rank: int, world: int, cases: list[tuple]):
+    """Run many (algo, topology, causal, dtype, hkv) cases in one process group.
+
+    Returns per case the max relative errors vs the float64 reference and vs ring's result on
+    the same inputs. The float64 reference sees the inputs after rounding to the test dtype,
+    so the comparison measures the algorithm, not the input rounding.
+    """
+    results = {}
+    ring_out = {}
+    s, b, hq, d = 8 * world, 2, 8, 16
+    for algo, topology, causal, dtype, hkv in cases:
+        dt = DTYPES[dtype]
+        q, k, v, dout = (t.to(dt).double() for t in make_inputs(7, s, b, hq, hkv, d))
+        scale = d ** -0.5
+        ref = reference(q, k, v, dout, causal, scale)
+        ql, kl, vl = (local_part(t, rank, world, causal).to(dt).requires_grad_()
+                      for t in (q, k, v))
+        out, lse = cp_attention(ql, kl, vl, algo=algo, topology=topology, causal=causal,
+                                return_lse=True)
+        out.backward(local_part(dout, rank, world, causal).to(dt))
+        want = [local_part(ref[0], rank, world, causal),
+                local_part(ref[1], rank, world, causal, 2)]
+        want += [local_part(t, rank, world, causal) for t in ref[2:]]
+        got = [out, lse, ql.grad, kl.grad, vl.grad]
+        errs = {n: rel_err(g, w) for n, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want)}
+        key = (causal, dtype, hkv)
+        if algo == "ring":
+            ring_out[key] = [t.detach().clone() for t in got]
+        elif key in ring_out:
+            errs["vs_ring"] = max(rel_err(g, w) for g, w in zip(got, ring_out[key]))
+        results[(algo, topology, causal, dtype, hkv)] = errs
+    return results

@@ -34,6 +34,7 @@ def merge_into(
     """
     if rows is not None:
         acc_out, acc_lse = acc_out[rows], acc_lse[rows]
+    lse = lse.to(acc_lse.dtype)
     new_lse = torch.logaddexp(acc_lse, lse)
     weight = torch.exp(lse - new_lse.clamp(min=_FLOOR)).unsqueeze(-1)
     acc_out.lerp_(out.to(acc_out.dtype), weight)

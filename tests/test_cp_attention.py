@@ -1,0 +1,79 @@
+"""cp_attention on real gloo ranks against the float64 full-sequence reference.
+
+One process group per world size runs the whole matrix of algorithms, topologies, masks, GQA
+ratios and dtypes (starting processes dominates the cost of these small problems).
+"""
+
+import itertools
+
+import pytest
+
+import dist_cases
+from charm_megatron.testing import run_ranks
+
+TOL = {"fp32": 1e-5, "bf16": 2e-2}
+
+# world size -> (algo, topology) pairs run there
+SETUPS = {
+    1: [("ring", None), ("rmplus", None), ("charm", None)],
+    2: [("ring", None), ("rmplus", None), ("charm", "2x1")],
+    3: [("ring", None), ("rmplus", None)],
+    4: [("ring", None), ("rmplus", None), ("charm", "2x2")],
+    6: [("ring", None), ("rmplus", None), ("charm", "2x3"), ("charm", "3x2")],
+    8: [("ring", None), ("rmplus", None), ("charm", "2x4"), ("charm", "4x2")],
+}
+
+
+@pytest.mark.parametrize("world", sorted(SETUPS))
+def test_matrix_against_float64_reference(world):
+    cases = [
+        (algo, topo, causal, dtype, hkv)
+        for (algo, topo), causal, dtype, hkv in itertools.product(
+            SETUPS[world], (True, False), ("fp32", "bf16"), (8, 2, 1))
+    ]
+    per_rank = run_ranks(dist_cases.run_matrix, world, cases, timeout_s=600)
+    failures = []
+    for case in cases:
+        tol = TOL[case[3]]
+        for rank, res in enumerate(per_rank):
+            for name, err in res[case].items():
+                if not err < tol:  # also catches NaN
+                    failures.append(f"{case} rank {rank}: {name} rel err {err:.3g} >= {tol}")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("algo,topology", [("ring", None), ("charm", "2x2")])
+def test_bitwise_deterministic(algo, topology):
+    assert all(run_ranks(dist_cases.run_twice_bitwise, 4, algo, topology, True))
+
+
+BAD = {
+    "odd_seq": "divisible by 2\\*cp_size",
+    "dtype": "dtypes differ",
+    "batch": "batch sizes differ",
+    "head_dim": "head dims differ",
+    "gqa": "not a multiple of h_kv",
+    "not_4d": "must be 4-D",
+    "algo": "unknown algo",
+    "topology_size": "",
+    "topology_unequal": "",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_raises_on_every_rank(case):
+    errors = run_ranks(dist_cases.bad_input, 2, case, timeout_s=120)
+    assert all(e is not None for e in errors), errors
+    assert len(set(errors)) == 1, errors  # the same message everywhere
+    if BAD[case]:
+        assert any(__import__("re").search(BAD[case], e) for e in errors), errors
+
+
+def test_no_process_group_is_a_clear_error():
+    import torch
+
+    from charm_megatron import cp_attention
+
+    x = torch.randn(4, 1, 2, 8)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        cp_attention(x, x, x)
