@@ -18,6 +18,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import tempfile
 import traceback
@@ -50,9 +51,14 @@ def _child(
     threads: int,
     pg_timeout_s: float,
     results: Any,
+    setup: Callable[[int, int], None] | None = None,
 ) -> None:
     os.environ.update(env)
     try:
+        if setup is not None:
+            # Runs before torch.distributed opens any socket, e.g. to enter an emulated node's
+            # network namespace (charm_megatron.emulate).
+            setup(rank, world)
         import torch
         import torch.distributed as dist
 
@@ -74,7 +80,9 @@ def _child(
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
-        results.put((rank, True, out))
+        # Plain pickle copies tensor data into the message; the queue's own pickler would
+        # share storage through file descriptors that vanish when this process exits.
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException as exc:  # noqa: BLE001 - report every failure to the parent
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
@@ -87,10 +95,13 @@ def run_ranks(
     pg_timeout_s: float = 60.0,
     threads: int = 1,
     env: dict[str, str] | None = None,
+    setup: Callable[[int, int], None] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results.
 
     ``fn`` must be a module-level (picklable) function; its return value must be picklable.
+    ``setup(rank, world_size)``, if given (picklable too), runs in each child first, before the
+    process group exists.
     Raises :class:`RankFailure` with every failing rank's traceback, or on timeout.
     """
     ctx = _context()
@@ -101,7 +112,7 @@ def run_ranks(
             ctx.Process(
                 target=_child,
                 args=(r, world_size, store_path, fn, args, dict(env or {}), threads,
-                      pg_timeout_s, results),
+                      pg_timeout_s, results, setup),
                 daemon=True,
             )
             for r in range(world_size)
@@ -147,7 +158,7 @@ def run_ranks(
                     p.kill()
             for p in procs:
                 p.join(timeout=10)
-    return [got[r][1] for r in range(world_size)]
+    return [pickle.loads(got[r][1]) for r in range(world_size)]
 
 
 def _drain(results: Any, got: dict, world_size: int, seconds: float) -> None:

@@ -1,0 +1,67 @@
+"""Bytes a plan moves, per rank and link class, for a concrete problem size."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from charm_megatron.plan.core import Comm, Plan
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention call: global sequence ``s`` over ``n`` ranks; element size in bytes."""
+
+    b: int
+    s: int
+    hq: int
+    hkv: int
+    d: int
+    elem: int = 2  # bf16
+
+    def block_bytes(self, kind: str, n: int) -> float:
+        """Bytes of a whole block of ``kind`` held by one rank (``s / n`` rows)."""
+        rows = self.s / n
+        e = self.elem
+        per_row = {
+            "q": self.b * self.hq * self.d * e,
+            "kv": 2 * self.b * self.hkv * self.d * e,
+            "out": self.b * self.hq * (self.d * e + 4),  # partial out + fp32 lse
+            "qgrad": self.b * self.hq * (3 * self.d * e + 4),  # q, out, dout + lse
+            "dq": self.b * self.hq * self.d * 4,
+            "dkv": 2 * self.b * self.hkv * self.d * 4,
+        }[kind]
+        return rows * per_row
+
+
+@dataclass
+class Traffic:
+    intra: list[float]  # bytes each rank sends to ranks of its own topology group
+    cross: list[float]  # bytes each rank sends to other groups
+
+    @property
+    def max_cross(self) -> float:
+        return max(self.cross)
+
+    @property
+    def total_cross(self) -> float:
+        return sum(self.cross)
+
+
+def traffic(plan: Plan, problem: Problem, groups: Sequence[Sequence[int]]) -> Traffic:
+    """Bytes sent by each rank, split by whether the peer is in the sender's group of
+    ``groups`` (the *hardware* topology, whatever groups the algorithm itself used)."""
+    group_of = {r: gi for gi, g in enumerate(groups) for r in g}
+    intra = [0.0] * plan.n
+    cross = [0.0] * plan.n
+    for r, ops in enumerate(plan.ops):
+        for op in ops:
+            if not isinstance(op, Comm):
+                continue
+            for x in op.sends:
+                nbytes = problem.block_bytes(x.kind, plan.n) * x.half.fraction
+                if group_of[x.peer] == group_of[r]:
+                    intra[r] += nbytes
+                else:
+                    cross[r] += nbytes
+    return Traffic(intra, cross)
