@@ -54,6 +54,15 @@ def stream_groups(group: dist.ProcessGroup | None) -> StreamGroups:
                 ranks=ranks, timeout=comm_timeout(), use_local_synchronization=True,
                 group_desc=f"charm_cp_{name}",
             )
+        if dist.get_backend(group) == "nccl":
+            # NCCL creates communicators lazily, and a batched P2P call as a communicator's
+            # first operation must involve every rank; one tiny all-reduce per stream group
+            # creates them up front, collectively.
+            import torch
+
+            probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+            for g in groups.values():
+                dist.all_reduce(probe, group=g)
     sg = StreamGroups(list(ranks), groups)
     _CACHE[key] = sg
     return sg
