@@ -137,3 +137,19 @@ def run_matrix(rank: int, world: int, cases: list[tuple]):
             errs["vs_ring"] = max(rel_err(g, w) for g, w in zip(got, ring_out[key]))
         results[(algo, topology, causal, dtype, hkv)] = errs
     return results
+
+
+def peer_goes_missing(rank: int, world: int):
+    """Rank 1 never joins; rank 0 must get an error within the timeout, not hang."""
+    import time
+
+    if rank == 1:
+        time.sleep(8)  # alive but absent: the worst case for a blocking wait
+        return None
+    x = torch.randn(4, 1, 2, 8)
+    t0 = time.monotonic()
+    try:
+        cp_attention(x, x, x, algo="ring")
+    except Exception as exc:  # noqa: BLE001 - any error is the right outcome here
+        return (type(exc).__name__, time.monotonic() - t0)
+    return ("no error", time.monotonic() - t0)

@@ -77,3 +77,11 @@ def test_no_process_group_is_a_clear_error():
     x = torch.randn(4, 1, 2, 8)
     with pytest.raises(RuntimeError, match="not initialised"):
         cp_attention(x, x, x)
+
+
+def test_missing_peer_gives_an_error_not_a_hang():
+    res = run_ranks(dist_cases.peer_goes_missing, 2, timeout_s=120,
+                    env={"CHARM_COMM_TIMEOUT_S": "3"})
+    name, seconds = res[0]
+    assert name != "no error"
+    assert seconds < 15
