@@ -18,7 +18,7 @@ from charm_megatron.topology import (
     resolve_topology,
 )
 from charm_megatron.topology.cli import _first_host, check_measurement, launcher_env
-from charm_megatron.topology.probe import cpu_numa_node
+from charm_megatron.topology.probing import cpu_numa_node
 
 # --------------------------------------------------------------------------- Topology value
 
@@ -54,12 +54,17 @@ def test_flat_prints_as_1xn_and_round_trips():
         ("0,2,4,6;1,3,5,7", [[0, 2, 4, 6], [1, 3, 5, 7]]),
         (" 0-1, 4-5 / 2-3 ,6-7 ", [[0, 1, 4, 5], [2, 3, 6, 7]]),
         ("4-7,0-3", [[0, 1, 2, 3], [4, 5, 6, 7]]),
-        ("0,1,2,3", [[0], [1], [2], [3]]),  # without '/', every comma item is a whole group
+        ("0/1/2/3", [[0], [1], [2], [3]]),
+        ("0-1,2,3-4", None),  # a single rank may be a whole group next to ranges... if sizes match
         ("2X2", [[0, 1], [2, 3]]),
         ("2×2", [[0, 1], [2, 3]]),
     ],
 )
 def test_parse_forms(text, groups):
+    if groups is None:
+        with pytest.raises(ValueError, match="same size"):
+            Topology.parse(text)
+        return
     assert Topology.parse(text) == Topology.from_groups(groups)
 
 
@@ -88,7 +93,8 @@ def test_immutable_and_hashable():
         ("1-4,5-8", "missing 0"),
         ("0-3/4-7/", "empty group"),
         ("a-b", "cannot read"),
-        ("0,2,4,6,1,3,5", "same size"),
+        ("0,2,4,6,1,3,5,7", "ambiguous"),
+        ("0,1,2,3", "'4x1' if you mean that"),
         ("3-1,4-6", "runs backwards"),
         ("2x0", ">= 1"),
         ("", "empty topology"),

@@ -1,0 +1,481 @@
+"""An emulated multi-node cluster on one Linux machine: network namespaces, veths, tc ``tbf``.
+
+Layout (addresses come from 10.213.0.0/24 and exist only inside namespaces created here, so two
+clusters alive at once may reuse them without conflict):
+
+``nic="node"`` - all ranks of a node share one cross-node link::
+
+    node namespace N_g (ranks g*M .. g*M+M-1 run here; own host name via a UTS namespace)
+      lo                  intra-node traffic (optional tbf = intra_rate)
+      eth0 10.213.0.(g+1) --veth--> p<g> in the bridge namespace (br0)
+                          tbf on eth0 = node egress, tbf on p<g> = node ingress
+
+``nic="rank"`` - every rank has its own cross-node link (one NIC per GPU)::
+
+    rank namespace R_r (one rank each; the node's host name)
+      eth0 10.213.0.(r+1) --veth--> p<r> in the bridge namespace (br0): cross-node link
+      loc0                --veth--> l<l> in node namespace N_g (br0): intra-node switch
+      routes: the addresses of the node's other ranks via loc0 (/32), everything else via eth0
+      tbf on eth0 / p<r> = cross rate each way, on loc0 / l<l> = intra rate each way
+
+Ranks join with ``GLOO_SOCKET_IFNAME=eth0`` in both models, so gloo advertises the ``eth0``
+address and the kernel's routing decides which link carries each connection.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from charm_megatron.emulate.netns import (
+    CLONE_NEWNET,
+    CLONE_NEWUTS,
+    PREFIX,
+    available,
+    cleanup_stale,
+    list_netns,
+    netns_path,
+    run_ip,
+    setns,
+    unshare,
+)
+from charm_megatron.emulate.rates import format_rate, parse_rate, parse_size
+
+__all__ = ["EmulatedCluster", "RankPlace", "RateReport", "enter"]
+
+NicModel = Literal["node", "rank"]
+_SUBNET = "10.213.0"
+_TBF_LATENCY = "100ms"
+_INTRA_MTU = 65535  # like lo: the intra-node path should not pay per-packet costs lo avoids
+_COUNTER = itertools.count()
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank lives in an :class:`EmulatedCluster` (picklable; pass it to children)."""
+
+    rank: int
+    group: int
+    local: int
+    netns: str
+    netns_path: str
+    ifname: str
+    address: str
+    hostname: str | None
+
+    def env(self) -> dict[str, str]:
+        """Environment for the rank's process (gloo must bind the emulated interface)."""
+        return {"GLOO_SOCKET_IFNAME": self.ifname}
+
+
+def enter(place: RankPlace) -> None:
+    """Move the calling process into ``place``: its network namespace, and a fresh UTS namespace
+    with the node's host name. Call it first thing in a fresh child, before torch.distributed
+    (or anything else) opens sockets or starts threads: namespaces are per thread."""
+    setns(place.netns_path, CLONE_NEWNET)
+    if place.hostname:
+        unshare(CLONE_NEWUTS)
+        socket.sethostname(place.hostname)
+    os.environ.update(place.env())
+
+
+@dataclass(frozen=True)
+class RateReport:
+    """Rates measured by :meth:`EmulatedCluster.measure_rates` (bytes per second)."""
+
+    intra: float | None
+    cross: float | None
+    cross_concurrent: float | None
+    configured_intra: float | None
+    configured_cross: float
+    nic: str
+    ranks_per_group: int
+
+    def __str__(self) -> str:
+        def show(v: float | None) -> str:
+            return "n/a" if v is None else format_rate(v)
+
+        lines = [
+            f"cross-node, one pair:   {show(self.cross)}  (configured {format_rate(self.configured_cross)}"
+            f" per {'node' if self.nic == 'node' else 'rank'} link)",
+            f"intra-node, one pair:   {show(self.intra)}  (configured "
+            f"{'unlimited' if self.configured_intra is None else format_rate(self.configured_intra)})",
+        ]
+        if self.cross_concurrent is not None:
+            lines.append(
+                f"cross-node, {self.ranks_per_group} pairs at once: {show(self.cross_concurrent)} in total"
+            )
+        return "\n".join(lines)
+
+
+class EmulatedCluster:
+    """``groups`` emulated nodes of ``ranks_per_group`` ranks joined by links of ``cross_rate``.
+
+    A context manager: ``__enter__`` builds the namespaces, ``__exit__`` (and atexit, SIGTERM and
+    SIGHUP in the creating process) removes them. Needs root and iproute2: check
+    :func:`available` first and fall back to :class:`LinkModel` when it says no.
+
+    ``cross_rate`` / ``intra_rate``: tc rates (``"1gbit"``, ``"200mbit"``, ``"1.5GB/s"``) or bytes
+    per second; ``intra_rate=None`` leaves intra-node traffic unshaped. ``nic``: ``"node"`` (the
+    ranks of a node share one link) or ``"rank"`` (one link per rank). ``hostnames``: ``True`` for
+    ``node0``, ``node1``, ...; a list of names; or ``False`` to keep the machine's host name.
+    """
+
+    def __init__(
+        self,
+        groups: int = 2,
+        ranks_per_group: int = 4,
+        cross_rate: str | float = "1gbit",
+        intra_rate: str | float | None = None,
+        nic: NicModel = "node",
+        hostnames: bool | Sequence[str] = True,
+        *,
+        cross_burst: str | int | None = None,
+        intra_burst: str | int | None = None,
+    ) -> None:
+        if groups < 1 or ranks_per_group < 1:
+            raise ValueError(f"need groups >= 1 and ranks_per_group >= 1, got {groups}, {ranks_per_group}")
+        if groups * ranks_per_group > 250:
+            raise ValueError("at most 250 ranks (one /24 of addresses)")
+        if nic not in ("node", "rank"):
+            raise ValueError(f"nic must be 'node' or 'rank', got {nic!r}")
+        self.groups = groups
+        self.ranks_per_group = ranks_per_group
+        self.nic: str = nic
+        self.cross_rate = parse_rate(cross_rate)
+        self.intra_rate = None if intra_rate is None else parse_rate(intra_rate)
+        # tbf needs burst >= rate/HZ to reach its rate; 512 KiB is what CPU-TESTBED measured at
+        # 1 Gbit (94-98 % of the rate); intra-node needs >= 4 MiB to stay steady.
+        self.cross_burst = parse_size(cross_burst) if cross_burst is not None else max(
+            512 * 1024, int(self.cross_rate / 250))
+        self.intra_burst = parse_size(intra_burst) if intra_burst is not None else max(
+            4 * 1024 * 1024, int((self.intra_rate or 0) / 250))
+        if hostnames is True:
+            self.hostnames: list[str] | None = [f"node{g}" for g in range(groups)]
+        elif hostnames is False or hostnames is None:
+            self.hostnames = None
+        else:
+            self.hostnames = [str(h) for h in hostnames]
+            if len(self.hostnames) != groups:
+                raise ValueError(f"hostnames needs {groups} names, got {len(self.hostnames)}")
+        self._owner = os.getpid()
+        self.name = f"{PREFIX}{self._owner}-{next(_COUNTER)}"
+        self._created: list[str] = []
+        self._lock = threading.Lock()
+        self.places: tuple[RankPlace, ...] = tuple(self._plan_places())
+
+    # ----------------------------------------------------------------- layout
+    @property
+    def world_size(self) -> int:
+        return self.groups * self.ranks_per_group
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.name}-br"
+
+    def node_ns(self, g: int) -> str:
+        return f"{self.name}-n{g}"
+
+    def _rank_ns(self, r: int) -> str:
+        return f"{self.name}-r{r}"
+
+    def _plan_places(self) -> list[RankPlace]:
+        out = []
+        for r in range(self.world_size):
+            g, li = divmod(r, self.ranks_per_group)
+            ns = self.node_ns(g) if self.nic == "node" else self._rank_ns(r)
+            addr = f"{_SUBNET}.{(g if self.nic == 'node' else r) + 1}"
+            out.append(RankPlace(r, g, li, ns, netns_path(ns), "eth0", addr,
+                                 self.hostnames[g] if self.hostnames else None))
+        return out
+
+    def place(self, rank: int) -> RankPlace:
+        return self.places[rank]
+
+    @property
+    def master_addr(self) -> str:
+        """Address of rank 0, reachable from every rank (for env:// / TCPStore rendezvous)."""
+        return self.places[0].address
+
+    def env(self, rank: int) -> dict[str, str]:
+        """Environment for ``rank``'s process."""
+        return self.places[rank].env()
+
+    def enter(self, rank: int) -> None:
+        """Move the calling process into ``rank``'s place (see :func:`enter`)."""
+        enter(self.places[rank])
+
+    def command(self, rank: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped to run as ``rank`` in a subprocess (namespace + host name + env)."""
+        p = self.places[rank]
+        cmd = [sys.executable, "-m", "charm_megatron.emulate", "exec", "--netns", p.netns]
+        if p.hostname:
+            cmd += ["--hostname", p.hostname]
+        cmd += ["--env", f"GLOO_SOCKET_IFNAME={p.ifname}", "--", *argv]
+        return cmd
+
+    def describe(self) -> str:
+        lines = [f"emulated cluster {self.name}: {self.groups} nodes x {self.ranks_per_group} ranks, "
+                 f"nic={self.nic}, cross {format_rate(self.cross_rate)}, intra "
+                 f"{'unlimited' if self.intra_rate is None else format_rate(self.intra_rate)}"]
+        for p in self.places:
+            lines.append(f"  rank {p.rank}: node {p.group} ({p.hostname or 'host name unchanged'}) "
+                         f"netns {p.netns} {p.ifname} {p.address}")
+        return "\n".join(lines)
+
+    # ----------------------------------------------------------------- life cycle
+    def __enter__(self) -> EmulatedCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Create the namespaces, links and qdiscs. Raises RuntimeError if not :func:`available`."""
+        ok, why = available()
+        if not ok:
+            raise RuntimeError(f"cannot emulate a cluster here: {why}")
+        cleanup_stale()
+        _register(self)
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Delete every namespace of this cluster (idempotent; only in the creating process).
+
+        Processes still inside a namespace keep it alive after this: stop the ranks first.
+        """
+        if os.getpid() != self._owner:
+            return  # a forked child must not tear down its parent's cluster
+        with self._lock:
+            names, self._created = self._created, []
+        if names:
+            run_ip(["-force", "-batch", "-"], check=False,
+                   input_text="".join(f"netns del {n}\n" for n in reversed(names)))
+            left = set(names) & set(list_netns())
+            for n in left:  # one retry each; -force batch mode may stop at a busy mount
+                run_ip(["netns", "del", n], check=False)
+        _unregister(self)
+
+    def _add_netns(self, names: list[str]) -> None:
+        with self._lock:
+            self._created.extend(names)  # recorded first: a failure half-way still cleans up
+        run_ip(["-batch", "-"], input_text="".join(f"netns add {n}\n" for n in names))
+
+    def _build(self) -> None:
+        G, M = self.groups, self.ranks_per_group
+        br = self.bridge_ns
+        nodes = [self.node_ns(g) for g in range(G)]
+        ranks = [self._rank_ns(r) for r in range(G * M)] if self.nic == "rank" else []
+        self._add_netns([br, *nodes, *ranks])
+        cross = self._tbf(self.cross_rate, self.cross_burst)
+        intra = self._tbf(self.intra_rate, self.intra_burst) if self.intra_rate else None
+        ip: dict[str, list[str]] = {n: [] for n in (br, *nodes, *ranks)}
+        tc: dict[str, list[str]] = {n: [] for n in (br, *nodes, *ranks)}
+        ip[br] += ["link set lo up", "link add br0 type bridge", "link set br0 up"]
+        if self.nic == "node":
+            for g, ns in enumerate(nodes):
+                ip[br] += [f"link add p{g} type veth peer name eth0 netns {ns}",
+                           f"link set p{g} master br0", f"link set p{g} up"]
+                ip[ns] += ["link set lo up", f"addr add {_SUBNET}.{g + 1}/24 dev eth0",
+                           "link set eth0 up"]
+                tc[ns].append(f"qdisc add dev eth0 root {cross}")
+                tc[br].append(f"qdisc add dev p{g} root {cross}")
+                if intra:
+                    tc[ns].append(f"qdisc add dev lo root {intra}")
+        else:
+            for ns in nodes:
+                ip[ns] += ["link set lo up", "link add br0 type bridge",
+                           f"link set br0 mtu {_INTRA_MTU}", "link set br0 up"]
+            for r, rns in enumerate(ranks):
+                g, li = divmod(r, M)
+                ns = nodes[g]
+                ip[br] += [f"link add p{r} type veth peer name eth0 netns {rns}",
+                           f"link set p{r} master br0", f"link set p{r} up"]
+                ip[ns] += [f"link add l{li} mtu {_INTRA_MTU} type veth peer name loc0 mtu {_INTRA_MTU} netns {rns}",
+                           f"link set l{li} master br0", f"link set l{li} up"]
+                ip[rns] += ["link set lo up", f"addr add {_SUBNET}.{r + 1}/24 dev eth0",
+                            "link set eth0 up", "link set loc0 up"]
+                # Same-node peers via the node switch; the /32s beat eth0's /24 route.
+                ip[rns] += [f"route add {_SUBNET}.{g * M + k + 1}/32 dev loc0"
+                            for k in range(M) if k != li]
+                tc[rns].append(f"qdisc add dev eth0 root {cross}")
+                tc[br].append(f"qdisc add dev p{r} root {cross}")
+                if intra:
+                    tc[rns].append(f"qdisc add dev loc0 root {intra}")
+                    tc[ns].append(f"qdisc add dev l{li} root {intra}")
+        # Order matters: veths are created from the bridge / node side before the peers'
+        # namespaces configure them.
+        for ns in (br, *nodes, *ranks):
+            if ip[ns]:
+                run_ip(["-n", ns, "-batch", "-"], input_text="\n".join(ip[ns]) + "\n")
+        for ns in (br, *nodes, *ranks):
+            if tc[ns]:
+                run_ip(["-n", ns, "-batch", "-"], tool="tc", input_text="\n".join(tc[ns]) + "\n")
+
+    @staticmethod
+    def _tbf(rate: float, burst: int) -> str:
+        return f"tbf rate {int(rate * 8)}bit burst {burst} latency {_TBF_LATENCY}"
+
+    # ----------------------------------------------------------------- measurement
+    def measure_rates(self, seconds: float = 0.3, concurrent: bool = False) -> RateReport:
+        """Measure intra- and cross-node TCP rates with plain sockets (no torch).
+
+        One pair each: rank 0 -> rank 1 (intra) and rank 0 -> rank M (cross); with ``concurrent``
+        also all M counterpart pairs (node 0 -> node 1) at once, which shows the NIC model
+        (``node``: they share one link; ``rank``: each has its own). Rates are receiver-side
+        bytes over the time from first to last byte; ``seconds`` per transfer.
+        """
+        if not self._created:
+            raise RuntimeError("the cluster is not running (use it as a context manager)")
+        M = self.ranks_per_group
+        intra = _transfer(self.places, [(0, 1)], seconds)[0] if M >= 2 else None
+        cross = _transfer(self.places, [(0, M)], seconds)[0] if self.groups >= 2 else None
+        conc = None
+        if concurrent and self.groups >= 2:
+            conc = sum(_transfer(self.places, [(k, M + k) for k in range(M)], seconds))
+        return RateReport(intra, cross, conc, self.intra_rate, self.cross_rate, self.nic, M)
+
+
+# --------------------------------------------------------------------------- socket transfers
+def _in_netns(place: RankPlace, fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on a helper thread that entered ``place``'s network namespace."""
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            setns(place.netns_path, CLONE_NEWNET)
+            out["v"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            out["e"] = exc
+
+    t = threading.Thread(target=body, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    if "e" in out:
+        raise out["e"]
+    if t.is_alive():
+        raise TimeoutError(f"creating a socket in {place.netns} timed out")
+    return out["v"]
+
+
+def _transfer(places: Sequence[RankPlace], pairs: list[tuple[int, int]], seconds: float) -> list[float]:
+    """Stream bytes for ``seconds`` over each (src, dst) pair at once; receiver-side rates."""
+    chunk = bytes(1 << 20)
+    listeners, clients = [], []
+    for _src, dst in pairs:
+        def listen(d: int = dst) -> socket.socket:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((places[d].address, 0))
+            s.listen(1)
+            return s
+        listeners.append(_in_netns(places[dst], listen))
+    for src, _dst in pairs:
+        # A socket belongs to the namespace it was created in, whichever thread uses it later.
+        clients.append(_in_netns(places[src], lambda: socket.socket(socket.AF_INET, socket.SOCK_STREAM)))
+    results: list[float] = [0.0] * len(pairs)
+    errors: list[BaseException] = []
+
+    def receive(i: int, lst: socket.socket) -> None:
+        try:
+            lst.settimeout(10)
+            conn, _ = lst.accept()
+            conn.settimeout(10)
+            buf = bytearray(1 << 20)
+            total, first, last = 0, None, None
+            with conn:
+                while True:
+                    n = conn.recv_into(buf)
+                    if n == 0:
+                        break
+                    now = time.perf_counter()
+                    if first is None:
+                        first = now
+                        n = 0  # the first read starts the clock; count what follows
+                    total += n
+                    last = now
+            results[i] = total / (last - first) if first is not None and last and last > first else 0.0
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def send(i: int, cli: socket.socket) -> None:
+        try:
+            cli.settimeout(10)
+            cli.connect(listeners[i].getsockname())
+            end = time.perf_counter() + seconds
+            with cli:
+                while time.perf_counter() < end:
+                    cli.sendall(chunk)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=receive, args=(i, lst), daemon=True) for i, lst in enumerate(listeners)]
+    threads += [threading.Thread(target=send, args=(i, c), daemon=True) for i, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=seconds + 30)
+    for s in listeners:
+        s.close()
+    if errors:
+        raise RuntimeError(f"rate measurement failed: {errors[0]!r}") from errors[0]
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError("rate measurement did not finish")
+    return results
+
+
+# --------------------------------------------------------------------------- clean-up hooks
+_LIVE: dict[int, EmulatedCluster] = {}
+_HOOKED = False
+_PREV: dict[int, Any] = {}
+
+
+def _cleanup_all() -> None:
+    for c in list(_LIVE.values()):
+        try:
+            c.close()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    _cleanup_all()
+    prev = _PREV.get(signum, signal.SIG_DFL)
+    signal.signal(signum, prev)
+    if callable(prev):
+        prev(signum, frame)
+    else:
+        os.kill(os.getpid(), signum)  # default action: die by the same signal
+
+
+def _register(c: EmulatedCluster) -> None:
+    global _HOOKED
+    _LIVE[id(c)] = c
+    if _HOOKED:
+        return
+    _HOOKED = True
+    atexit.register(_cleanup_all)
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            prev = signal.getsignal(sig)
+            if prev is signal.SIG_IGN or prev is None:
+                continue  # the process chose to survive this signal: keep it that way
+            _PREV[sig] = prev
+            signal.signal(sig, _on_signal)
+
+
+def _unregister(c: EmulatedCluster) -> None:
+    _LIVE.pop(id(c), None)
