@@ -1,0 +1,167 @@
+"""``use_charm``: put CHARM+ into the core-attention slot of a megatron-core layer or block spec.
+
+megatron-core chooses modules through specs: a layer spec is a ``ModuleSpec(TransformerLayer)``
+whose ``submodules.self_attention`` is a ``ModuleSpec(SelfAttention)`` whose
+``submodules.core_attention`` is the class that computes ``softmax(q k^T) v``
+(``DotProductAttention`` in the local spec, ``TEDotProductAttention`` in the Transformer Engine
+spec). Block specs (``TransformerBlockSubmodules``, used for MoE and heterogeneous models) and
+multi-token-prediction specs hold lists of such layer specs. :func:`use_charm` walks any of
+these and swaps that one slot, so every other module (linear layers, norms, MLP/MoE, the
+TE/local choice) stays exactly what the caller built.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, TypeVar
+
+from megatron.core.transformer.attention import CrossAttention, SelfAttention
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+
+from charm_megatron.megatron.attention import CharmDotProductAttention
+
+SpecT = TypeVar("SpecT")
+
+__all__ = ["use_charm", "count_charm_attention"]
+
+
+def use_charm(spec: SpecT) -> SpecT:
+    """A copy of ``spec`` with every self-attention core attention replaced by CHARM+.
+
+    ``spec`` may be a layer spec (``ModuleSpec`` of ``TransformerLayer``, e.g. from
+    ``get_gpt_layer_local_spec`` / ``get_gpt_layer_with_transformer_engine_spec``), a block spec
+    (``TransformerBlockSubmodules``, e.g. from ``get_gpt_decoder_block_spec``), an MTP block spec,
+    a bare ``ModuleSpec(SelfAttention)``, or any dataclass / list nesting of these.
+
+    * The input is never modified; the result is a new object of the same type. Every
+      container (``ModuleSpec``, submodule dataclasses, lists, tuples, dicts) is copied, with
+      sharing preserved (a block spec that reuses one layer spec for many layers still does);
+      leaves (module classes, functions, other objects) are shared, as ``copy.deepcopy`` does
+      for classes - unlike ``deepcopy`` this also works for leaves that cannot be copied
+      (e.g. Transformer Engine placeholders when TE is absent).
+    * Idempotent: a core attention that already is :class:`CharmDotProductAttention` (or a
+      subclass of it) is left as it is, so ``use_charm(use_charm(s))`` equals ``use_charm(s)``.
+    * Cross-attention (``CrossAttention``) is left alone: CHARM+ is for causal self-attention
+      over a context-parallel-split sequence.
+    * Multi-latent attention (``MLASelfAttention``) raises ``ValueError``: its query/key and
+      value head dimensions differ, which the CHARM+ operator does not support.
+    """
+    result = _copy_structure(spec, memo={})
+    _rewrite(result, seen=set())
+    return result
+
+
+def count_charm_attention(spec: Any) -> int:
+    """How many self-attention slots of ``spec`` hold :class:`CharmDotProductAttention`.
+
+    Distinct spec objects are counted once (a block spec reuses one layer spec object for many
+    layers), so this is a check ("does this spec carry CHARM+?"), not a layer count.
+    """
+    found: list[Any] = []
+
+    def record(submodules: Any) -> None:
+        if _is_charm(submodules.core_attention):
+            found.append(submodules)
+
+    _visit(spec, seen=set(), on_self_attention=record)
+    return len(found)
+
+
+def _copy_structure(obj: Any, memo: dict[int, Any]) -> Any:
+    """Copy the containers of a spec tree (see :func:`use_charm`); ``memo`` keeps aliasing."""
+    if id(obj) in memo:
+        return memo[id(obj)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        new = copy.copy(obj)
+        memo[id(obj)] = new
+        for f in dataclasses.fields(obj):
+            # object.__setattr__ also works for frozen dataclasses, and skips __post_init__.
+            object.__setattr__(new, f.name, _copy_structure(getattr(obj, f.name), memo))
+        return new
+    if isinstance(obj, list):
+        new_list: list[Any] = []
+        memo[id(obj)] = new_list
+        new_list.extend(_copy_structure(x, memo) for x in obj)
+        return new_list
+    if isinstance(obj, dict):
+        new_dict: dict[Any, Any] = {}
+        memo[id(obj)] = new_dict
+        new_dict.update((k, _copy_structure(v, memo)) for k, v in obj.items())
+        return new_dict
+    if type(obj) is tuple:
+        new_tuple = tuple(_copy_structure(x, memo) for x in obj)
+        memo[id(obj)] = new_tuple
+        return new_tuple
+    return obj  # a leaf: class, function, enum, string, placeholder ...
+
+
+def _rewrite(obj: Any, seen: set[int]) -> None:
+    def replace(submodules: Any) -> None:
+        if not _is_charm(submodules.core_attention):
+            submodules.core_attention = CharmDotProductAttention
+
+    _visit(obj, seen, on_self_attention=replace)
+
+
+def _visit(obj: Any, seen: set[int], on_self_attention: Any) -> None:
+    """Depth-first walk over specs, dataclasses, lists, tuples and dicts.
+
+    ``seen`` guards against visiting a shared object twice (block specs alias one layer spec
+    across layers; deepcopy preserves that aliasing).
+    """
+    is_container = isinstance(obj, (ModuleSpec, list, tuple, dict)) or (
+        dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+    )
+    if not is_container:
+        return  # leaves: classes, functions, None, strings, placeholders
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+
+    if isinstance(obj, ModuleSpec):
+        module = _resolve(obj.module)
+        if isinstance(module, type) and issubclass(module, MultiLatentAttention):
+            raise ValueError(
+                "use_charm: multi-latent attention (--multi-latent-attention, "
+                f"{module.__name__}) is not supported by CHARM+: its query/key and value head "
+                "dimensions differ; use a standard SelfAttention spec"
+            )
+        if isinstance(module, type) and issubclass(module, CrossAttention):
+            return  # cross-attention keeps its own core attention
+        if isinstance(module, type) and issubclass(module, SelfAttention):
+            sub = obj.submodules
+            if sub is None or not hasattr(sub, "core_attention"):
+                raise ValueError(
+                    f"use_charm: the SelfAttention spec {obj!r} has no submodules.core_attention"
+                )
+            on_self_attention(sub)
+        _visit(obj.submodules, seen, on_self_attention)
+        _visit(obj.params, seen, on_self_attention)
+        return
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _visit(getattr(obj, f.name), seen, on_self_attention)
+        return
+    if isinstance(obj, (list, tuple)):
+        for item in obj:
+            _visit(item, seen, on_self_attention)
+        return
+    if isinstance(obj, dict):
+        for item in obj.values():
+            _visit(item, seen, on_self_attention)
+
+
+def _resolve(module: Any) -> Any:
+    """The class a ``ModuleSpec.module`` names (it may be a ``(module_path, name)`` tuple)."""
+    if isinstance(module, tuple):
+        return import_module(module)
+    return module
+
+
+def _is_charm(core_attention: Any) -> bool:
+    target = core_attention.module if isinstance(core_attention, ModuleSpec) else core_attention
+    target = _resolve(target)
+    return isinstance(target, type) and issubclass(target, CharmDotProductAttention)

@@ -1,0 +1,224 @@
+"""``CharmDotProductAttention`` as a module: construction checks, loud errors, the start-up log
+line, CP size 1, and ``auto``. One 2-rank gloo job gathers every check; the parent asserts."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+
+import pytest
+import torch
+
+from charm_megatron.testing import run_ranks
+
+pytest.importorskip("megatron.core")
+
+from test_megatron_model import (  # noqa: E402
+    SEQ,
+    _config,
+    _cpu_megatron,
+    _init_parallel,
+    _losses,
+    _model,
+)
+
+
+def _outcome(fn) -> tuple[str, str]:
+    """("ok", "") or (exception type name, message) of calling ``fn``."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the test inspects whatever was raised
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+def _rank_checks(rank: int, world: int) -> dict:
+    _cpu_megatron()
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from charm_megatron.megatron import CharmDotProductAttention, set_topology
+
+    out: dict = {}
+    singles = [dist.new_group([r]) for r in range(world)]  # every rank, same order
+
+    # ---- CP=2: the start-up line, then construction errors.
+    _init_parallel(1, 2)
+    pgs = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp", "cp"])
+    config = _config(1, 2, 2)
+
+    def build(cfg=config, **kw):
+        args = dict(config=cfg, layer_number=1, attn_mask_type=AttnMaskType.causal,
+                    attention_type="self", cp_comm_type="charm", softmax_scale=None,
+                    pg_collection=pgs)
+        args.update(kw)
+        return CharmDotProductAttention(**args)
+
+    set_topology("2x1")
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        build(layer_number=1), build(layer_number=2)  # two layers, one line
+    out["log"] = text.getvalue()
+
+    def with_config(**changes):
+        cfg = _config(1, 2, 2)
+        for k, v in changes.items():
+            object.__setattr__(cfg, k, v)  # skip TransformerConfig's own validation
+        return cfg
+
+    out["p2p"] = _outcome(lambda: build(cp_comm_type="p2p"))
+    out["bogus"] = _outcome(lambda: build(cp_comm_type="bogus"))
+    out["none_is_charm"] = build(cp_comm_type=None).algo
+    out["window"] = _outcome(lambda: build(with_config(window_size=(16, 0))))
+    out["softmax_type"] = _outcome(lambda: build(with_config(softmax_type="off-by-one")))
+    out["fp8"] = _outcome(lambda: build(with_config(fp8_dot_product_attention=True)))
+    out["qk_clip"] = _outcome(lambda: build(with_config(qk_clip=True)))
+    out["cuda_graph"] = _outcome(lambda: build(with_config(cuda_graph_impl="local")))
+    out["cuda_graph_mlp"] = _outcome(
+        lambda: build(with_config(cuda_graph_impl="transformer_engine", cuda_graph_scope=["mlp"]))
+    )
+    out["padding"] = _outcome(lambda: build(attn_mask_type=AttnMaskType.padding))
+    out["cross"] = _outcome(lambda: build(attention_type="cross"))
+    out["te_kwarg"] = _outcome(lambda: build(k_channels=16))
+    out["group_size"] = _outcome(
+        lambda: build(pg_collection=ProcessGroupCollection(tp=pgs.tp, cp=singles[rank]))
+    )
+    set_topology("2x2")
+    out["topology_size"] = _outcome(build)
+    # Precedence: set_topology (--charm-topology) > CHARM_TOPOLOGY > probe; ring/rmplus: flat.
+    os.environ["CHARM_TOPOLOGY"] = "2x1"
+    set_topology(None)
+    out["env_topology"] = str(build().topology), str(build(cp_comm_type="rmplus").topology)
+    set_topology("1x2")
+    out["set_beats_env"] = str(build().topology)
+    del os.environ["CHARM_TOPOLOGY"]
+    set_topology(None)
+
+    # ---- forward-time errors (and what works).
+    set_topology("flat")
+    torch.manual_seed(0)
+    q = torch.randn(SEQ // 2, 2, 4, 16)
+    k = torch.randn(SEQ // 2, 2, 2, 16)
+    v = torch.randn(SEQ // 2, 2, 2, 16)
+    attn = build()
+    out["packed"] = _outcome(lambda: attn(q, k, v, None, packed_seq_params=PackedSeqParams()))
+    out["bias"] = _outcome(lambda: attn(q, k, v, None, attention_bias=torch.zeros(1)))
+    out["kv_cache"] = _outcome(lambda: attn(q[:1], k, v, None))
+    dropout = build(attention_dropout=0.1)
+    out["dropout_train"] = _outcome(lambda: dropout(q, k, v, None))
+    dropout.eval()
+    out["dropout_eval"] = _outcome(lambda: dropout(q, k, v, None))
+    ring = build(cp_comm_type="ring")(q, k, v, None)
+    out["shape"] = tuple(ring.shape)
+    out["auto_build"] = _outcome(lambda: build(cp_comm_type="auto"))
+    if out["auto_build"][0] == "ok":
+        out["auto_err"] = (build(cp_comm_type="auto")(q, k, v, None) - ring).abs().max().item()
+    # Query-key layer scaling does not change the attention (Megatron's own identity).
+    scaled = build(with_config(apply_query_key_layer_scaling=True), layer_number=3)
+    out["qk_scaling_err"] = (scaled(q, k, v, None) - ring).abs().max().item()
+
+    # ---- no CP group at all, CP size 2.
+    ps.destroy_model_parallel()
+    out["no_group"] = _outcome(
+        lambda: build(pg_collection=ProcessGroupCollection(tp=singles[rank]))
+    )
+
+    # ---- a whole GPTModel with an unknown comm type fails at build, on every rank.
+    _init_parallel(1, 2)
+    out["model_p2p"] = _outcome(lambda: _model(_config(1, 2, 2, cp_comm_type="p2p"), charm=True))
+
+    # ---- CP size 1 (DP=2 here): CHARM+ is local attention, equal to Megatron's own.
+    _init_parallel(1, 1)
+    stock = _model(_config(1, 1, 2), charm=False)
+    charm = _model(_config(1, 1, 2), charm=True)
+    charm.load_state_dict(stock.state_dict())
+    out["cp1_err"] = (
+        (_losses(charm, 0, reference=False) - _losses(stock, 0, reference=True)).abs().max().item()
+    )
+    out["cp1_algo"] = charm.decoder.layers[0].self_attention.core_attention.algo
+    ps.destroy_model_parallel()
+    set_topology(None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_ranks(_rank_checks, 2, timeout_s=180)
+
+
+def _err(results, key: str, kind: str, *phrases: str) -> None:
+    for rank, res in enumerate(results):
+        got_kind, msg = res[key]
+        assert got_kind == kind, (rank, key, res[key])
+        for p in phrases:
+            assert p in msg, (rank, key, p, msg)
+
+
+def test_startup_line_once_on_rank0(results):
+    assert results[0]["log"] == (
+        "charm-megatron: cp_comm_type=charm cp_size=2 topology=2x1 groups=[[0],[1]] cp_ranks=0,1\n"
+    )
+    assert results[1]["log"] == ""
+
+
+def test_comm_types(results):
+    _err(results, "p2p", "ValueError", "unknown cp_comm_type 'p2p'", "charm, rmplus, ring, auto")
+    _err(results, "bogus", "ValueError", "unknown cp_comm_type 'bogus'")
+    _err(results, "model_p2p", "ValueError", "unknown cp_comm_type 'p2p'")
+    assert all(r["none_is_charm"] == "charm" for r in results)
+
+
+def test_misconfigured_groups_and_topology(results):
+    _err(results, "no_group", "RuntimeError", "context_parallel_size=2",
+         "needs a context-parallel process group")
+    _err(results, "group_size", "RuntimeError", "CP process group has 1 ranks",
+         "context_parallel_size is 2")
+    _err(results, "topology_size", "ValueError", "2x2", "has 4 ranks but the CP group has 2")
+    for res in results:
+        assert res["env_topology"] == ("2x1", "1x2")  # charm reads CHARM_TOPOLOGY; rmplus flat
+        assert res["set_beats_env"] == "1x2"
+
+
+def test_unsupported_options_name_the_option(results):
+    _err(results, "window", "NotImplementedError", "--window-size")
+    _err(results, "softmax_type", "NotImplementedError", "--softmax-type")
+    _err(results, "fp8", "NotImplementedError", "--fp8-dot-product-attention")
+    _err(results, "qk_clip", "NotImplementedError", "--qk-clip")
+    _err(results, "cuda_graph", "NotImplementedError", "--cuda-graph-impl", "whole layer")
+    assert all(r["cuda_graph_mlp"] == ("ok", "") for r in results)
+    _err(results, "padding", "NotImplementedError", "attn_mask_type=padding")
+    _err(results, "cross", "NotImplementedError", "attention_type='cross'")
+    _err(results, "te_kwarg", "NotImplementedError", "k_channels")
+    _err(results, "packed", "NotImplementedError", "packed_seq_params")
+    _err(results, "bias", "NotImplementedError", "attention_bias")
+    _err(results, "kv_cache", "NotImplementedError", "KV cache")
+    _err(results, "dropout_train", "NotImplementedError", "--attention-dropout")
+    assert all(r["dropout_eval"] == ("ok", "") for r in results)
+
+
+def test_forward_shape_and_qk_layer_scaling(results):
+    for res in results:
+        assert res["shape"] == (SEQ // 2, 2, 64)
+        assert res["qk_scaling_err"] < 1e-6
+
+
+def test_auto_follows_the_operator(results):
+    """``auto`` runs when cp_attention accepts it (same result as ring), else fails at build."""
+    from charm_megatron.ops.attention import ALGOS
+
+    for res in results:
+        if "auto" in ALGOS:
+            assert res["auto_build"] == ("ok", "") and res["auto_err"] < 1e-6
+        else:
+            kind, msg = res["auto_build"]
+            assert kind == "NotImplementedError" and "cp_comm_type='auto'" in msg, msg
+
+
+def test_cp_size_1_is_local_attention(results):
+    for res in results:
+        assert res["cp1_algo"] == "charm"
+        assert res["cp1_err"] < 1e-5
