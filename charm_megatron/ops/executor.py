@@ -22,6 +22,8 @@ dkv        ``[s, 2, b, hkv, d]``                           fp32
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +33,24 @@ from charm_megatron.kernels.base import AttentionBackend
 from charm_megatron.ops.merge import merge_into
 from charm_megatron.ops.streams import StreamGroups, comm_timeout
 from charm_megatron.plan.core import Comm, Half, Merge, Op, Reset, Tile, TileBwd, Wait
+
+_ENABLED = {"comm": True, "compute": True}
+
+
+@contextlib.contextmanager
+def ablate(comm: bool = True, compute: bool = True) -> Iterator[None]:
+    """Run plans with communication or computation switched off (for measuring a plan's
+    compute-only and communication-only time, e.g. the CCR of the benchmark).
+
+    Results computed under ablation are meaningless; shapes and message sizes are unchanged.
+    Every rank of a CP group must use the same setting.
+    """
+    saved = dict(_ENABLED)
+    _ENABLED.update(comm=comm, compute=compute)
+    try:
+        yield
+    finally:
+        _ENABLED.update(saved)
 
 
 @dataclass
@@ -159,6 +179,8 @@ class Executor:
             buf.tensors[1].fill_(float("-inf"))
 
     def _tile(self, op: Tile) -> None:
+        if not _ENABLED["compute"]:
+            return
         s = op.spec
         (q,) = self._view(op.q_loc, s.q_half)
         (kv,) = self._view(op.kv_loc, s.kv_half)
@@ -167,6 +189,8 @@ class Executor:
         merge_into(acc_o, acc_l, out, lse.permute(2, 0, 1), _rows(s.q_half, self.shape.s))
 
     def _tile_bwd(self, op: TileBwd) -> None:
+        if not _ENABLED["compute"]:
+            return
         s = op.spec
         pack, lse = self._view(op.q_loc, s.q_half)
         (kv,) = self._view(op.kv_loc, s.kv_half)
@@ -213,6 +237,8 @@ class Executor:
             n = s if x.half is Half.FULL else s // 2
             for t in buf.tensors:
                 p2p.append(dist.P2POp(dist.irecv, t[:n], ranks[x.peer], group))
+        if not _ENABLED["comm"]:
+            p2p = []  # receive buffers keep whatever they held; only timing is meaningful
         works = dist.batch_isend_irecv(p2p) if p2p else []
         self.pending[op.handle] = (works, keep)
 
