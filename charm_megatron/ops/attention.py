@@ -160,7 +160,11 @@ class _CPAttention(torch.autograd.Function):
         _, bwd = _plans(algo, groups, causal)
         rank = dist.get_rank(group)
         ex = _make_executor(group, q, k, scale)
-        ex.set_own("own.qgrad", torch.stack([q, out, dout.to(q.dtype)], dim=1), lse_sbh)
+        dout = dout.to(q.dtype)
+        # delta = rowsum(dout * out) is all the tiles' backward needs of the output (see
+        # executor._out_with_delta), so the q-side bundle carries it instead of out.
+        delta = (dout.float() * out.float()).sum(-1)
+        ex.set_own("own.qgrad", torch.stack([q, dout], dim=1), torch.stack([lse_sbh, delta], -1))
         ex.set_own("own.kv", torch.stack([k, v], dim=1))
         ex.run(bwd.ops[rank])
         (dq,) = ex.result(Plan.DQ)

@@ -7,8 +7,8 @@ symbolically, and the performance model replays with costs.
 Vocabulary
 ----------
 * A *block* is one rank's shard of one kind of tensor. Forward kinds: ``q``, ``kv`` (K and V
-  packed), ``out`` (a partial output with its log-sum-exp). Backward kinds: ``qgrad`` (q, the
-  final out, dout and lse of a rank's rows), ``kv``, ``dq``, ``dkv`` (fp32 gradient partials).
+  packed), ``out`` (a partial output with its log-sum-exp). Backward kinds: ``qgrad`` (q and dout of a
+  rank's rows, with the final lse and ``delta = rowsum(dout * out)``), ``kv``, ``dq``, ``dkv`` (fp32 gradient partials).
 * ``Half`` says which rows of a block a message or a tile uses: under Megatron's causal
   load-balanced layout most tiles need only the first or second half of a block.
 * A *location* is a named buffer on a rank: ``own.*`` (the rank's own inputs), ``acc.*``

@@ -27,7 +27,7 @@ class Problem:
             "q": self.b * self.hq * self.d * e,
             "kv": 2 * self.b * self.hkv * self.d * e,
             "out": self.b * self.hq * (self.d * e + 4),  # partial out + fp32 lse
-            "qgrad": self.b * self.hq * (3 * self.d * e + 4),  # q, out, dout + lse
+            "qgrad": self.b * self.hq * (2 * self.d * e + 8),  # q, dout + lse, delta
             "dq": self.b * self.hq * self.d * 4,
             "dkv": 2 * self.b * self.hkv * self.d * 4,
         }[kind]
