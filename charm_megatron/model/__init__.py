@@ -1,0 +1,53 @@
+"""Performance model: replay the real plans on a described cluster and predict time.
+
+Pure Python (no torch). Entry points:
+
+* :class:`Cluster` - link bandwidths, NIC model, compute rate, overheads; :data:`PROFILES`
+  (``l20-pcie``, ``h20``, ``h100``, ``cpu-testbed``) and :func:`default_cluster_for`;
+* :func:`simulate` - one plan on one cluster (a discrete-event simulation of all ranks);
+* :func:`predict` / :func:`predict_all` - forward and backward per algorithm;
+  :func:`ring_ccr` - the paper's computation-to-communication ratio;
+* :func:`choose_algo` (and :func:`choose_algo_cached`) - the fastest of ring / rmplus / charm,
+  for ``algo="auto"``;
+* ``charm-megatron model`` - the command line (:mod:`charm_megatron.model.cli`).
+
+See docs/model.md for what is modelled and what is not.
+"""
+
+from charm_megatron.model.cluster import (
+    PROFILES,
+    Cluster,
+    Profile,
+    default_cluster_for,
+    get_profile,
+)
+from charm_megatron.model.predict import (
+    CCR,
+    Prediction,
+    choose_algo,
+    choose_algo_cached,
+    predict,
+    predict_all,
+    ring_ccr,
+)
+from charm_megatron.model.sim import ModelError, RankStats, SimResult, simulate, tile_flops
+
+__all__ = [
+    "CCR",
+    "PROFILES",
+    "Cluster",
+    "ModelError",
+    "Prediction",
+    "Profile",
+    "RankStats",
+    "SimResult",
+    "choose_algo",
+    "choose_algo_cached",
+    "default_cluster_for",
+    "get_profile",
+    "predict",
+    "predict_all",
+    "ring_ccr",
+    "simulate",
+    "tile_flops",
+]

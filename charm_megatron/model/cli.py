@@ -1,0 +1,194 @@
+"""``charm-megatron model``: predicted ring / rmplus / charm times on a described cluster.
+
+Describe the cluster with a profile (``--profile h100 [--topology 4x8]``) or by hand
+(``--topology 2x8 --intra-gbps 300 --cross-gbps 40 --tflops 300 --nic rank``); any field given
+on the command line overrides the profile's. With neither, a generic cluster is assumed
+(:func:`~charm_megatron.model.cluster.default_cluster_for`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from charm_megatron.model.cluster import PROFILES, Cluster, default_cluster_for, get_profile
+from charm_megatron.model.predict import Prediction, predict_all, ring_ccr
+from charm_megatron.plan.builders import ALGOS
+from charm_megatron.plan.cost import Problem
+
+_ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
+# (flag, Cluster field, type, help)
+_CLUSTER_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--intra-gbps", "intra_gbps", float, "intra-group link, GB/s per direction per message"),
+    ("--intra-port-gbps", "intra_port_gbps", float,
+     "aggregate of a rank's intra port (default: --intra-gbps)"),
+    ("--cross-gbps", "cross_gbps", float, "cross-group link, GB/s per direction"),
+    ("--tflops", "tflops", float, "sustained attention TFLOP/s per rank (per core with --cores)"),
+    ("--latency-us", "latency_us", float, "latency per message, microseconds"),
+    ("--bwd-factor", "bwd_factor", float, "backward tile time / forward tile time (2.5)"),
+    ("--merge-gbps", "merge_gbps", float, "partials merged per second, GB/s (default: free)"),
+    ("--op-overhead-us", "op_overhead_us", float, "fixed cost per compute op (launch, dispatch)"),
+    ("--cores", "cores", int, "shared compute pool: at most this many ranks compute at once"),
+    ("--msg-cpu-us", "msg_cpu_us", float, "compute time per message posted (CPU testbeds)"),
+    ("--cpu-ns-per-byte", "cpu_ns_per_byte", float,
+     "pool time per byte moved (CPU testbeds; needs --cores)"),
+    ("--intra-bus-gbps", "intra_bus_gbps", float,
+     "capacity shared by all intra messages of a group (PCIe root complex)"),
+)
+_DEFAULT_GRID = (8192, 16384, 32768, 65536, 131072, 262144)
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", choices=sorted(PROFILES), default=None,
+                        help="named cluster (bandwidths of the CHARM+ paper's Table 2)")
+    parser.add_argument("--list-profiles", action="store_true", help="print the profiles")
+    parser.add_argument("--topology", default=None,
+                        help="hardware groups, e.g. 2x8, 4x8, 0-3,4-7 (default: the profile's)")
+    parser.add_argument("--nic", choices=("rank", "node"), default=None,
+                        help="rank: a cross link per rank; node: one shared per group")
+    parser.add_argument("--cross-via-intra", action=argparse.BooleanOptionalAction,
+                        default=None,
+                        help="cross messages also use the intra ports (one PCIe link per GPU)")
+    for flag, _, typ, text in _CLUSTER_FLAGS:
+        parser.add_argument(flag, type=typ, default=None, help=text)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=131072, help="global sequence length")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=sorted(_ELEM), default="bf16")
+    parser.add_argument("--causal", action="store_true", help="causal mask (load-balanced)")
+    parser.add_argument("--grid", nargs="?", const="", default=None, metavar="SEQS",
+                        help="sweep sequence lengths (comma list, k suffix allowed; "
+                             "default 8k..256k) and print a table")
+    parser.add_argument("--ranks", action="store_true", help="per-rank busy / idle detail")
+
+
+def _parse_seqs(text: str) -> list[int]:
+    if not text:
+        return list(_DEFAULT_GRID)
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        mult = 1024 if part.endswith("k") else 1
+        out.append(int(float(part.rstrip("k")) * mult))
+    return out
+
+
+def resolve(args: argparse.Namespace) -> tuple[str, list[list[int]], Cluster, str]:
+    """(label, hardware groups, cluster, how the cluster was chosen) from the arguments."""
+    from charm_megatron.topology.core import Topology
+
+    overrides: dict[str, object] = {field: getattr(args, flag[2:].replace("-", "_"))
+                                    for flag, field, _, _ in _CLUSTER_FLAGS}
+    overrides["nic"] = args.nic
+    overrides["cross_via_intra"] = args.cross_via_intra
+    if args.profile:
+        prof = get_profile(args.profile)
+        topo = Topology.parse(args.topology or prof.topology)
+        cluster = prof.cluster.with_(**overrides)
+        how = f"profile {prof.name}"
+    else:
+        if not args.topology:
+            raise SystemExit("charm-megatron model: give --profile or --topology")
+        topo = Topology.parse(args.topology)
+        groups = [list(g) for g in topo.groups]
+        needed = ("intra_gbps", "cross_gbps", "tflops")
+        if all(overrides[k] is None for k in needed):
+            how = "generic cluster (default_cluster_for: no --profile, no rates given)"
+        else:
+            how = "described on the command line"
+        base = default_cluster_for(groups)
+        if topo.num_groups == 1 and overrides["intra_gbps"] is not None \
+                and overrides["cross_gbps"] is None:
+            overrides["cross_gbps"] = overrides["intra_gbps"]  # flat: no cross links used
+        cluster = base.with_(**overrides)
+    groups = [list(g) for g in topo.groups]
+    return str(topo), groups, cluster, how
+
+
+def _problem(args: argparse.Namespace, seq: int) -> Problem:
+    return Problem(args.batch, seq, args.heads, args.kv_heads or args.heads, args.head_dim,
+                   _ELEM[args.dtype])
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.2f}"
+
+
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.1f}"
+
+
+def _best(preds: dict[str, Prediction]) -> str:
+    return min((p.total_s, i, a) for i, (a, p) in enumerate(preds.items()))[2]
+
+
+def _print_profiles() -> None:
+    for prof in PROFILES.values():
+        print(f"{prof.name:12} topology {prof.topology:5} {prof.cluster.describe()}")
+        print(f"{'':12} {prof.source}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list_profiles:
+        _print_profiles()
+        return 0
+    try:
+        topo, groups, cluster, how = resolve(args)
+    except ValueError as exc:  # a bad topology or cluster field: say which, no traceback
+        raise SystemExit(f"charm-megatron model: {exc}") from None
+    n = sum(len(g) for g in groups)
+    mask = "causal" if args.causal else "full"
+    print(f"# cluster: {how}; topology {topo} ({n} ranks, {len(groups)} groups, nic={cluster.nic})")
+    print(f"#   {cluster.describe()}")
+    if args.grid is not None:
+        return _grid(args, groups, cluster, mask)
+    problem = _problem(args, args.seq)
+    print(f"# problem: b={problem.b} s={problem.s} heads={problem.hq}/{problem.hkv} "
+          f"dim={problem.d} {args.dtype} {mask}")
+    ccr_f = ring_ccr(groups, problem, cluster, args.causal, "forward")
+    ccr_b = ring_ccr(groups, problem, cluster, args.causal, "backward")
+    print(f"# ring CCR (compute time / communication time, each alone): forward "
+          f"{ccr_f.ratio:.2f} ({_ms(ccr_f.compute_s)} / {_ms(ccr_f.comm_s)} ms), backward "
+          f"{ccr_b.ratio:.2f} ({_ms(ccr_b.compute_s)} / {_ms(ccr_b.comm_s)} ms)")
+    preds = predict_all(groups, problem, cluster, args.causal)
+    ring = preds["ring"]
+    print(f"{'':8} {'time ms':^29}   {'speedup over ring':^17}   {'busy':^9}   "
+          f"{'MiB sent per rank (max)':^27}")
+    print(f"{'algo':8} {'fwd':>9} {'bwd':>9} {'fwd+bwd':>9}   {'fwd':>5} {'bwd':>5} {'total':>5}   "
+          f"{'fwd':>4} {'bwd':>4}   {'intra fwd':>9} {'bwd':>6} {'cross fwd':>9} {'bwd':>6}")
+    for algo, p in preds.items():
+        f, b = p.forward, p.backward
+        print(f"{algo:8} {_ms(f.time_s):>9} {_ms(b.time_s):>9} {_ms(p.total_s):>9}   "
+              f"{ring.forward.time_s / f.time_s:5.2f} {ring.backward.time_s / b.time_s:5.2f} "
+              f"{ring.total_s / p.total_s:5.2f}   {f.busy_fraction:4.0%} {b.busy_fraction:4.0%}"
+              f"   {_mib(f.max_rank_intra_bytes):>9} {_mib(b.max_rank_intra_bytes):>6}"
+              f" {_mib(f.max_rank_cross_bytes):>9} {_mib(b.max_rank_cross_bytes):>6}")
+    print(f"# fastest (fwd+bwd): {_best(preds)}")
+    if args.ranks:
+        for algo, p in preds.items():
+            for res in (p.forward, p.backward):
+                cells = " ".join(f"{r.busy_s / res.time_s:4.0%}" if res.time_s else "  - "
+                                 for r in res.ranks)
+                print(f"# {algo:6} {res.direction:8} busy per rank (rest idle): {cells}")
+    return 0
+
+
+def _grid(args: argparse.Namespace, groups: list[list[int]], cluster: Cluster,
+          mask: str) -> int:
+    print(f"# problem: b={args.batch} heads={args.heads}/{args.kv_heads or args.heads} "
+          f"dim={args.head_dim} {args.dtype} {mask}; times are fwd+bwd, speedups over ring")
+    print(f"{'seq':>8} {'CCR fwd':>7} {'bwd':>5}  {'ring ms':>9} {'rmplus ms':>9} "
+          f"{'charm ms':>9}  {'rmplus x':>8}  {'charm x fwd':>11} {'bwd':>5} {'total':>5}  best")
+    for seq in _parse_seqs(args.grid):
+        problem = _problem(args, seq)
+        cf = ring_ccr(groups, problem, cluster, args.causal, "forward").ratio
+        cb = ring_ccr(groups, problem, cluster, args.causal, "backward").ratio
+        preds = predict_all(groups, problem, cluster, args.causal, ALGOS)
+        ring, rmp, ch = preds["ring"], preds["rmplus"], preds["charm"]
+        print(f"{seq:>8} {cf:7.2f} {cb:5.2f}  {_ms(ring.total_s):>9} {_ms(rmp.total_s):>9} "
+              f"{_ms(ch.total_s):>9}  {ring.total_s / rmp.total_s:8.2f}  "
+              f"{ring.forward.time_s / ch.forward.time_s:11.2f} "
+              f"{ring.backward.time_s / ch.backward.time_s:5.2f} "
+              f"{ring.total_s / ch.total_s:5.2f}  {_best(preds)}")
+    return 0

@@ -1,0 +1,108 @@
+"""Predictions per algorithm, the ring's CCR, and the ``auto`` choice."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from charm_megatron.model.cluster import Cluster, default_cluster_for
+from charm_megatron.model.sim import SimResult, simulate
+from charm_megatron.plan.builders import ALGOS, build_plan
+from charm_megatron.plan.core import Plan
+from charm_megatron.plan.cost import Problem
+
+Groups = tuple[tuple[int, ...], ...]
+
+
+def _groups(groups: Sequence[Sequence[int]]) -> Groups:
+    return tuple(tuple(int(r) for r in g) for g in groups)
+
+
+@lru_cache(maxsize=128)
+def _plan(algo: str, direction: str, groups: Groups, causal: bool) -> Plan:
+    # Plans depend only on the topology and mask, not on sizes: build each once.
+    return build_plan(algo, direction, groups, causal)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted forward and backward of one algorithm."""
+
+    algo: str
+    forward: SimResult
+    backward: SimResult
+
+    @property
+    def total_s(self) -> float:
+        """Forward plus backward (they do not overlap: backward needs the final output)."""
+        return self.forward.time_s + self.backward.time_s
+
+
+def predict(algo: str, groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
+            causal: bool) -> Prediction:
+    """Simulate ``algo``'s forward and backward plans on ``cluster`` with hardware ``groups``."""
+    g = _groups(groups)
+    fwd = simulate(_plan(algo, "forward", g, causal), problem, cluster, g)
+    bwd = simulate(_plan(algo, "backward", g, causal), problem, cluster, g)
+    return Prediction(algo, fwd, bwd)
+
+
+def predict_all(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
+                causal: bool, algos: Iterable[str] = ALGOS) -> dict[str, Prediction]:
+    """:func:`predict` for each of ``algos`` (default ring, rmplus, charm), in that order."""
+    return {a: predict(a, groups, problem, cluster, causal) for a in algos}
+
+
+@dataclass(frozen=True)
+class CCR:
+    """The paper's computation-to-communication ratio (its Eq. 7) of the ring: its compute
+    time with free communication over its communication time with free compute."""
+
+    compute_s: float
+    comm_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.compute_s / self.comm_s if self.comm_s else float("inf")
+
+
+def ring_ccr(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
+             causal: bool, direction: str = "forward") -> CCR:
+    """The ring's CCR for ``direction`` (``forward`` or ``backward``) on this cluster."""
+    g = _groups(groups)
+    plan = _plan("ring", direction, g, causal)
+    comp = simulate(plan, problem, cluster, g, comm=False).time_s
+    comm = simulate(plan, problem, cluster, g, compute=False).time_s
+    return CCR(comp, comm)
+
+
+def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
+                cluster: Cluster | None = None, *, causal: bool = True,
+                algos: Sequence[str] = ALGOS) -> str:
+    """The algorithm of ``algos`` with the smallest predicted forward + backward time.
+
+    A pure function of its arguments, so every rank that calls it with the same topology,
+    problem and cluster gets the same answer without communicating. Ties go to the earlier
+    algorithm of ``algos`` (ring, rmplus, charm). ``cluster=None`` uses
+    :func:`default_cluster_for` the topology. ``causal`` defaults to True (GPT training).
+    """
+    if not algos:
+        raise ValueError("choose_algo needs at least one algorithm")
+    g = _groups(groups)
+    cl = cluster if cluster is not None else default_cluster_for(g)
+    times = [(predict(a, g, problem, cl, causal).total_s, i, a) for i, a in enumerate(algos)]
+    return min(times)[2]
+
+
+@lru_cache(maxsize=256)
+def _choose_cached(groups: Groups, problem: Problem, cluster: Cluster | None, causal: bool,
+                   algos: tuple[str, ...]) -> str:
+    return choose_algo(groups, problem, cluster, causal=causal, algos=algos)
+
+
+def choose_algo_cached(groups: Sequence[Sequence[int]], problem: Problem,
+                       cluster: Cluster | None = None, *, causal: bool = True,
+                       algos: Sequence[str] = ALGOS) -> str:
+    """:func:`choose_algo` memoised on its (hashable) arguments: cheap to call every step."""
+    return _choose_cached(_groups(groups), problem, cluster, causal, tuple(algos))

@@ -1,0 +1,387 @@
+"""Replay a plan on a described cluster: a discrete-event simulation of all ranks at once.
+
+Semantics (the executor's, on NCCL):
+
+* each rank runs its ops in order on one program clock: ``Tile`` / ``TileBwd`` / ``Merge``
+  occupy the rank's compute (its device, or a worker of the shared core pool) for their cost;
+  ``Comm`` posts a batch without blocking (``msg_cpu_us`` per message first, if set);
+  ``Wait`` blocks until that batch has completed; ``Reset`` is free;
+* a stream of a rank is serial (one NCCL communicator): its batches become *active* one after
+  another, each when the previous one completed;
+* a message flows once the sender's and the receiver's batches holding it are both active
+  (grouped point-to-point, pair by pair, in posted order); a batch completes when all its
+  sends and receives have arrived;
+* a message waits ``latency_us``, then moves its bytes over its links, sharing each link
+  max-min fairly with whatever else is in flight (:mod:`charm_megatron.model.fluid`).
+
+This is a model, not the executor: no kernel/communication interference on a GPU (NCCL's SMs),
+no protocol effects (chunking, PCIe packet overheads), no memory-bandwidth contention beyond
+``merge_gbps``. docs/model.md lists what is in and out.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+
+from charm_megatron.model.cluster import Cluster
+from charm_megatron.model.fluid import Job, allocate
+from charm_megatron.plan.core import Comm, Merge, Plan, Reset, Tile, TileBwd, TileSpec, Wait, Xfer
+from charm_megatron.plan.cost import Problem, traffic
+
+
+class ModelError(RuntimeError):
+    """The simulation cannot finish (a plan that deadlocks, or mismatched batches)."""
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """One rank's time line in a simulation (seconds)."""
+
+    finish_s: float  # when its last op completed
+    busy_s: float  # wall time with a compute op (tile, merge, message overhead) running
+    work_s: float  # compute work at full speed (differs from busy_s on a shared pool)
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Predicted time of one plan on one cluster, with per-rank and per-link-class detail."""
+
+    algo: str
+    direction: str
+    time_s: float  # makespan: the last rank's finish
+    ranks: tuple[RankStats, ...]
+    intra_bytes: float  # bytes sent inside hardware groups, all ranks
+    cross_bytes: float  # bytes sent between hardware groups, all ranks
+    max_rank_intra_bytes: float
+    max_rank_cross_bytes: float
+    messages: int
+
+    @property
+    def busy_fraction(self) -> float:
+        """Mean over ranks of busy time / makespan (1.0: no rank ever waited)."""
+        if not self.time_s:
+            return 1.0
+        return sum(r.busy_s for r in self.ranks) / (len(self.ranks) * self.time_s)
+
+    def idle_s(self, rank: int) -> float:
+        """Time ``rank`` spent without compute before the last rank finished."""
+        return self.time_s - self.ranks[rank].busy_s
+
+
+def tile_flops(spec: TileSpec, problem: Problem, n: int) -> float:
+    """Forward FLOPs of one tile: two matmuls (``QK^T`` and ``PV``) of ``2·b·hq·d·sq·sk``
+    each, halved for a causal diagonal tile (the mask keeps half the scores)."""
+    rows = problem.s / n
+    sq = rows * spec.q_half.fraction
+    sk = rows * spec.kv_half.fraction
+    flops = 4.0 * problem.b * problem.hq * problem.d * sq * sk
+    return flops / 2 if spec.causal else flops
+
+
+@dataclass(eq=False)
+class _Batch:
+    rank: int
+    op: Comm
+    pending: int
+    active: bool = False
+    done: bool = False
+    matched: set[int] = field(default_factory=set)
+    waiter: bool = False
+
+    def peers(self) -> list[int]:
+        seen: dict[int, None] = {}
+        for x in self.op.sends + self.op.recvs:
+            seen.setdefault(x.peer, None)
+        return list(seen)
+
+
+class _Engine:
+    def __init__(self, plan: Plan, problem: Problem, cluster: Cluster,
+                 groups: Sequence[Sequence[int]], compute: bool, comm: bool) -> None:
+        self.plan, self.problem, self.cl = plan, problem, cluster
+        self.n = plan.n
+        self.compute, self.comm = compute, comm
+        self.group_of = {r: gi for gi, g in enumerate(groups) for r in g}
+        if sorted(self.group_of) != list(range(self.n)):
+            raise ValueError(f"groups {groups} do not cover the plan's {self.n} ranks exactly")
+        self.t = 0.0
+        self.pc = [0] * self.n
+        self.blocked = [False] * self.n
+        self.paid = [False] * self.n  # the current Comm's message overhead is done
+        self.finish: list[float | None] = [None] * self.n
+        self.busy = [0.0] * self.n
+        self.work = [0.0] * self.n
+        self.batches: dict[tuple[int, int], _Batch] = {}
+        self.queues: dict[tuple[int, str], deque[_Batch]] = {}
+        self.loc_bytes: list[dict[str, float]] = [{} for _ in range(self.n)]
+        self.jobs: list[tuple[Job, float, Callable[[], None]]] = []  # (job, total, on_done)
+        self.timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = 0
+        self.ready: set[int] = set(range(self.n))
+        self.capacity = self._capacities()
+        # A transfer on a CPU testbed is one thread: its level is in cores (see fluid.Job).
+        c = cluster.cpu_ns_per_byte * 1e-9
+        self.flow_weight = 1.0 / c if c else 1.0
+        self.flow_cap = 1.0 / c if c else math.inf
+
+    # ---------------------------------------------------------------- resources
+    def _capacities(self) -> dict[Hashable, float]:
+        cl = self.cl
+        cap: dict[Hashable, float] = {}
+        for r in range(self.n):
+            port = cl.intra_port_gbps or cl.intra_gbps
+            cap[("iout", r)] = cap[("iin", r)] = port * 1e9
+            cap[("dev", r)] = 1.0
+            if cl.nic == "rank":
+                cap[("xout", r)] = cap[("xin", r)] = cl.cross_gbps * 1e9
+        for g in set(self.group_of.values()):
+            if cl.nic == "node":
+                cap[("xout", g)] = cap[("xin", g)] = cl.cross_gbps * 1e9
+            if cl.intra_bus_gbps is not None:
+                cap[("bus", g)] = cl.intra_bus_gbps * 1e9
+        cap["pool"] = float(cl.cores or 0)
+        return cap
+
+    def _flow(self, src: int, dst: int) -> tuple[tuple[tuple[Hashable, float], ...], float]:
+        """The resources a message from ``src`` to ``dst`` uses, and its own rate cap."""
+        cl = self.cl
+        gs, gd = self.group_of[src], self.group_of[dst]
+        uses: list[tuple[Hashable, float]] = []
+        cap = self.flow_cap
+        if gs == gd:
+            uses += [(("iout", src), 1.0), (("iin", dst), 1.0)]
+            cap = min(cap, cl.intra_gbps * 1e9)
+            if cl.intra_bus_gbps is not None:
+                uses.append((("bus", gs), 1.0))
+        else:
+            a, b = (src, dst) if cl.nic == "rank" else (gs, gd)
+            uses += [(("xout", a), 1.0), (("xin", b), 1.0)]
+            if cl.cross_via_intra:
+                uses += [(("iout", src), 1.0), (("iin", dst), 1.0)]
+        if cl.cpu_ns_per_byte:
+            uses.append(("pool", cl.cpu_ns_per_byte * 1e-9))
+        return tuple(uses), cap
+
+    # ---------------------------------------------------------------- costs
+    def _merge_s(self, nbytes: float) -> float:
+        return nbytes / (self.cl.merge_gbps * 1e9) if self.cl.merge_gbps else 0.0
+
+    def _op_cost(self, r: int, op: Tile | TileBwd | Merge) -> float:
+        """Seconds of compute at full speed for one op (0 when compute is switched off)."""
+        if not self.compute:
+            return 0.0
+        p, n, cl = self.problem, self.n, self.cl
+        over = cl.op_overhead_us * 1e-6
+        if isinstance(op, Merge):
+            return self._merge_s(self.loc_bytes[r].get(op.src, 0.0)) + over
+        s = op.spec
+        flops = tile_flops(s, p, n) * (cl.bwd_factor if isinstance(op, TileBwd) else 1.0)
+        # The executor folds each tile's result into its accumulators: that is a merge too.
+        if isinstance(op, Tile):
+            folded = p.block_bytes("out", n) * s.q_half.fraction
+        else:
+            folded = (p.block_bytes("dq", n) * s.q_half.fraction
+                      + p.block_bytes("dkv", n) * s.kv_half.fraction)
+        return flops / (cl.tflops * 1e12) + self._merge_s(folded) + over
+
+    # ---------------------------------------------------------------- jobs and timers
+    def _start_compute(self, r: int, seconds: float, is_work: bool = True) -> None:
+        """Block rank ``r`` for ``seconds`` of compute (stretched if the pool is shared);
+        ``is_work=False`` for message overheads, which are busy time but not attention work."""
+        self.blocked[r] = True
+        t0 = self.t
+
+        def done() -> None:
+            self.blocked[r] = False
+            self.busy[r] += self.t - t0
+            self.ready.add(r)
+
+        if is_work:
+            self.work[r] += seconds
+        if seconds <= 0:
+            done()
+            return
+        res: Hashable = "pool" if self.cl.cores else ("dev", r)
+        self.jobs.append((Job(seconds, ((res, 1.0),), 1.0, 1.0), seconds, done))
+
+    def _at(self, when: float, fn: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self.timers, (when, self._seq, fn))
+
+    # ---------------------------------------------------------------- batches
+    def _post(self, r: int, op: Comm) -> None:
+        for x in op.recvs:
+            self.loc_bytes[r][x.loc] = self._bytes(x)
+        b = _Batch(r, op, len(op.sends) + len(op.recvs))
+        self.batches[(r, op.handle)] = b
+        q = self.queues.setdefault((r, op.stream), deque())
+        q.append(b)
+        if len(q) == 1:
+            self._activate(b)
+
+    def _bytes(self, x: Xfer) -> float:
+        return self.problem.block_bytes(x.kind, self.n) * x.half.fraction
+
+    def _activate(self, b: _Batch) -> None:
+        b.active = True
+        if b.pending == 0:
+            self._complete(b)
+            return
+        for peer in b.peers():
+            q = self.queues.get((peer, b.op.stream))
+            if q and q[0].active and b.rank in q[0].peers():
+                self._match(b, q[0])
+
+    def _match(self, a: _Batch, c: _Batch) -> None:
+        r, p = a.rank, c.rank
+        if p in a.matched or r in c.matched:
+            return
+        a.matched.add(p)
+        c.matched.add(r)
+        for src, dst in ((a, c), (c, a)):
+            sends = [x for x in src.op.sends if x.peer == dst.rank]
+            recvs = [x for x in dst.op.recvs if x.peer == src.rank]
+            if len(sends) != len(recvs):
+                raise ModelError(
+                    f"{self.plan.algo} {self.plan.direction}: stream {a.op.stream}: rank "
+                    f"{src.rank} sends {len(sends)} messages to rank {dst.rank}, which "
+                    f"expects {len(recvs)}")
+            for x in sends:
+                self._message(src, dst, x)
+
+    def _message(self, sb: _Batch, rb: _Batch, x: Xfer) -> None:
+        def arrived() -> None:
+            for b in (sb, rb):
+                b.pending -= 1
+                if b.pending == 0:
+                    self._complete(b)
+
+        if not self.comm:
+            self._at(self.t, arrived)
+            return
+        nbytes = self._bytes(x)
+        uses, cap = self._flow(sb.rank, x.peer)
+
+        def start() -> None:
+            if nbytes <= 0:
+                arrived()
+                return
+            self.jobs.append((Job(nbytes, uses, self.flow_weight, cap), nbytes, arrived))
+
+        self._at(self.t + self.cl.latency_us * 1e-6, start)
+
+    def _complete(self, b: _Batch) -> None:
+        b.done = True
+        q = self.queues[(b.rank, b.op.stream)]
+        if q[0] is not b:
+            raise ModelError("internal: a batch completed out of its stream's order")
+        q.popleft()
+        if b.waiter:
+            self.blocked[b.rank] = False
+            self.ready.add(b.rank)
+        if q:
+            self._activate(q[0])
+
+    # ---------------------------------------------------------------- rank programs
+    def _advance(self, r: int) -> None:
+        ops = self.plan.ops[r]
+        while not self.blocked[r] and self.pc[r] < len(ops):
+            op = ops[self.pc[r]]
+            if isinstance(op, Comm):
+                nmsg = len(op.sends) + len(op.recvs)
+                if self.comm and self.cl.msg_cpu_us and not self.paid[r]:
+                    self.paid[r] = True
+                    self._start_compute(r, nmsg * self.cl.msg_cpu_us * 1e-6, is_work=False)
+                    continue
+                self.paid[r] = False
+                self.pc[r] += 1
+                self._post(r, op)
+            elif isinstance(op, Wait):
+                b = self.batches.get((r, op.handle))
+                if b is None:
+                    raise ModelError(f"{self.plan.algo} {self.plan.direction}: rank {r} waits "
+                                     f"for batch #{op.handle}, never posted")
+                if b.done:
+                    self.pc[r] += 1
+                else:
+                    b.waiter = True
+                    self.blocked[r] = True
+                    self.pc[r] += 1  # resumes after the wait
+            elif isinstance(op, Reset):
+                self.pc[r] += 1
+            elif isinstance(op, Tile | TileBwd | Merge):
+                self.pc[r] += 1
+                self._start_compute(r, self._op_cost(r, op))
+            else:
+                raise ModelError(f"unknown op {op!r}")
+        if not self.blocked[r] and self.pc[r] == len(ops) and self.finish[r] is None:
+            self.finish[r] = self.t
+
+    # ---------------------------------------------------------------- main loop
+    def run(self) -> float:
+        while True:
+            while self.ready:
+                for r in sorted(self.ready):
+                    self.ready.discard(r)
+                    self._advance(r)
+            if not self.jobs and not self.timers:
+                break
+            dt = math.inf
+            if self.jobs:
+                allocate([j for j, _, _ in self.jobs], self.capacity)
+                for j, _, _ in self.jobs:
+                    if j.rate > 0:
+                        dt = min(dt, j.remaining / j.rate)
+            if self.timers:
+                dt = min(dt, self.timers[0][0] - self.t)
+            if dt == math.inf:
+                raise ModelError(f"{self.plan.algo} {self.plan.direction}: stalled at "
+                                 f"{self.t:.6g} s with jobs that cannot progress")
+            dt = max(dt, 0.0)
+            self.t += dt
+            finished, running = [], []
+            for entry in self.jobs:
+                j, total, _ = entry
+                j.remaining -= j.rate * dt
+                (finished if j.remaining <= total * 1e-9 else running).append(entry)
+            self.jobs = running
+            for _, _, done in finished:
+                done()
+            while self.timers and self.timers[0][0] <= self.t * (1 + 1e-12) + 1e-18:
+                _, _, fn = heapq.heappop(self.timers)
+                fn()
+        unfinished = [r for r in range(self.n) if self.finish[r] is None]
+        if unfinished:
+            # A rank can only be stuck in a Wait, the op before its program counter.
+            stuck = {r: str(self.plan.ops[r][max(self.pc[r] - 1, 0)]) for r in unfinished}
+            raise ModelError(f"{self.plan.algo} {self.plan.direction}: deadlock at "
+                             f"{self.t:.6g} s; blocked ranks {stuck}")
+        unmatched = sorted(f"{r}/{stream}" for (r, stream), q in self.queues.items() if q)
+        if unmatched:
+            raise ModelError(f"{self.plan.algo} {self.plan.direction}: batches never matched "
+                             f"on rank/stream {unmatched}")
+        return max(f for f in self.finish if f is not None)
+
+
+def simulate(plan: Plan, problem: Problem, cluster: Cluster,
+             groups: Sequence[Sequence[int]], *, compute: bool = True,
+             comm: bool = True) -> SimResult:
+    """Predict how long ``plan`` takes for ``problem`` on ``cluster``.
+
+    ``groups`` are the *hardware* groups (which ranks share fast links), whatever groups the
+    plan's algorithm used (ring and RM+ plans are built flat). ``compute=False`` makes compute
+    free and ``comm=False`` makes messages instantaneous (per-message CPU overhead counts as
+    communication), like the executor's ``ablate``: the two give the CCR's parts.
+    """
+    eng = _Engine(plan, problem, cluster, groups, compute, comm)
+    time_s = eng.run()
+    t = traffic(plan, problem, groups)
+    ranks = tuple(RankStats(eng.finish[r] or 0.0, eng.busy[r], eng.work[r])
+                  for r in range(plan.n))
+    messages = sum(len(op.sends) for ops in plan.ops for op in ops if isinstance(op, Comm))
+    return SimResult(plan.algo, plan.direction, time_s, ranks, sum(t.intra), sum(t.cross),
+                     max(t.intra), max(t.cross), messages)

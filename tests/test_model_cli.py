@@ -1,0 +1,54 @@
+"""``charm-megatron model``: the command line of the performance model."""
+
+from __future__ import annotations
+
+import pytest
+
+from charm_megatron.cli import main
+
+
+def _run(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    assert main(["model", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_profile_prints_three_algorithms(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run(capsys, "--profile", "h100", "--topology", "4x8", "--seq", "65536", "--causal",
+               "--ranks")
+    assert "topology 4x8 (32 ranks, 4 groups, nic=rank)" in out
+    assert "ring CCR" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines()
+            if line.split() and line.split()[0] in ("ring", "rmplus", "charm")}
+    assert set(rows) == {"ring", "rmplus", "charm"}
+    assert rows["ring"][4:7] == ["1.00", "1.00", "1.00"]  # speedups of ring over itself
+    assert float(rows["charm"][6]) > 1.0
+    assert "# fastest (fwd+bwd): charm" in out
+    assert out.count("busy per rank") == 6
+
+
+def test_hand_described_cluster_and_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run(capsys, "--topology", "2x4", "--intra-gbps", "24", "--cross-gbps", "14.7",
+               "--tflops", "60", "--nic", "node", "--latency-us", "10", "--seq", "16384")
+    assert "described on the command line" in out
+    assert "cross 14.7 GB/s per group" in out
+    out = _run(capsys, "--profile", "l20-pcie", "--tflops", "30", "--seq", "16384")
+    assert "profile l20-pcie" in out and "attention 30 TFLOP/s" in out
+    out = _run(capsys, "--topology", "2x2", "--seq", "16384", "--cores", "2",
+               "--cpu-ns-per-byte", "0.5")
+    assert "generic cluster" in out and "2 shared cores" in out
+
+
+def test_grid(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run(capsys, "--profile", "h20", "--causal", "--grid", "8k,32k")
+    lines = [line for line in out.splitlines() if line and line[0] != "#"]
+    assert lines[0].split()[0] == "seq"
+    assert [line.split()[0] for line in lines[1:]] == ["8192", "32768"]
+    assert all(line.split()[-1] in ("ring", "rmplus", "charm") for line in lines[1:])
+
+
+def test_list_profiles_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run(capsys, "--list-profiles")
+    for name in ("l20-pcie", "h20", "h100", "cpu-testbed"):
+        assert name in out
+    with pytest.raises(SystemExit):
+        main(["model", "--seq", "1024"])  # neither a profile nor a topology
