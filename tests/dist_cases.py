@@ -153,3 +153,22 @@ def peer_goes_missing(rank: int, world: int):
     except Exception as exc:  # noqa: BLE001 - any error is the right outcome here
         return (type(exc).__name__, time.monotonic() - t0)
     return ("no error", time.monotonic() - t0)
+
+
+def run_auto(rank: int, world: int, topology: str):
+    """algo='auto' picks an algorithm (the same on every rank) and matches ring."""
+    from charm_megatron.model import choose_algo_cached
+    from charm_megatron.plan.cost import Problem
+    from charm_megatron.topology import Topology
+
+    q, k, v, dout = make_inputs(3, 8 * world, 2, 4, 2, 16)
+    outs = {}
+    for algo in ("ring", "auto"):
+        ql, kl, vl = (local_part(t, rank, world, True).float().requires_grad_() for t in (q, k, v))
+        out = cp_attention(ql, kl, vl, algo=algo, topology=topology)
+        out.backward(local_part(dout, rank, world, True).float())
+        outs[algo] = [out.detach(), ql.grad, kl.grad, vl.grad]
+    groups = tuple(tuple(g) for g in Topology.parse(topology, cp_size=world).groups)
+    chosen = choose_algo_cached(groups, Problem(2, 8 * world, 4, 2, 16, 4), causal=True)
+    err = max(rel_err(a, b) for a, b in zip(outs["auto"], outs["ring"]))
+    return chosen, err

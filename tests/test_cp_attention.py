@@ -85,3 +85,9 @@ def test_missing_peer_gives_an_error_not_a_hang():
     name, seconds = res[0]
     assert name != "no error"
     assert seconds < 15
+
+
+def test_auto_picks_one_algorithm_everywhere_and_is_correct():
+    res = run_ranks(dist_cases.run_auto, 4, "2x2")
+    assert len({c for c, _ in res}) == 1 and res[0][0] in ("ring", "rmplus", "charm")
+    assert all(err < 1e-5 for _, err in res)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -11,18 +12,27 @@ import torch.distributed as dist
 from charm_megatron.kernels import get_backend
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.streams import stream_groups
-from charm_megatron.plan.builders import ALGOS, build_plan
+from charm_megatron.plan.builders import ALGOS as PLAN_ALGOS
+from charm_megatron.plan.builders import build_plan
 from charm_megatron.plan.core import Plan
+from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.validate import validate
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# What ``algo`` accepts: the plan algorithms, and ``auto`` (the performance model picks one).
+ALGOS = (*PLAN_ALGOS, "auto")
+
+
+def _plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool) -> tuple[Plan, Plan]:
+    """Forward and backward plans, validated once per (algo, topology, mask, pass order)."""
+    return _validated_plans(algo, groups, causal, os.environ.get("CHARM_PASS_ORDER", "split"))
 
 
 @functools.lru_cache(maxsize=256)
-def _plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool) -> tuple[Plan, Plan]:
-    """Forward and backward plans, validated once per (algo, topology, mask)."""
-    fwd = build_plan(algo, "forward", groups, causal)
-    bwd = build_plan(algo, "backward", groups, causal)
+def _validated_plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool,
+                     order: str) -> tuple[Plan, Plan]:
+    fwd = build_plan(algo, "forward", groups, causal, order)
+    bwd = build_plan(algo, "backward", groups, causal, order)
     validate(fwd)
     validate(bwd)
     return fwd, bwd
@@ -72,13 +82,24 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         raise ValueError("cp_attention: empty sequence shard")
 
 
-def _resolve_groups(algo: str, topology, group, cp_size: int) -> tuple[tuple[int, ...], ...]:
+def _resolve(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch.Tensor,
+             causal: bool) -> tuple[str, tuple[tuple[int, ...], ...]]:
+    """The algorithm to run and its groups (one flat group for ring and rmplus)."""
+    flat = (tuple(range(cp_size)),)
     if algo == "ring":
-        return (tuple(range(cp_size)),)
+        return algo, flat
     from charm_megatron.topology import resolve_topology
 
     topo = resolve_topology(topology, group, algo, cp_size)
-    return tuple(tuple(g) for g in topo.groups)
+    groups = tuple(tuple(g) for g in topo.groups)
+    if algo == "auto":
+        from charm_megatron.model import choose_algo_cached
+
+        # A pure function of shapes and topology: every rank picks the same algorithm.
+        problem = Problem(q.shape[1], q.shape[0] * cp_size, q.shape[2], k.shape[2], q.shape[3],
+                          q.element_size())
+        algo = choose_algo_cached(groups, problem, causal=causal)
+    return algo, (groups if algo == "charm" else flat)
 
 
 def cp_attention(
@@ -102,7 +123,10 @@ def cp_attention(
         k, v: ``[s_local, b, h_kv, d]``; ``h_q`` a multiple of ``h_kv`` (GQA / MQA).
         group: the CP process group (``None``: the default group).
         algo: ``"ring"`` (TransformerEngine's p2p ring), ``"rmplus"`` (RM+ over a flat group),
-            ``"charm"`` (CHARM+: RM+ inside each topology group, queries across groups).
+            ``"charm"`` (CHARM+: RM+ inside each topology group, queries across groups),
+            ``"auto"`` (the fastest of the three for this topology and shape, as predicted by
+            :func:`charm_megatron.model.choose_algo` on a generic cluster: intra-group links
+            8x the cross-group ones).
         topology: a :class:`charm_megatron.Topology`, a string (``"2x4"``, ``"0-3,4-7"``,
             ``"flat"``, ``"auto"``) or ``None`` (flat for rmplus; ``CHARM_TOPOLOGY`` or the
             probe for charm). Ignored by ``ring``.
@@ -122,7 +146,7 @@ def cp_attention(
                            "torch.distributed.init_process_group (or run under torchrun) first")
     cp_size = dist.get_world_size(group)
     _check_inputs(q, k, v, causal, cp_size)
-    groups = _resolve_groups(algo, topology, group, cp_size)
+    algo, groups = _resolve(algo, topology, group, cp_size, q, k, causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     out, lse = _CPAttention.apply(q, k, v, group, algo, groups, causal, float(scale))
     return (out, lse) if return_lse else out

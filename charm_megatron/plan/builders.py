@@ -49,9 +49,11 @@ def build_plan(
     direction: str,
     groups: Sequence[Sequence[int]],
     causal: bool,
+    order: str = "split",
 ) -> Plan:
     """The plan of ``algo`` (``ring``, ``rmplus``, ``charm``) for ``direction`` (``forward`` or
-    ``backward``) on CP ranks partitioned into ``groups`` (CP-local ranks)."""
+    ``backward``) on CP ranks partitioned into ``groups`` (CP-local ranks). ``order`` is the
+    CHARM+ pass order (``split`` or ``joint``, see :class:`_CharmRank`)."""
     groups_t = tuple(tuple(g) for g in groups)
     n = sum(len(g) for g in groups_t)
     if algo not in ALGOS:
@@ -65,7 +67,7 @@ def build_plan(
         if algo == "ring":
             ops = _ring(rank, n, causal, direction == "backward")
         else:
-            ops = _CharmRank(rank, groups_t, causal, direction == "backward").build()
+            ops = _CharmRank(rank, groups_t, causal, direction == "backward", order).build()
         plan.ops.append(ops)
     return plan
 
@@ -130,21 +132,50 @@ class _Item:
     acc: str
 
 
+@dataclass(frozen=True)
+class _Pass:
+    """One run of (some of) the group's RM+ rounds for the q blocks a rank holds.
+
+    ``own``: the rank's own q; ``cross``: the counterpart's q of cross round ``cross_round``;
+    ``rounds``: indices into the group's RM+ rounds; ``own_kv``: also the tiles with own kv.
+    """
+
+    own: bool
+    cross_round: int | None
+    rounds: tuple[int, ...]
+    own_kv: bool
+
+
+ORDERS = ("split", "joint")
+
+
 class _CharmRank:
     """Builds one rank's CHARM+ (or, with one group, RM+) forward or backward program.
 
-    Structure (ALGORITHM.md §3–§4, §6): for each cross round a *pass* runs the RM+ rounds of the
-    group for the q blocks held (own q in the first pass, plus the counterpart's q of that
-    round). Per unit (one RM+ round): post the next unit's exchange, wait for this one's, compute.
-    q-pair partials go back one unit later; cross partials go back at the end of the pass.
+    Structure (ALGORITHM.md §3–§4, §6): *passes* run the RM+ rounds of the group for the q
+    blocks a rank holds. Per unit (one RM+ round): post the next unit's exchange, wait for this
+    one's, compute. q-pair partials go back one unit later; a counterpart's partial goes home at
+    the end of its pass.
+
+    Pass order (``order``):
+
+    * ``split`` (default): the own q's first rounds while the counterpart's q crosses the slow
+      link; then one pass per counterpart q (all rounds), each sent home as soon as it is done;
+      then the own q's remaining rounds, which hide the last slow return. kv blocks of the
+      rounds are fetched once per pass that needs them (intra-group links are the fast ones).
+    * ``joint``: the paper's single pass with own and counterpart q side by side (kv fetched
+      once for both), the own q's last tile deferred until the counterpart's partial is sent.
     """
 
     def __init__(self, rank: int, groups: tuple[tuple[int, ...], ...], causal: bool,
-                 backward: bool) -> None:
+                 backward: bool, order: str = "split") -> None:
+        if order not in ORDERS:
+            raise ValueError(f"unknown CHARM+ pass order {order!r}; choose one of {ORDERS}")
         self.rank = rank
         self.groups = groups
         self.causal = causal
         self.bwd = backward
+        self.order = order
         self.g = next(i for i, grp in enumerate(groups) if rank in grp)
         self.local = groups[self.g].index(rank)
         self.rounds = rmplus_rounds(len(groups[self.g]))
@@ -152,20 +183,32 @@ class _CharmRank:
         self.p = _Program()
         self.qkind = "qgrad" if backward else "q"
         self.pkind = "dq" if backward else "out"  # what comes back for a q block
+        self._deferred: list = []
 
-    # -- which q blocks a rank holds in pass k ------------------------------------------------
-    def _pass_owners(self, k: int, local: int) -> list[int]:
-        """Owners of the q blocks that local index ``local`` of our group holds in pass ``k``."""
-        grp = self.groups[self.g]
-        owners = [grp[local]] if k == 0 else []
-        if self.cross:
-            partner = self.cross[k].get(self.g)
+    # -- the passes and which q blocks a rank holds in each ----------------------------------
+    def _passes(self) -> list[_Pass]:
+        every = tuple(range(len(self.rounds)))
+        if not self.cross:
+            return [_Pass(True, None, every, True)]
+        if self.order == "joint":
+            return [_Pass(True, 0, every, True)] + [
+                _Pass(False, k, every, True) for k in range(1, len(self.cross))]
+        head = every[: len(every) // 2]
+        tail = every[len(head):]
+        passes = [_Pass(True, None, head, True)]
+        passes += [_Pass(False, k, every, True) for k in range(len(self.cross))]
+        if tail:
+            passes.append(_Pass(True, None, tail, False))
+        return passes
+
+    def _owners(self, ps: _Pass, local: int) -> list[int]:
+        """Owners of the q blocks that local index ``local`` of our group holds in pass ``ps``."""
+        owners = [self.groups[self.g][local]] if ps.own else []
+        if ps.cross_round is not None:
+            partner = self.cross[ps.cross_round].get(self.g)
             if partner is not None:
                 owners.append(self.groups[partner][local])
         return owners
-
-    def _num_passes(self) -> int:
-        return max(1, len(self.cross))
 
     # -- message halves --------------------------------------------------------------------------
     def _q_half(self, owner: int, kv_owners: Sequence[int]) -> Half:
@@ -201,14 +244,14 @@ class _CharmRank:
             p.add(Reset(Plan.OUT, "out", r))
         own_acc = Plan.DQ if self.bwd else Plan.OUT
         group = self.groups[self.g]
-        cross_in: dict[int, int] = {}  # pass -> handle of the cross q exchange
+        cross_in: dict[int, int] = {}  # cross round -> handle of its q exchange
         cross_ret: list[tuple[int, str]] = []  # (handle, loc) of cross partials coming home
-        # Cross accumulators and return buffers alternate per pass that has a cross q (passes
-        # of an idle group, when G is odd, do not count).
-        cross_ret_all: list[int] = []
+        # Cross accumulators and return buffers alternate per pass that has a counterpart's q
+        # (an idle group's rounds, when G is odd, do not count).
+        n_cross_done = 0
 
         def post_cross_exchange(k: int) -> None:
-            partner = self.cross[k].get(self.g) if self.cross else None
+            partner = self.cross[k].get(self.g) if k < len(self.cross) else None
             if partner is None:
                 return
             cp = self.groups[partner][self.local]
@@ -220,10 +263,11 @@ class _CharmRank:
 
         if self.cross:
             post_cross_exchange(0)
-        for k in range(self._num_passes()):
-            if k + 1 < self._num_passes():
+        for ps in self._passes():
+            k = ps.cross_round
+            if k is not None:
                 post_cross_exchange(k + 1)  # the next counterpart's q travels during this pass
-            owners = self._pass_owners(k, self.local)
+            owners = self._owners(ps, self.local)
             if not owners:
                 continue
             items = []
@@ -231,22 +275,22 @@ class _CharmRank:
                 if o == r:
                     items.append(_Item(o, own_q, own_acc))
                 else:
-                    items.append(_Item(o, f"cross.q{k % 2}", f"acc.cross{len(cross_ret_all) % 2}"))
-            self._pass(k, items, cross_in)
-            cross_items = [it for it in items if it.owner != r]
-            for it in cross_items:
-                cp = it.owner
-                half = self._q_half(cp, group)
+                    items.append(_Item(o, f"cross.q{k % 2}", f"acc.cross{n_cross_done % 2}"))
+            self._pass(ps, items, cross_in.get(k) if k is not None else None)
+            for it in items:
+                if it.owner == r:
+                    continue
                 partner = self.cross[k][self.g]
-                ret_loc = f"cross.ret{len(cross_ret_all) % 2}"
+                ret_loc = f"cross.ret{n_cross_done % 2}"
                 h = p.comm(
                     "cross",
-                    sends=[Xfer(cp, it.acc, self.pkind, cp, half)],
-                    recvs=[Xfer(cp, ret_loc, self.pkind, r,
+                    sends=[Xfer(it.owner, it.acc, self.pkind, it.owner,
+                                self._q_half(it.owner, group))],
+                    recvs=[Xfer(it.owner, ret_loc, self.pkind, r,
                                 self._q_half(r, self.groups[partner]))],
                 )
                 cross_ret.append((h, ret_loc))
-                cross_ret_all.append(h)
+                n_cross_done += 1
             self._flush_deferred()
             # Keep at most one cross return in flight: its buffer is reused two passes on.
             while len(cross_ret) > 1:
@@ -258,26 +302,26 @@ class _CharmRank:
             p.add(Merge(own_acc, loc))
         return p.ops
 
-    def _pass(self, k: int, items: list[_Item], cross_in: dict[int, int]) -> None:
+    def _pass(self, ps: _Pass, items: list[_Item], cross_handle: int | None) -> None:
         p, r = self.p, self.rank
         group = self.groups[self.g]
-        units = [(rd.role, rd.partner[self.local]) for rd in self.rounds if self.local in rd.partner]
-        self._deferred: list = []
-        cross_waited = False
+        units = [(self.rounds[i].role, self.rounds[i].partner[self.local]) for i in ps.rounds
+                 if self.local in self.rounds[i].partner]
+        has_cross = any(it.owner != r for it in items)
+        cross_waited = not has_cross
 
         def ensure_cross() -> None:
             nonlocal cross_waited
-            if not cross_waited and k in cross_in:
-                p.add(Wait(cross_in[k]))
-                if any(it.owner != r for it in items):
-                    it = next(it for it in items if it.owner != r)
-                    p.add(Reset(it.acc, self.pkind, it.owner))
+            if not cross_waited:
+                p.add(Wait(cross_handle))
+                it = next(it for it in items if it.owner != r)
+                p.add(Reset(it.acc, self.pkind, it.owner))
                 cross_waited = True
 
         def phase1(u: int) -> int:
             role, peer_local = units[u]
             y = group[peer_local]
-            peer_owners = self._pass_owners(k, peer_local)
+            peer_owners = self._owners(ps, peer_local)
             if role == "kv":
                 return p.comm(
                     "kv",
@@ -285,8 +329,7 @@ class _CharmRank:
                     recvs=[Xfer(y, f"kv.rx{u % 2}", "kv", y,
                                 self._kv_half(y, [it.owner for it in items]))],
                 )
-            if any(it.owner != r for it in items):
-                ensure_cross()
+            ensure_cross()
             return p.comm(
                 "q",
                 sends=[Xfer(y, it.q_loc, self.qkind, it.owner, self._q_half(it.owner, [y]))
@@ -301,13 +344,14 @@ class _CharmRank:
         returns: list[tuple[int, int, list[tuple[str, str]]]] = []
         if units:
             handles[0] = phase1(0)
-        # Own kv first: the own q needs no communication, which hides the cross q's arrival.
-        for it in items:
-            if it.owner != r:
-                ensure_cross()
-            self._tile(it.owner, it.q_loc, r, "own.kv", it.acc, Plan.DKV)
+        if ps.own_kv:
+            # Own kv first, own q first: needs no communication, which hides the arrivals.
+            for it in sorted(items, key=lambda it: it.owner != r):
+                if it.owner != r:
+                    ensure_cross()
+                self._tile(it.owner, it.q_loc, r, "own.kv", it.acc, Plan.DKV)
+        ensure_cross()
         last_kv = max((u for u, (role, _) in enumerate(units) if role == "kv"), default=None)
-        has_cross = any(it.owner != r for it in items)
         for u, (role, peer_local) in enumerate(units):
             if u + 1 < len(units):
                 handles[u + 1] = phase1(u + 1)
@@ -318,16 +362,15 @@ class _CharmRank:
                 dkv = f"acc.pdkv{u % 2}"
                 if self.bwd:
                     p.add(Reset(dkv, "dkv", y))
-                # Cross q first: its partial must travel home, the own q's need not.
-                ordered = sorted(items, key=lambda it: it.owner == r)
-                for it in ordered:
+                # Counterpart's q first: its partial must travel home, the own q's need not.
+                for it in sorted(items, key=lambda it: it.owner == r):
                     if u == last_kv and has_cross and it.owner == r and not self.bwd:
                         self._deferred.append((it.owner, it.q_loc, y, buf, it.acc, dkv))
                         continue
                     self._tile(it.owner, it.q_loc, y, buf, it.acc, dkv)
                 if self.bwd:
                     half_back = self._kv_half(y, [it.owner for it in items])
-                    mine_half = self._kv_half(r, self._pass_owners(k, peer_local))
+                    mine_half = self._kv_half(r, self._owners(ps, peer_local))
                     h = p.comm(
                         "kv",
                         sends=[Xfer(y, dkv, "dkv", y, half_back)],
@@ -335,9 +378,8 @@ class _CharmRank:
                     )
                     returns.append((u, h, [(Plan.DKV, f"kv.dret{u % 2}")]))
             else:
-                peer_owners = self._pass_owners(k, peer_local)
                 sends = []
-                for i, o in enumerate(peer_owners):
+                for i, o in enumerate(self._owners(ps, peer_local)):
                     acc = f"acc.svc{u % 2}.{i}"
                     p.add(Reset(acc, self.pkind, o))
                     self._tile(o, f"q.rx{u % 2}.{i}", r, "own.kv", acc, Plan.DKV)
@@ -350,11 +392,9 @@ class _CharmRank:
             # Partials of the previous unit have had a whole unit of compute to arrive.
             while returns and returns[0][0] < u:
                 self._finish_return(returns.pop(0))
-        # Cross partials must be complete before they go home: merge what is pending for them.
+        # A counterpart's partial must be complete before it goes home.
         for ret in returns:
             self._finish_return(ret)
-        if not units:
-            ensure_cross()
 
     def _finish_return(self, ret: tuple[int, int, list[tuple[str, str]]]) -> None:
         _, h, merges = ret
