@@ -381,8 +381,13 @@ class _CharmRank:
                 sends = []
                 for i, o in enumerate(self._owners(ps, peer_local)):
                     acc = f"acc.svc{u % 2}.{i}"
-                    p.add(Reset(acc, self.pkind, o))
-                    self._tile(o, f"q.rx{u % 2}.{i}", r, "own.kv", acc, Plan.DKV)
+                    if self.bwd:
+                        p.add(Reset(acc, self.pkind, o))
+                        self._tile(o, f"q.rx{u % 2}.{i}", r, "own.kv", acc, Plan.DKV)
+                    else:
+                        # A served tile is one partial sent straight back: no accumulator.
+                        p.add(Tile(tile_spec(o, r, self.causal), f"q.rx{u % 2}.{i}", "own.kv",
+                                   acc, fresh=True))
                     sends.append(Xfer(y, acc, self.pkind, o, self._q_half(o, [r])))
                 recvs = [Xfer(y, f"q.ret{u % 2}.{i}", self.pkind, it.owner,
                               self._q_half(it.owner, [y])) for i, it in enumerate(items)]

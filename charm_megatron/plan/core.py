@@ -112,12 +112,15 @@ class Reset:
 @dataclass(frozen=True)
 class Tile:
     """Forward: attention of ``spec`` (q rows from ``q_loc``, kv rows from ``kv_loc``) merged
-    into accumulator ``acc``."""
+    into accumulator ``acc``; with ``fresh``, the partial *replaces* what ``acc`` held and keeps
+    the kernel's dtype and only the tile's rows (a partial that is only sent on, never merged
+    into, needs no fp32 accumulator)."""
 
     spec: TileSpec
     q_loc: str
     kv_loc: str
     acc: str
+    fresh: bool = False
 
 
 @dataclass(frozen=True)
@@ -179,8 +182,9 @@ def format_op(op: Op) -> str:
     if isinstance(op, Tile):
         s = op.spec
         mask = " causal" if s.causal else ""
+        arrow = "=>" if op.fresh else "->"
         return (f"tile q[{s.q_owner}].{s.q_half} x kv[{s.kv_owner}].{s.kv_half}{mask}"
-                f" -> {op.acc}")
+                f" {arrow} {op.acc}")
     if isinstance(op, TileBwd):
         s = op.spec
         mask = " causal" if s.causal else ""

@@ -192,7 +192,10 @@ def validate(plan: Plan) -> PlanStats:
                 depth = max(qc.depth, kc.depth)
                 tile_count[(s.q_owner, s.kv_owner)] += 1
                 tiles_done[r] += 1
-                if isinstance(op, Tile):
+                if isinstance(op, Tile) and op.fresh:
+                    write_check(r, op.acc)
+                    state[r][op.acc] = _Content("out", s.q_owner, s.q_half, frozenset([s]), depth)
+                elif isinstance(op, Tile):
                     add_tiles(r, op.acc, "out", s.q_owner, frozenset([s]), depth)
                 else:
                     add_tiles(r, op.dq_acc, "dq", s.q_owner, frozenset([s]), depth)
