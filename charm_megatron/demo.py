@@ -1,32 +1,75 @@
-"""``charm-megatron demo`` (what ``make demo`` runs): ring vs CHARM+ on CPU ranks.
+"""``charm-megatron demo`` (what ``make demo`` runs), two demos behind one command.
 
-Starts ``--ranks`` gloo processes on this machine, runs causal context-parallel attention
-forward+backward with each algorithm on the same inputs (alternating, so machine noise hits
-both alike), and prints the median time per call and the largest error of out, dq, dk, dv
-against a float64 single-process reference over the full sequence.
-
-On one CPU machine every link is loopback, so this shows correctness and overheads, not the
-cross-node speed-up; ``docs/performance.md`` covers emulated slow links.
+* Default - the training demo (:mod:`charm_megatron.train_demo`, ``docs/demo.md``): trains the
+  ``gpt-tiny-cpu`` config with megatron-core's GPTModel on 4 CPU ranks (gloo), CP 4 over an
+  emulated ``2x2`` cluster whose cross-node link is slowed with ``tc``, once with ``ring`` and
+  once with ``charm``; writes Megatron-LM logs, runs ``compare`` on them and checks that the two
+  loss curves agree.
+* ``--operator`` - the operator demo: causal context-parallel attention forward+backward with
+  ring, RM+ and CHARM+ on the same inputs (alternating, so machine noise hits all alike); prints
+  the median time per call and the largest error of out, dq, dk, dv against a float64
+  single-process reference over the full sequence. All links are loopback there, so it shows
+  correctness and overheads, not the cross-node speed-up.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 ALGOS = ("ring", "rmplus", "charm")
+#: The operator demo's sizes when not given.
+OPERATOR_DEFAULTS: dict[str, object] = {"ranks": 4, "topology": "2x2", "seq": 2048, "batch": 1,
+                                        "heads": 8, "kv_heads": 4, "head_dim": 64, "iters": 5}
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--topology", default="2x2", help="CHARM+ topology (GxM)")
-    parser.add_argument("--seq", type=int, default=2048, help="global sequence length")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--kv-heads", type=int, default=4)
-    parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--iters", type=int, default=5)
+    """Add the options of both demos (the operator demo's apply with ``--operator``)."""
+    from charm_megatron.train_demo.runner import add_arguments
+
+    parser.add_argument("--operator", action="store_true",
+                        help="run the operator demo (ring vs RM+ vs CHARM+ attention calls, "
+                        "errors against float64) instead of the training demo")
+    add_arguments(parser)
+    # --iters, --seq and --topology serve both demos; the rest are the operator demo's.
+    parser.add_argument("--iters", type=int, default=None,
+                        help="training iterations (default: the run's train_iters); with "
+                        f"--operator: timed calls (default {OPERATOR_DEFAULTS['iters']})")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="global sequence length (default: the run's seq_length; with "
+                        f"--operator {OPERATOR_DEFAULTS['seq']})")
+    parser.add_argument("--topology", default=None,
+                        help="CHARM+ topology GxM (default: the config's charm_topology; with "
+                        f"--operator {OPERATOR_DEFAULTS['topology']})")
+    g = parser.add_argument_group("operator demo only (--operator)")
+    for name in ("ranks", "batch", "heads", "kv_heads", "head_dim"):
+        g.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                       help=f"default {OPERATOR_DEFAULTS[name]}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The training demo, or with ``--operator`` the operator demo; the exit status."""
+    if args.operator:
+        for key, value in OPERATOR_DEFAULTS.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+        return run_operator(args)
+    given = [f"--{k.replace('_', '-')}" for k in ("ranks", "batch", "heads", "kv_heads",
+                                                   "head_dim") if getattr(args, k) is not None]
+    if given:
+        print(f"charm-megatron demo: {', '.join(given)} belong to the operator demo (add "
+              "--operator); the training demo takes its model from the config (--set KEY=VALUE)",
+              file=sys.stderr)
+        return 2
+    for option, key in (("iters", "train_iters"), ("seq", "seq_length"),
+                        ("topology", "charm_topology")):
+        if getattr(args, option) is not None:
+            args.overrides.append(f"{key}={getattr(args, option)}")
+    from charm_megatron.train_demo.runner import main
+
+    return main(args)
 
 
 def _rank_main(rank: int, world: int, cfg: dict) -> dict:
@@ -59,7 +102,8 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
     return {"times": times, "results": results}
 
 
-def run(args: argparse.Namespace) -> int:
+def run_operator(args: argparse.Namespace) -> int:
+    """The operator demo (``charm-megatron demo --operator``)."""
     import torch
 
     from charm_megatron.kernels.reference import ReferenceBackend
@@ -69,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = {"seq": args.seq, "batch": args.batch, "heads": args.heads,
            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "iters": args.iters,
            "topology": args.topology}
-    print(f"charm-megatron demo: {args.ranks} CPU ranks (gloo), causal attention, "
+    print(f"charm-megatron demo --operator: {args.ranks} CPU ranks (gloo), causal attention, "
           f"S={args.seq} b={args.batch} heads={args.heads}/{args.kv_heads} dim={args.head_dim} "
           f"fp32, forward+backward; CHARM+ topology {args.topology}")
     t0 = time.perf_counter()
@@ -99,5 +143,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"{algo:8} {ms:15.1f} {ring_ms / ms:7.2f}x   " +
               ", ".join(f"{e:.1e}" for e in errs))
     print("\n(vs ring > 1 means faster than ring; all links here are loopback, so this shows "
-          "overheads, not the cross-node win — see docs/performance.md)")
+          "overheads, not the cross-node win; `charm-megatron demo` without --operator trains "
+          "over an emulated slow link)")
     return 0

@@ -32,7 +32,7 @@ def test_plan_prints_a_rank_schedule(capsys):
 
 
 def test_demo_small(capsys):
-    assert main(["demo", "--ranks", "4", "--seq", "128", "--heads", "4", "--kv-heads", "2",
+    assert main(["demo", "--operator", "--ranks", "4", "--seq", "128", "--heads", "4", "--kv-heads", "2",
                  "--head-dim", "16", "--iters", "1"]) == 0
     out = capsys.readouterr().out
     for algo in ("ring", "rmplus", "charm"):
