@@ -166,8 +166,8 @@ class _CPAttention(torch.autograd.Function):
         fwd, _ = _plans(algo, groups, causal)
         rank = dist.get_rank(group)
         ex = _make_executor(group, q, k, scale)
-        ex.set_own("own.q", q.contiguous())
-        ex.set_own("own.kv", torch.stack([k, v], dim=1))
+        ex.set_own("own.q", "q", q)
+        ex.set_own("own.kv", "kv", k, v)
         ex.run(fwd.ops[rank])
         acc_out, acc_lse = ex.result(Plan.OUT)
         out = acc_out.to(q.dtype)
@@ -188,10 +188,9 @@ class _CPAttention(torch.autograd.Function):
         # delta = rowsum(dout * out) is all the tiles' backward needs of the output (see
         # executor._out_with_delta), so the q-side bundle carries it instead of out.
         delta = (dout.float() * out.float()).sum(-1)
-        ex.set_own("own.qgrad", torch.stack([q, dout], dim=1), torch.stack([lse_sbh, delta], -1))
-        ex.set_own("own.kv", torch.stack([k, v], dim=1))
+        ex.set_own("own.qgrad", "qgrad", q, dout, torch.stack([lse_sbh, delta], -1))
+        ex.set_own("own.kv", "kv", k, v)
         ex.run(bwd.ops[rank])
         (dq,) = ex.result(Plan.DQ)
-        (dkv,) = ex.result(Plan.DKV)
-        return (dq.to(q.dtype), dkv[:, 0].to(k.dtype), dkv[:, 1].to(v.dtype),
-                None, None, None, None, None)
+        dk, dv = ex.result(Plan.DKV)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -7,17 +7,19 @@ remembers which rows it holds.
 
 Tensor layouts (rows = the local sequence, first dim, so a half is a contiguous slice):
 
-=========  ==============================================  =====================
-kind       tensors                                         dtype
-=========  ==============================================  =====================
-q          ``[s, b, hq, d]``                               input
-kv         ``[s, 2, b, hkv, d]`` (K, V packed)             input
-qgrad      ``[s, 2, b, hq, d]`` (q, dout), ``[s, b, hq, 2]`` (lse, delta)   input, fp32
-out        ``[s, b, hq, d]``, lse ``[s, b, hq]``            fp32 in accumulators, input dtype
-                                                           on the wire; lse fp32
-dq         ``[s, b, hq, d]``                               fp32
-dkv        ``[s, 2, b, hkv, d]``                           fp32
-=========  ==============================================  =====================
+=====  ============================================================  ======================
+kind   tensors (each ``[rows, ...]``, so a half is a contiguous slice)   dtype
+=====  ============================================================  ======================
+q      q ``[s, b, hq, d]``                                           input
+kv     k, v ``[s, b, hkv, d]`` (two messages; own k, v sent as is)    input
+qgrad  q, dout ``[s, b, hq, d]``; lse, delta ``[s, b, hq, 2]``        input; fp32
+out    out ``[s, b, hq, d]``, lse ``[s, b, hq]``                      fp32 in accumulators,
+                                                                     input dtype on the wire
+dq     ``[s, b, hq, d]``                                             fp32
+dkv    dk, dv ``[s, b, hkv, d]``                                      fp32
+=====  ============================================================  ======================
+
+Own blocks are the caller's tensors themselves (no packing copies).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class BlockShape:
 class _Buf:
     tensors: tuple[torch.Tensor, ...]
     held: Half = Half.FULL
+    kind: str = ""
 
 
 def _rows(half: Half, s: int) -> slice:
@@ -107,46 +110,33 @@ class Executor:
 
     # ---------------------------------------------------------------------------- buffers
     def _alloc(self, kind: str, wire: bool) -> tuple[torch.Tensor, ...]:
-        sh = self.shape
-        dt, f32, dev = sh.dtype, torch.float32, sh.device
-        if kind == "q":
-            return (torch.empty(sh.s, sh.b, sh.hq, sh.d, dtype=dt, device=dev),)
-        if kind == "kv":
-            return (torch.empty(sh.s, 2, sh.b, sh.hkv, sh.d, dtype=dt, device=dev),)
-        if kind == "qgrad":
-            return (torch.empty(sh.s, 2, sh.b, sh.hq, sh.d, dtype=dt, device=dev),
-                    torch.empty(sh.s, sh.b, sh.hq, 2, dtype=f32, device=dev))
-        if kind == "out":
-            return (torch.empty(sh.s, sh.b, sh.hq, sh.d, dtype=dt if wire else f32, device=dev),
-                    torch.empty(sh.s, sh.b, sh.hq, dtype=f32, device=dev))
-        if kind == "dq":
-            return (torch.empty(sh.s, sh.b, sh.hq, sh.d, dtype=f32, device=dev),)
-        if kind == "dkv":
-            return (torch.empty(sh.s, 2, sh.b, sh.hkv, sh.d, dtype=f32, device=dev),)
-        raise ValueError(f"unknown block kind {kind!r}")
+        return tuple(torch.empty(shape, dtype=dtype, device=self.shape.device)
+                     for shape, dtype in self._alloc_shapes(kind, wire))
 
     def _buffer(self, loc: str, kind: str, wire: bool) -> _Buf:
         buf = self.bufs.get(loc)
-        want = self._alloc_shapes(kind, wire)
+        want = [(torch.Size(shape), dt) for shape, dt in self._alloc_shapes(kind, wire)]
         if buf is None or [(t.shape, t.dtype) for t in buf.tensors] != want:
             buf = _Buf(self._alloc(kind, wire))
             self.bufs[loc] = buf
         return buf
 
     def _alloc_shapes(self, kind: str, wire: bool) -> list:
-        # Cheap signature of what _alloc would make, to decide on reuse without allocating.
+        """(shape, dtype) of each tensor of a full block of ``kind``."""
         sh = self.shape
         f32 = torch.float32
+        qs, kvs = (sh.s, sh.b, sh.hq, sh.d), (sh.s, sh.b, sh.hkv, sh.d)
         table = {
-            "q": [((sh.s, sh.b, sh.hq, sh.d), sh.dtype)],
-            "kv": [((sh.s, 2, sh.b, sh.hkv, sh.d), sh.dtype)],
-            "qgrad": [((sh.s, 2, sh.b, sh.hq, sh.d), sh.dtype), ((sh.s, sh.b, sh.hq, 2), f32)],
-            "out": [((sh.s, sh.b, sh.hq, sh.d), sh.dtype if wire else f32),
-                    ((sh.s, sh.b, sh.hq), f32)],
-            "dq": [((sh.s, sh.b, sh.hq, sh.d), f32)],
-            "dkv": [((sh.s, 2, sh.b, sh.hkv, sh.d), f32)],
+            "q": [(qs, sh.dtype)],
+            "kv": [(kvs, sh.dtype), (kvs, sh.dtype)],
+            "qgrad": [(qs, sh.dtype), (qs, sh.dtype), ((sh.s, sh.b, sh.hq, 2), f32)],
+            "out": [(qs, sh.dtype if wire else f32), ((sh.s, sh.b, sh.hq), f32)],
+            "dq": [(qs, f32)],
+            "dkv": [(kvs, f32), (kvs, f32)],
         }
-        return [(torch.Size(s), d) for s, d in table[kind]]
+        if kind not in table:
+            raise ValueError(f"unknown block kind {kind!r}")
+        return table[kind]
 
     def _view(self, loc: str, half: Half) -> tuple[torch.Tensor, ...]:
         """Rows ``half`` of the block in ``loc`` (which may hold only some rows)."""
@@ -160,8 +150,10 @@ class Executor:
             sl = slice(0, s // 2)
         return tuple(t[sl] for t in buf.tensors)
 
-    def set_own(self, loc: str, *tensors: torch.Tensor) -> None:
-        self.bufs[loc] = _Buf(tuple(tensors))
+    def set_own(self, loc: str, kind: str, *tensors: torch.Tensor) -> None:
+        """Make the caller's tensors the block ``loc`` (no copy; they must be contiguous)."""
+        self.bufs[loc] = _Buf(tuple(t if t.is_contiguous() else t.contiguous() for t in tensors),
+                              kind=kind)
 
     def result(self, loc: str) -> tuple[torch.Tensor, ...]:
         return self.bufs[loc].tensors
@@ -189,7 +181,9 @@ class Executor:
     def _reset(self, op: Reset) -> None:
         buf = self._buffer(op.loc, op.kind, wire=False)
         buf.held = Half.FULL
-        buf.tensors[0].zero_()
+        buf.kind = op.kind
+        for t in buf.tensors:
+            t.zero_()
         if op.kind == "out":
             buf.tensors[1].fill_(float("-inf"))
 
@@ -200,11 +194,11 @@ class Executor:
                 self._buffer(op.acc, "out", wire=True).held = s.q_half
             return
         (q,) = self._view(op.q_loc, s.q_half)
-        (kv,) = self._view(op.kv_loc, s.kv_half)
-        out, lse = self.backend.forward(q, kv[:, 0], kv[:, 1], s.causal, self.scale)
+        k, v = self._view(op.kv_loc, s.kv_half)
+        out, lse = self.backend.forward(q, k, v, s.causal, self.scale)
         if op.fresh:
             # Kept as the kernel made it (input dtype, the tile's rows only): it is sent on.
-            self.bufs[op.acc] = _Buf((out, lse.permute(2, 0, 1)), held=s.q_half)
+            self.bufs[op.acc] = _Buf((out, lse.permute(2, 0, 1)), held=s.q_half, kind="out")
             return
         acc_o, acc_l = self.bufs[op.acc].tensors
         merge_into(acc_o, acc_l, out, lse.permute(2, 0, 1), _rows(s.q_half, self.shape.s))
@@ -213,29 +207,30 @@ class Executor:
         if not _ENABLED["compute"]:
             return
         s = op.spec
-        pack, stats = self._view(op.q_loc, s.q_half)
-        (kv,) = self._view(op.kv_loc, s.kv_half)
-        q, dout = pack[:, 0], pack[:, 1]
+        q, dout, stats = self._view(op.q_loc, s.q_half)
+        k, v = self._view(op.kv_loc, s.kv_half)
         dq, dk, dv = self.backend.backward(
-            dout, q, kv[:, 0], kv[:, 1], _out_with_delta(dout, stats[..., 1]),
+            dout, q, k, v, _out_with_delta(dout, stats[..., 1]),
             stats[..., 0].permute(1, 2, 0), s.causal, self.scale,
         )
         (dq_acc,) = self.bufs[op.dq_acc].tensors
-        (dkv_acc,) = self.bufs[op.dkv_acc].tensors
+        dk_acc, dv_acc = self.bufs[op.dkv_acc].tensors
         qr, kr = _rows(s.q_half, self.shape.s), _rows(s.kv_half, self.shape.s)
         dq_acc[qr] += dq
-        dkv_acc[kr, 0] += dk
-        dkv_acc[kr, 1] += dv
+        dk_acc[kr] += dk
+        dv_acc[kr] += dv
 
     def _merge(self, op: Merge) -> None:
         src = self.bufs[op.src]
         rows = _rows(src.held, self.shape.s)
         n = rows.stop - rows.start
-        acc = self.bufs[op.acc].tensors
-        if len(acc) == 2:  # a partial output: log-sum-exp merge
-            merge_into(acc[0], acc[1], src.tensors[0][:n], src.tensors[1][:n], rows)
-        else:  # a gradient partial: sum
-            acc[0][rows] += src.tensors[0][:n]
+        acc = self.bufs[op.acc]
+        if acc.kind == "out":  # a partial output: log-sum-exp merge
+            merge_into(acc.tensors[0], acc.tensors[1], src.tensors[0][:n], src.tensors[1][:n],
+                       rows)
+        else:  # gradient partials: sum
+            for a, t in zip(acc.tensors, src.tensors):
+                a[rows] += t[:n]
 
     def _post(self, op: Comm) -> None:
         group = self.streams.groups[op.stream]
@@ -256,6 +251,7 @@ class Executor:
         for x in op.recvs:
             buf = self._buffer(x.loc, x.kind, wire=True)
             buf.held = x.half
+            buf.kind = x.kind
             n = s if x.half is Half.FULL else s // 2
             for t in buf.tensors:
                 p2p.append(dist.P2POp(dist.irecv, t[:n], ranks[x.peer], group))
