@@ -307,6 +307,12 @@ class _CharmRank:
         group = self.groups[self.g]
         units = [(self.rounds[i].role, self.rounds[i].partner[self.local]) for i in ps.rounds
                  if self.local in self.rounds[i].partner]
+        # Buffer slot per unit: a unit's buffers live until the end of the next unit, so only
+        # two adjacent units of the same role need different slots (memory: one set of receive
+        # buffers per stream when kv and q rounds alternate, two at most).
+        slot: list[int] = []
+        for u, (role, _) in enumerate(units):
+            slot.append(1 - slot[u - 1] if u and units[u - 1][0] == role else 0)
         has_cross = any(it.owner != r for it in items)
         cross_waited = not has_cross
 
@@ -326,7 +332,7 @@ class _CharmRank:
                 return p.comm(
                     "kv",
                     sends=[Xfer(y, "own.kv", "kv", r, self._kv_half(r, peer_owners))],
-                    recvs=[Xfer(y, f"kv.rx{u % 2}", "kv", y,
+                    recvs=[Xfer(y, f"kv.rx{slot[u]}", "kv", y,
                                 self._kv_half(y, [it.owner for it in items]))],
                 )
             ensure_cross()
@@ -334,7 +340,7 @@ class _CharmRank:
                 "q",
                 sends=[Xfer(y, it.q_loc, self.qkind, it.owner, self._q_half(it.owner, [y]))
                        for it in items],
-                recvs=[Xfer(y, f"q.rx{u % 2}.{i}", self.qkind, o, self._q_half(o, [r]))
+                recvs=[Xfer(y, f"q.rx{slot[u]}.{i}", self.qkind, o, self._q_half(o, [r]))
                        for i, o in enumerate(peer_owners)],
             )
 
@@ -358,8 +364,8 @@ class _CharmRank:
             y = group[peer_local]
             p.add(Wait(handles.pop(u)))
             if role == "kv":
-                buf = f"kv.rx{u % 2}"
-                dkv = f"acc.pdkv{u % 2}"
+                buf = f"kv.rx{slot[u]}"
+                dkv = f"acc.pdkv{slot[u]}"
                 if self.bwd:
                     p.add(Reset(dkv, "dkv", y))
                 # Counterpart's q first: its partial must travel home, the own q's need not.
@@ -374,25 +380,25 @@ class _CharmRank:
                     h = p.comm(
                         "kv",
                         sends=[Xfer(y, dkv, "dkv", y, half_back)],
-                        recvs=[Xfer(y, f"kv.dret{u % 2}", "dkv", r, mine_half)],
+                        recvs=[Xfer(y, f"kv.dret{slot[u]}", "dkv", r, mine_half)],
                     )
-                    returns.append((u, h, [(Plan.DKV, f"kv.dret{u % 2}")]))
+                    returns.append((u, h, [(Plan.DKV, f"kv.dret{slot[u]}")]))
             else:
                 sends = []
                 for i, o in enumerate(self._owners(ps, peer_local)):
-                    acc = f"acc.svc{u % 2}.{i}"
+                    acc = f"acc.svc{slot[u]}.{i}"
                     if self.bwd:
                         p.add(Reset(acc, self.pkind, o))
-                        self._tile(o, f"q.rx{u % 2}.{i}", r, "own.kv", acc, Plan.DKV)
+                        self._tile(o, f"q.rx{slot[u]}.{i}", r, "own.kv", acc, Plan.DKV)
                     else:
                         # A served tile is one partial sent straight back: no accumulator.
-                        p.add(Tile(tile_spec(o, r, self.causal), f"q.rx{u % 2}.{i}", "own.kv",
+                        p.add(Tile(tile_spec(o, r, self.causal), f"q.rx{slot[u]}.{i}", "own.kv",
                                    acc, fresh=True))
                     sends.append(Xfer(y, acc, self.pkind, o, self._q_half(o, [r])))
-                recvs = [Xfer(y, f"q.ret{u % 2}.{i}", self.pkind, it.owner,
+                recvs = [Xfer(y, f"q.ret{slot[u]}.{i}", self.pkind, it.owner,
                               self._q_half(it.owner, [y])) for i, it in enumerate(items)]
                 h = p.comm("q", sends=sends, recvs=recvs)
-                returns.append((u, h, [(it.acc, f"q.ret{u % 2}.{i}")
+                returns.append((u, h, [(it.acc, f"q.ret{slot[u]}.{i}")
                                        for i, it in enumerate(items)]))
             # Partials of the previous unit have had a whole unit of compute to arrive.
             while returns and returns[0][0] < u:
