@@ -1,0 +1,237 @@
+"""From raw per-rank timings to the benchmark's table (no torch).
+
+Definitions (docs/bench.md repeats them):
+
+* **time of a call** in one round: the slowest rank's time (a CP call ends when its last rank
+  ends). ``fwdbwd`` = forward + backward of the same round.
+* **median / spread**: over the timed rounds; spread as min, quartiles, max.
+* **speedup over ring**: the median over rounds of ``ring time / algorithm time``, both from the
+  same round (the contenders alternate inside a round, so slow phases of the machine cancel).
+* **CCR** (the paper's Eq. 7): ring's summed computation over its summed communication, each
+  measured by running ring with the other switched off (``ablate``): ``median(ring
+  compute-only) / median(ring comm-only)``.
+* **lower bound** of an algorithm: ``max(total CPU work / cores, busiest cross link's bytes /
+  its rate)``. Total CPU work = the CPU time (all threads) the ranks spend in the algorithm's
+  compute-only run, summed over ranks: the work that must be done somewhere even with a free
+  network. The link term: bytes the algorithm's plan moves over the most loaded direction of one
+  cross-node link (the node's NIC with ``--nic node``, a rank's with ``--nic rank``), less the
+  link's burst (a ``tbf`` bucket lets that much through at once), divided by the measured cross
+  rate. On GPUs the compute term is the slowest rank's compute-only time
+  (every rank has its own device). ``vs bound`` = median time / bound (1.0 = at the bound).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from charm_megatron.bench.config import PASSES, BenchConfig, Point, element_size
+
+COLUMNS = [
+    "point", "batch", "seq", "heads", "kv_heads", "head_dim", "dtype", "causal", "world",
+    "topology", "mode", "nic", "algo", "pass", "status", "iters",
+    "median_ms", "min_ms", "q1_ms", "q3_ms", "max_ms",
+    "speedup_vs_ring", "speedup_min", "speedup_max",
+    "ring_ccr", "ring_compute_ms", "ring_comm_ms",
+    "compute_only_ms", "cpu_work_ms", "run_cpu_ms",
+    "cross_link_mb", "cross_rate_mbps", "bound_ms", "bound_by", "vs_bound",
+    "peak_mem_mb", "note",
+]
+
+
+@dataclass
+class RunInfo:
+    """Where and how the ranks ran (filled in by the launcher)."""
+
+    mode: str  # local | netns | software | torchrun
+    world: int
+    device: str = "cpu"
+    cores: int = 1  # cores the ranks share (the CPU bound's denominator)
+    nic: str | None = None
+    hw_groups: list[list[int]] | None = None  # emulated / real nodes; None: one machine
+    cross_rate: float | None = None  # bytes/s used for the bound's link term
+    cross_rate_source: str | None = None  # measured | configured
+    cross_burst: int = 0  # bytes a link lets through at once (tc tbf bucket); 0: none
+    rates: dict = field(default_factory=dict)  # what the launcher measured / configured
+    notes: list[str] = field(default_factory=list)
+
+
+def _q(values: Sequence[float]) -> tuple[float, float, float, float, float]:
+    """min, q1, median, q3, max."""
+    v = sorted(values)
+    if len(v) == 1:
+        return v[0], v[0], v[0], v[0], v[0]
+    q1, med, q3 = statistics.quantiles(v, n=4, method="inclusive")
+    return v[0], q1, med, q3, v[-1]
+
+
+def _series(per_rank: Sequence[dict], pos: int, key: str, what: str, reduce) -> list[float]:
+    """Per-round values of ``what`` for variant ``key`` at point position ``pos``, reduced over
+    ranks (``max``: the slowest rank's wall time; ``sum``: the ranks' total CPU time)."""
+    cols = [r["points"][pos]["times"][key][what] for r in per_rank]
+    return [reduce(vals) for vals in zip(*cols)]
+
+
+def _pass_series(per_rank: Sequence[dict], pos: int, key: str, cpu: bool = False
+                 ) -> dict[str, list[float]]:
+    suffix = "_cpu" if cpu else ""
+    red = sum if cpu else max
+    f = _series(per_rank, pos, key, "fwd" + suffix, red)
+    b = _series(per_rank, pos, key, "bwd" + suffix, red)
+    return {"fwd": f, "bwd": b, "fwdbwd": [x + y for x, y in zip(f, b)]}
+
+
+def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
+               hw_groups: Sequence[Sequence[int]], causal: bool, point: Point, dtype: str,
+               nic: str) -> dict[tuple[str, int], float]:
+    """Bytes per direction of every cross-node link for one call of ``algo``'s plan.
+
+    Keys: ``("out", owner)`` / ``("in", owner)``, owner = node index (``nic="node"``: a node's
+    ranks share its link) or rank (``nic="rank"``). Message sizes come from
+    :meth:`charm_megatron.plan.cost.Problem.block_bytes`, counted as
+    :func:`charm_megatron.plan.cost.traffic` counts the sender's side, plus the receiver's.
+    """
+    from charm_megatron.plan.builders import build_plan
+    from charm_megatron.plan.core import Comm
+    from charm_megatron.plan.cost import Problem
+
+    plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal)
+    problem = Problem(point.batch, point.seq, point.heads, point.kv_heads, point.head_dim,
+                      elem=element_size(dtype))
+    group_of = {r: gi for gi, g in enumerate(hw_groups) for r in g}
+
+    def owner(r: int) -> int:
+        return group_of[r] if nic == "node" else r
+
+    loads: dict[tuple[str, int], float] = defaultdict(float)
+    for r, ops in enumerate(plan.ops):
+        for op in ops:
+            if not isinstance(op, Comm):
+                continue
+            for x, side in [(x, "out") for x in op.sends] + [(x, "in") for x in op.recvs]:
+                if group_of[x.peer] != group_of[r]:
+                    loads[(side, owner(r))] += problem.block_bytes(x.kind, plan.n) * x.half.fraction
+    return dict(loads)
+
+
+def busiest_link_bytes(algo: str, plan_groups: Sequence[Sequence[int]],
+                       hw_groups: Sequence[Sequence[int]], causal: bool, point: Point,
+                       dtype: str, nic: str) -> dict[str, float]:
+    """Bytes over the most loaded cross-link direction, per pass (fwd, bwd, fwdbwd)."""
+    fwd = link_loads(algo, "forward", plan_groups, hw_groups, causal, point, dtype, nic)
+    bwd = link_loads(algo, "backward", plan_groups, hw_groups, causal, point, dtype, nic)
+    both: dict[tuple[str, int], float] = defaultdict(float)
+    for d in (fwd, bwd):
+        for k, v in d.items():
+            both[k] += v
+    return {"fwd": max(fwd.values(), default=0.0), "bwd": max(bwd.values(), default=0.0),
+            "fwdbwd": max(both.values(), default=0.0)}
+
+
+def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
+            info: RunInfo) -> tuple[list[dict], dict]:
+    """The rows of the result table (one per point x algorithm x pass) and the raw series
+    (per point and variant: the slowest rank's time and the ranks' summed CPU time, per round)."""
+    rows: list[dict] = []
+    raw: dict = {}
+    passes = PASSES if cfg.backward else ("fwd",)
+    r0 = per_rank[0]
+    topology = r0["topology"]
+    charm_groups = r0["topology_groups"]
+    world = info.world
+    flat = [list(range(world))]
+    for pos, point in enumerate(points):
+        rec0 = r0["points"][pos]
+        keys = list(rec0["times"])
+        wall = {k: _pass_series(per_rank, pos, k) for k in keys}
+        cpu = {k: _pass_series(per_rank, pos, k, cpu=True) for k in keys}
+        raw[str(point.index)] = {
+            k: {"fwd_ms": [x * 1e3 for x in wall[k]["fwd"]],
+                "bwd_ms": [x * 1e3 for x in wall[k]["bwd"]],
+                "fwd_cpu_ms_sum": [x * 1e3 for x in cpu[k]["fwd"]],
+                "bwd_cpu_ms_sum": [x * 1e3 for x in cpu[k]["bwd"]]} for k in keys}
+        base = {"point": point.index, "batch": point.batch, "seq": point.seq,
+                "heads": point.heads, "kv_heads": point.kv_heads, "head_dim": point.head_dim,
+                "dtype": cfg.dtype, "causal": cfg.causal, "world": world, "topology": topology,
+                "mode": info.mode, "nic": info.nic or ""}
+        ccr: dict[str, tuple[float, float, float]] = {}
+        if "ring/compute" in wall and "ring/comm" in wall:
+            for p in passes:
+                comp = statistics.median(wall["ring/compute"][p])
+                comm = statistics.median(wall["ring/comm"][p])
+                ccr[p] = (comp / comm if comm > 0 else float("inf"), comp, comm)
+        for algo in cfg.algos:
+            if algo in rec0["skipped"]:
+                for p in passes:
+                    rows.append({**base, "algo": algo, "pass": p, "status": "skipped",
+                                 "note": rec0["skipped"][algo]})
+                continue
+            key = f"{algo}/full"
+            bytes_by_pass = None
+            if algo != "torch" and info.hw_groups and len(info.hw_groups) > 1:
+                plan_groups = charm_groups if algo == "charm" else flat
+                bytes_by_pass = busiest_link_bytes(algo, plan_groups, info.hw_groups,
+                                                   cfg.causal, point, cfg.dtype, info.nic or "node")
+            for p in passes:
+                row = {**base, "algo": algo, "pass": p, "status": "ok",
+                       "note": rec0["notes"].get(algo, "")}
+                row.update(_timing(wall, cpu, key, p))
+                row.update(_speedup(wall, key, p))
+                if p in ccr:
+                    row.update(ring_ccr=ccr[p][0], ring_compute_ms=ccr[p][1] * 1e3,
+                               ring_comm_ms=ccr[p][2] * 1e3)
+                row.update(_bound(wall, cpu, algo, p, info, bytes_by_pass, row["median_ms"]))
+                mem = [r["points"][pos]["memory"].get(algo) for r in per_rank]
+                if mem and all(m is not None for m in mem):
+                    which = "fwd" if p == "fwd" else "fwdbwd"
+                    row["peak_mem_mb"] = max(m[which] for m in mem) / 2**20
+                rows.append(row)
+    return rows, raw
+
+
+def _timing(wall: dict, cpu: dict, key: str, p: str) -> dict:
+    t = wall[key][p]
+    mn, q1, med, q3, mx = _q(t)
+    return {"iters": len(t), "median_ms": med * 1e3, "min_ms": mn * 1e3, "q1_ms": q1 * 1e3,
+            "q3_ms": q3 * 1e3, "max_ms": mx * 1e3,
+            "run_cpu_ms": statistics.median(cpu[key][p]) * 1e3}
+
+
+def _speedup(wall: dict, key: str, p: str) -> dict:
+    if "ring/full" not in wall:
+        return {}
+    ratios = [a / b for a, b in zip(wall["ring/full"][p], wall[key][p]) if b > 0]
+    if not ratios:
+        return {}
+    return {"speedup_vs_ring": statistics.median(ratios), "speedup_min": min(ratios),
+            "speedup_max": max(ratios)}
+
+
+def _bound(wall: dict, cpu: dict, algo: str, p: str, info: RunInfo,
+           bytes_by_pass: dict[str, float] | None, median_ms: float) -> dict:
+    out: dict = {}
+    compute_term = None
+    comp_key = f"{algo}/compute"
+    if comp_key in wall:
+        comp_wall = statistics.median(wall[comp_key][p])
+        work = statistics.median(cpu[comp_key][p])
+        out.update(compute_only_ms=comp_wall * 1e3, cpu_work_ms=work * 1e3)
+        compute_term = comp_wall if info.device == "cuda" else work / max(1, info.cores)
+    link_term = None
+    if bytes_by_pass is not None:
+        out["cross_link_mb"] = bytes_by_pass[p] / 1e6
+        if info.cross_rate:
+            out["cross_rate_mbps"] = info.cross_rate / 1e6
+            # A tbf link starts a call with up to a full bucket: B bytes need at least
+            # (B - burst) / rate, whatever the schedule.
+            link_term = max(0.0, bytes_by_pass[p] - info.cross_burst) / info.cross_rate
+    if compute_term is None:
+        return out
+    bound, by = compute_term, ("compute" if info.device == "cuda" else "cpu")
+    if link_term is not None and link_term > compute_term:
+        bound, by = link_term, "link"
+    out.update(bound_ms=bound * 1e3, bound_by=by,
+               vs_bound=(median_ms / 1e3) / bound if bound > 0 else None)
+    return out

@@ -1,0 +1,345 @@
+"""``charm-megatron bench``: the paper's operator benchmark (see docs/bench.md).
+
+Examples::
+
+    charm-megatron bench --preset cpu-small --ranks 4 --out runs/bench-cpu
+    charm-megatron bench --preset cpu-small --emulate 2x4 --cross-rate 1gbit \\
+        --intra-rate 8gbit --nic rank --out runs/bench-2x4
+    torchrun --nproc-per-node 8 -m charm_megatron.cli bench --preset paper --out runs/bench-gpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+from charm_megatron.bench.config import (
+    ALGOS,
+    DTYPES,
+    PRESETS,
+    BenchConfig,
+    HeadSpec,
+    check_algos,
+    parse_count,
+    parse_grid_shape,
+    parse_list,
+)
+
+_DEFAULT_COMM_TIMEOUT_S = 300
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommand's arguments."""
+    g = parser.add_argument_group("grid (lists are comma-separated; unset values come from "
+                                  "--preset)")
+    g.add_argument("--preset", choices=sorted(PRESETS),
+                   help="paper: the paper's grid (GPU); cpu-small: a grid that runs in minutes "
+                        "on a 2-core CPU machine; tiny: for tests. Default: paper with CUDA, "
+                        "else cpu-small")
+    g.add_argument("--batch", help="batch sizes, e.g. 1,2,4")
+    g.add_argument("--seq", help="total sequence lengths over the CP group, e.g. 2k,4k,8k")
+    g.add_argument("--heads", help="HEADSxDIM list, e.g. 12x128,20x128,12x192,20x192")
+    g.add_argument("--kv-heads", type=int, help="kv heads (GQA/MQA); default: as many as q heads")
+    g.add_argument("--dtype", choices=DTYPES)
+    g.add_argument("--causal", dest="causal", action="store_true", default=True,
+                   help="causal mask, Megatron's load-balanced layout (default)")
+    g.add_argument("--no-causal", dest="causal", action="store_false", help="full attention")
+    g.add_argument("--max-tokens", type=int, help="skip points with B*S above this (0: none)")
+
+    a = parser.add_argument_group("what is timed")
+    a.add_argument("--algos", default=",".join(ALGOS),
+                   help=f"contenders, from {','.join(ALGOS)} (torch: PyTorch's own CP ring)")
+    a.add_argument("--topology", help="CHARM+ topology (GxM, 0-3,4-7, auto); default: the "
+                                      "--emulate shape, 'auto' under torchrun, else 2x(n/2)")
+    a.add_argument("--warmup", type=int, help="warm-up rounds per point")
+    a.add_argument("--iters", type=int, help="timed rounds per point")
+    a.add_argument("--forward-only", action="store_true", help="no backward pass")
+    a.add_argument("--no-ccr", action="store_true", help="skip ring's ablated runs (no CCR)")
+    a.add_argument("--no-bound", action="store_true",
+                   help="skip the compute-only runs of rmplus/charm (no lower bound for them)")
+    a.add_argument("--no-memory", action="store_true", help="skip the peak-memory call")
+    a.add_argument("--torch-rotate", choices=("alltoall", "allgather"), default="alltoall",
+                   help="PyTorch CP's kv rotation (alltoall = a ring step per block; torch's "
+                        "own default is allgather)")
+
+    r = parser.add_argument_group("where the ranks run")
+    r.add_argument("--ranks", type=int, default=4, help="local CPU ranks (without --emulate)")
+    r.add_argument("--threads", type=int, default=1, help="intra-op threads per CPU rank")
+    r.add_argument("--emulate", metavar="GxM",
+                   help="emulated cluster of G nodes x M ranks on this machine")
+    r.add_argument("--cross-rate", help="cross-node link rate (tc units: 1gbit, 400mbit, "
+                                        "125mbps). With --emulate required; under torchrun used "
+                                        "for the bound's link term")
+    r.add_argument("--intra-rate", help="intra-node rate (default: unshaped loopback)")
+    r.add_argument("--nic", choices=("node", "rank"), default="node",
+                   help="node: a node's ranks share one cross link; rank: one link per rank")
+    r.add_argument("--emulate-backend", choices=("auto", "netns", "software"), default="auto",
+                   help="netns: namespaces + tc (root); software: the link model on gloo P2P; "
+                        "auto: netns when available")
+    r.add_argument("--launcher", choices=("auto", "local", "torchrun"), default="auto",
+                   help="auto: torchrun when RANK/WORLD_SIZE/MASTER_ADDR are set")
+    r.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="under torchrun: cuda when available (auto)")
+    r.add_argument("--timeout-s", type=float, default=3600.0, help="bound on the whole run")
+    r.add_argument("--comm-timeout-s", type=float, default=_DEFAULT_COMM_TIMEOUT_S,
+                   help="bound on every communication wait and collective")
+
+    o = parser.add_argument_group("output")
+    o.add_argument("--out", help="directory for results.csv, results.json, speedup_vs_ccr.png "
+                                 "(default runs/bench-<date>)")
+    o.add_argument("--no-plot", action="store_true")
+    o.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _config(args: argparse.Namespace, cuda: bool) -> BenchConfig:
+    preset = PRESETS[args.preset or ("paper" if cuda else "cpu-small")]
+
+    def pick(name: str):
+        v = getattr(args, name)
+        return preset[name] if v is None else v
+
+    return BenchConfig(
+        batches=parse_list(str(pick("batch")), parse_count),
+        seqs=parse_list(str(pick("seq")), parse_count),
+        heads=parse_list(str(pick("heads")), HeadSpec.parse),
+        kv_heads=args.kv_heads,
+        dtype=pick("dtype"),
+        causal=args.causal,
+        algos=check_algos([a.strip() for a in args.algos.split(",") if a.strip()]),
+        warmup=int(pick("warmup")),
+        iters=int(pick("iters")),
+        backward=not args.forward_only,
+        ccr=not args.no_ccr,
+        bound=not args.no_bound,
+        memory=not args.no_memory,
+        max_tokens=int(pick("max_tokens")),
+        threads=args.threads,
+        torch_rotate=args.torch_rotate,
+    )
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark; 0 on success, 2 on a usage error."""
+    from charm_megatron.bench.launch import in_torchrun
+
+    torchrun = args.launcher == "torchrun" or (args.launcher == "auto" and in_torchrun()
+                                               and not args.emulate)
+    cuda = torchrun and args.device != "cpu" and _cuda_available()
+    try:
+        cfg = _config(args, cuda)
+        emulate = parse_grid_shape(args.emulate) if args.emulate else None
+        if args.iters is not None and args.iters < 1:
+            raise ValueError("--iters must be at least 1")
+        if emulate and not args.cross_rate:
+            raise ValueError("--emulate needs --cross-rate (e.g. 1gbit)")
+        if emulate and torchrun:
+            raise ValueError("--emulate starts its own ranks; do not run it under torchrun")
+    except ValueError as exc:
+        print(f"charm-megatron bench: {exc}", file=sys.stderr)
+        return 2
+    if torchrun:
+        return _run_torchrun(args, cfg, cuda)
+    world = emulate[0] * emulate[1] if emulate else args.ranks
+    return _run_here(args, cfg, world, emulate)
+
+
+def _topology(args: argparse.Namespace, world: int, emulate) -> str:
+    if args.topology:
+        return args.topology
+    if emulate:
+        return f"{emulate[0]}x{emulate[1]}"
+    if world >= 4 and world % 2 == 0:
+        return f"2x{world // 2}"
+    return "flat"
+
+
+def _job(args, cfg: BenchConfig, world: int, topology: str, device: str, progress: bool):
+    from charm_megatron.bench.measure import Job
+
+    points, dropped = cfg.points(world)
+    env = {"CHARM_COMM_TIMEOUT_S": str(args.comm_timeout_s)}
+    return Job(cfg, points, topology, device, progress, env), dropped
+
+
+def _header(cfg: BenchConfig, world: int, topology: str, where: str, points, dropped,
+            log) -> None:
+    log(f"charm-megatron bench: {len(points)} point(s) x {len(cfg.algos)} algorithm(s) "
+        f"({','.join(cfg.algos)}), {world} ranks {where}, {cfg.dtype}, "
+        f"{'causal' if cfg.causal else 'full attention'}, "
+        f"{'forward + backward' if cfg.backward else 'forward only'}, CHARM+ topology {topology}; "
+        f"{cfg.warmup} warm-up + {cfg.iters} timed rounds per point")
+    for d in dropped:
+        log(f"  left out: {d}")
+
+
+def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:
+    from charm_megatron.bench import launch
+
+    topology = _topology(args, world, emulate)
+    job, dropped = _job(args, cfg, world, topology, "cpu", not args.quiet)
+    if not job.points:
+        print("charm-megatron bench: no grid point fits (see 'left out' above)", file=sys.stderr)
+        for d in dropped:
+            print(f"  left out: {d}", file=sys.stderr)
+        return 2
+    mode = "local"
+    if emulate:
+        mode = args.emulate_backend
+        if mode == "auto":
+            from charm_megatron.emulate import available
+
+            ok, why = available()
+            mode = "netns" if ok else "software"
+            if not ok:
+                print(f"\n*** network namespaces unavailable ({why}): falling back to the "
+                      "SOFTWARE LINK MODEL on gloo P2P (see docs/bench.md for what it does not "
+                      "model) ***\n", flush=True)
+    where = {"local": "on this machine (loopback)",
+             "netns": f"in an emulated {args.emulate} cluster (namespaces + tc, nic={args.nic})",
+             "software": f"on a {args.emulate} software link model (nic={args.nic})"}[mode]
+    _header(cfg, world, topology, where, job.points, dropped, print)
+    t0 = time.monotonic()
+    kw = {"timeout_s": args.timeout_s, "pg_timeout_s": args.comm_timeout_s}
+    if mode == "local":
+        results, info = launch.run_local(job, world, **kw)
+    elif mode == "netns":
+        results, info = launch.run_netns(job, emulate[0], emulate[1], args.cross_rate,
+                                         args.intra_rate, args.nic, **kw)
+    else:
+        results, info = launch.run_software(job, emulate[0], emulate[1], args.cross_rate,
+                                            args.intra_rate, args.nic, **kw)
+    return _finish(args, cfg, job, dropped, results, info, time.monotonic() - t0)
+
+
+def _run_torchrun(args, cfg: BenchConfig, cuda: bool) -> int:
+    import torch.distributed  # noqa: F401 - fail early if torch lacks distributed
+
+    from charm_megatron.bench import launch
+    from charm_megatron.emulate import parse_rate
+
+    world = int(os.environ["WORLD_SIZE"])
+    rank = int(os.environ["RANK"])
+    topology = args.topology or "auto"
+    job, dropped = _job(args, cfg, world, topology, "cuda" if cuda else "cpu",
+                        not args.quiet and rank == 0)
+    if not job.points:
+        if rank == 0:
+            print("charm-megatron bench: no grid point fits", file=sys.stderr)
+        return 2
+    if rank == 0:
+        _header(cfg, world, topology, f"under torchrun ({'NCCL' if cuda else 'gloo'})",
+                job.points, dropped, print)
+    t0 = time.monotonic()
+    results, info = launch.run_torchrun(
+        job, pg_timeout_s=args.comm_timeout_s, nic=args.nic,
+        cross_rate=parse_rate(args.cross_rate) if args.cross_rate else None)
+    if results is None or info is None:
+        return 0
+    return _finish(args, cfg, job, dropped, results, info, time.monotonic() - t0)
+
+
+def _finish(args, cfg: BenchConfig, job, dropped, results, info, elapsed: float) -> int:
+    from charm_megatron.bench.analysis import analyse
+    from charm_megatron.bench.report import format_table, plot, write_csv, write_json
+
+    rows, raw = analyse(cfg, job.points, results, info)
+    out = args.out or os.path.join("runs", time.strftime("bench-%Y%m%d-%H%M%S"))
+    os.makedirs(out, exist_ok=True)
+    r0 = results[0]
+    meta = {
+        "command": "charm-megatron bench " + " ".join(sys.argv[2:] if len(sys.argv) > 2 else []),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": _torch_version(),
+        "config": cfg.to_dict(),
+        "world": info.world,
+        "mode": info.mode,
+        "device": info.device,
+        "cores": info.cores,
+        "nic": info.nic,
+        "hw_groups": info.hw_groups,
+        "cross_rate_Bps": info.cross_rate,
+        "cross_rate_source": info.cross_rate_source,
+        "cross_burst_bytes": info.cross_burst,
+        "rates_Bps": info.rates,
+        "topology": r0["topology"],
+        "memory_method": r0["memory_method"],
+        "notes": info.notes,
+        "elapsed_s": elapsed,
+        "points": [vars(p) for p in job.points],
+        "dropped_points": dropped,
+    }
+    csv_path = os.path.join(out, "results.csv")
+    json_path = os.path.join(out, "results.json")
+    write_csv(rows, csv_path)
+    write_json({"meta": meta, "rows": rows, "raw": raw}, json_path)
+    print()
+    print(format_table(rows))
+    _print_bound_summary(rows, info)
+    for n in info.notes:
+        print(f"note: {n}")
+    print(f"memory: {r0['memory_method']}")
+    written = [csv_path, json_path]
+    if not args.no_plot:
+        title = (f"{info.world} ranks, {info.mode}"
+                 + (f" nic={info.nic}" if info.nic else "") + f", {cfg.dtype}, "
+                 + ("causal" if cfg.causal else "full"))
+        png = plot(rows, os.path.join(out, "speedup_vs_ccr.png"), title)
+        if png:
+            written.append(png)
+    print(f"wrote {', '.join(written)}  ({elapsed:.0f} s)")
+    return 0
+
+
+def _print_bound_summary(rows, info) -> None:
+    """One line per algorithm and pass: how close the measured time is to the bound."""
+    if info.device == "cuda":
+        what = "compute term = slowest rank's compute-only time"
+    else:
+        what = f"total CPU work of the compute-only run / {info.cores} cores"
+    if info.cross_rate:
+        burst = f" - {info.cross_burst / 1024:.0f} KiB burst" if info.cross_burst else ""
+        what += (f"; link term = (busiest cross link's bytes{burst}) / "
+                 f"{info.cross_rate / 1e6:.1f} MB/s ({info.cross_rate_source})")
+    print(f"lower bound = max({what})")
+    by: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        if r.get("vs_bound") is not None:
+            by.setdefault((r["algo"], r["pass"]), []).append(r["vs_bound"])
+    for (algo, p), v in sorted(by.items()):
+        print(f"  {algo:7} {p:6} measured / bound: median {sorted(v)[len(v) // 2]:.2f} "
+              f"(range {min(v):.2f} - {max(v):.2f} over {len(v)} point(s))")
+    print()
+
+
+def _torch_version() -> str:
+    try:
+        import torch
+
+        return torch.__version__
+    except ImportError:  # pragma: no cover
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m charm_megatron.bench.cli`` (same as ``charm-megatron bench``)."""
+    parser = argparse.ArgumentParser(prog="charm-megatron bench", description=__doc__.splitlines()[0])
+    register(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+

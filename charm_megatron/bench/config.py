@@ -1,0 +1,155 @@
+"""What the benchmark measures: the grid of problem sizes and the run settings (no torch)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+ALGOS = ("ring", "rmplus", "charm", "torch")
+PASSES = ("fwd", "bwd", "fwdbwd")
+DTYPES = ("fp32", "bf16", "fp16")
+
+# The paper's grid (Section 4.1): hidden sizes 12 or 20 heads of 128 or 192; S from 1K to 100K
+# with B*S <= 500K. The CPU preset scales it down so a grid runs in minutes on 2 cores.
+PRESETS: dict[str, dict] = {
+    "paper": {"batch": "1,2,4", "seq": "16k,32k,64k,128k", "heads": "12x128,20x128,12x192,20x192",
+              "dtype": "bf16", "warmup": 5, "iters": 20, "max_tokens": 500_000},
+    "cpu-small": {"batch": "1", "seq": "2k,4k,8k", "heads": "4x64,8x64", "dtype": "bf16",
+                  "warmup": 2, "iters": 5, "max_tokens": 0},
+    "tiny": {"batch": "1", "seq": "256", "heads": "2x32", "dtype": "fp32", "warmup": 1,
+             "iters": 2, "max_tokens": 0},
+}
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """``heads x dim`` as in the paper's ``12x128`` (12 query heads of dimension 128)."""
+
+    heads: int
+    dim: int
+
+    @classmethod
+    def parse(cls, text: str) -> HeadSpec:
+        m = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", text)
+        if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+            raise ValueError(f"cannot read heads {text!r}: write HEADSxDIM, e.g. 12x128")
+        return cls(int(m.group(1)), int(m.group(2)))
+
+    def __str__(self) -> str:
+        return f"{self.heads}x{self.dim}"
+
+
+def parse_count(text: str) -> int:
+    """``"8k"`` -> 8192, ``"1m"`` -> 1048576, ``"3000"`` -> 3000."""
+    m = re.fullmatch(r"\s*(\d+)\s*([kKmM]?)\s*", text)
+    if not m:
+        raise ValueError(f"cannot read {text!r}: use an integer, optionally with k or m (2k = 2048)")
+    return int(m.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[m.group(2).lower()]
+
+
+def parse_list(text: str, item) -> list:
+    """Comma-separated values, each read by ``item``."""
+    values = [item(x) for x in str(text).split(",") if x.strip()]
+    if not values:
+        raise ValueError(f"empty list {text!r}")
+    return values
+
+
+def parse_grid_shape(text: str) -> tuple[int, int]:
+    """``"2x4"`` -> (2, 4): G emulated nodes of M ranks."""
+    m = re.fullmatch(r"\s*(\d+)\s*[xX×]\s*(\d+)\s*", text)
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"cannot read {text!r}: write GxM, e.g. 2x4 (2 nodes of 4 ranks)")
+    return int(m.group(1)), int(m.group(2))
+
+
+@dataclass(frozen=True)
+class Point:
+    """One problem size of the grid: global sequence ``seq`` over the whole CP group."""
+
+    index: int
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def label(self) -> str:
+        gqa = f"/{self.kv_heads}" if self.kv_heads != self.heads else ""
+        return f"B={self.batch} S={self.seq} H={self.heads}{gqa}x{self.head_dim}"
+
+
+@dataclass
+class BenchConfig:
+    """Everything a rank needs to run the benchmark (picklable, no torch objects)."""
+
+    batches: list[int]
+    seqs: list[int]
+    heads: list[HeadSpec]
+    kv_heads: int | None = None  # None: as many as query heads (no GQA)
+    dtype: str = "bf16"
+    causal: bool = True
+    algos: list[str] = field(default_factory=lambda: list(ALGOS))
+    topology: str | None = None  # CHARM+ topology; None: resolved by the launcher
+    warmup: int = 2
+    iters: int = 5
+    backward: bool = True
+    ccr: bool = True  # ring's compute-only and comm-only runs (for the CCR)
+    bound: bool = True  # compute-only runs of every plan algorithm (for the lower bound)
+    memory: bool = True
+    max_tokens: int = 0  # skip points with batch*seq above this (0: no limit)
+    threads: int = 1  # intra-op threads per CPU rank
+    torch_rotate: str = "alltoall"
+    seed: int = 0
+
+    def points(self, world: int) -> tuple[list[Point], list[str]]:
+        """The grid for a CP group of ``world`` ranks, and a line per point left out (why)."""
+        points: list[Point] = []
+        dropped: list[str] = []
+        div = 2 * world if self.causal else world
+        for b, s, h in itertools.product(self.batches, self.seqs, self.heads):
+            kv = self.kv_heads or h.heads
+            label = f"B={b} S={s} H={h}"
+            if h.heads % kv:
+                dropped.append(f"{label}: {h.heads} query heads are not a multiple of "
+                               f"--kv-heads {kv}")
+                continue
+            if s % div:
+                dropped.append(f"{label}: S={s} is not divisible by {div} "
+                               f"({'2 x ' if self.causal else ''}{world} ranks)")
+                continue
+            if self.max_tokens and b * s > self.max_tokens:
+                dropped.append(f"{label}: B*S={b * s} exceeds --max-tokens {self.max_tokens}")
+                continue
+            points.append(Point(len(points), b, s, h.heads, kv, h.dim))
+        return points, dropped
+
+    def variants(self) -> list[tuple[str, str]]:
+        """(algorithm, mode) pairs timed in every iteration; mode ``full`` is the real run,
+        ``compute``/``comm`` are ablated runs (communication or computation switched off)."""
+        out = [(a, "full") for a in self.algos]
+        plan_algos = [a for a in self.algos if a != "torch"]
+        if self.ccr and "ring" in self.algos:
+            out += [("ring", "compute"), ("ring", "comm")]
+        if self.bound:
+            out += [(a, "compute") for a in plan_algos if (a, "compute") not in out]
+        return out
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["heads"] = [str(h) for h in self.heads]
+        return d
+
+
+def element_size(dtype: str) -> int:
+    return {"fp32": 4, "bf16": 2, "fp16": 2}[dtype]
+
+
+def check_algos(algos: Sequence[str]) -> list[str]:
+    bad = [a for a in algos if a not in ALGOS]
+    if bad:
+        raise ValueError(f"unknown algorithm(s) {', '.join(bad)}; choose from {', '.join(ALGOS)}")
+    return list(dict.fromkeys(algos))

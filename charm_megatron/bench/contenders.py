@@ -1,0 +1,208 @@
+"""What the benchmark times: one callable per algorithm, all on Megatron's ``[s, b, h, d]``.
+
+* ``ring``, ``rmplus``, ``charm``: :func:`charm_megatron.cp_attention` with that ``algo``.
+* ``torch``: PyTorch's own context-parallel ring attention
+  (``torch.distributed.tensor.experimental``). Two ways to run it:
+
+  - ``api``: the public ``context_parallel(mesh)`` context, which patches
+    ``F.scaled_dot_product_attention`` and routes the CUDA flash / efficient / cuDNN kernels
+    through ``_templated_ring_attention``. In torch 2.13 this does **not** run on CPU: the CPU
+    kernel (``aten._scaled_dot_product_flash_attention_for_cpu``) has no DTensor sharding
+    strategy, so the call raises ``NotImplementedError`` (measured; the probe below records the
+    exact message).
+  - ``core``: the same ring loop (``_templated_ring_attention`` and its backward, private
+    functions of ``torch.distributed.tensor.experimental._context_parallel._attention``) called
+    directly with the CPU kernel as its block op. Same communication (``alltoall`` rotation:
+    one ``permute_tensor`` per step; or ``allgather``), same merge, same load-balanced causal
+    halves; only the DTensor dispatch is skipped. Used on CPU.
+
+  Both need the causal layout to be the head-tail one (chunks ``r`` and ``2n-1-r``), which is
+  exactly Megatron's, so every contender gets identical inputs.
+
+Each contender has ``session()``: a context entered around one forward *and* its backward
+(the public torch API needs its patch active while autograd runs the backward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+aten = torch.ops.aten
+
+
+class Contender:
+    """One timed algorithm: ``__call__(q, k, v) -> out`` (sbhd, differentiable)."""
+
+    name: str = ""
+    ablatable: bool = False  # runs under charm_megatron.ops.executor.ablate
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        yield
+
+
+class PlanContender(Contender):
+    """``cp_attention(..., algo=name)``: the plans of this package."""
+
+    ablatable = True
+
+    def __init__(self, algo: str, topology: str | None, causal: bool) -> None:
+        self.name = algo
+        self._fn = functools.partial(_cp_attention(), algo=algo, causal=causal,
+                                     topology=topology if algo == "charm" else None)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self._fn(q, k, v)
+
+
+def _cp_attention() -> Callable:
+    from charm_megatron import cp_attention
+
+    return cp_attention
+
+
+# ----------------------------------------------------------------------------- torch CP
+def _cp_module():
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cpa
+
+    return cpa
+
+
+def _cpu_block_fwd(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   is_causal: bool = False, scale: float | None = None,
+                   **_: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel in the shape ``_templated_ring_attention`` expects of its op."""
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, bool(is_causal), scale=scale)
+    # The kernel returns lse as a non-contiguous view; the ring's merger chunks it along the
+    # sequence and needs plain memory.
+    return out, lse.contiguous()
+
+
+def _cpu_block_bwd(*, grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, out: torch.Tensor, logsumexp: torch.Tensor,
+                   is_causal: bool = False, scale: float | None = None,
+                   **_: object) -> tuple[torch.Tensor, ...]:
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, logsumexp, 0.0, bool(is_causal), scale=scale)
+
+
+class _TorchRingCore(torch.autograd.Function):
+    """PyTorch's ring loop (forward and backward) with the CPU kernel, under one autograd node."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale):  # q, k, v: [b, h, s, d]
+        cpa = _cp_module()
+        out, lse = cpa._templated_ring_attention(group, 2, _cpu_block_fwd, q, k, v,
+                                                 is_causal=causal, scale=scale)[:2]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = (group, causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group, causal, scale = ctx.cfg
+        cpa = _cp_module()
+        dq, dk, dv = cpa._templated_ring_attention_backward(
+            group, 2, _cpu_block_bwd, dout, "grad_out", q, k, v, out, lse,
+            is_causal=causal, scale=scale)[:3]
+        return dq, dk, dv, None, None, None
+
+
+class TorchContender(Contender):
+    """PyTorch's context-parallel ring attention (``mode`` ``api`` or ``core``, see above)."""
+
+    name = "torch"
+
+    def __init__(self, mode: str, causal: bool, scale: float, rotate: str,
+                 device: torch.device, gqa: bool) -> None:
+        self.mode, self.causal, self.scale, self.rotate = mode, causal, scale, rotate
+        self.device, self.gqa = device, gqa
+        self.world = dist.get_world_size()
+        self._mesh = None
+
+    def _mesh_(self):
+        if self._mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._mesh = init_device_mesh(self.device.type, (self.world,))
+        return self._mesh
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        cpa = _cp_module()
+        saved = (cpa._cp_options.enable_load_balance, cpa._cp_options.rotate_method)
+        # Load balancing (head-tail chunks) is torch's causal layout; it must be off otherwise
+        # (torch raises "Load balancing requires is_causal=True").
+        cpa._cp_options.enable_load_balance = self.causal
+        cpa.set_rotate_method(self.rotate)
+        try:
+            if self.mode == "api":
+                # A buffer of 2n tokens only to satisfy the API (it shards buffers and picks the
+                # load balancer from their length); the real inputs are already sharded.
+                dummy = torch.zeros(1, 2 * self.world, device=self.device)
+                with cpa.context_parallel(self._mesh_(), buffers=[dummy], buffer_seq_dims=[1],
+                                          no_restore_buffers={dummy}):
+                    cpa._cp_options.enable_load_balance = self.causal
+                    yield
+            else:
+                yield
+        finally:
+            cpa._cp_options.enable_load_balance, cpa._cp_options.rotate_method = saved
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # sbhd -> bhsd views
+        if self.mode == "api":
+            import torch.nn.functional as F
+
+            kw = {"enable_gqa": True} if self.gqa else {}
+            out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=self.causal,
+                                                 scale=self.scale, **kw)
+        else:
+            out = _TorchRingCore.apply(qb, kb, vb, dist.group.WORLD, self.causal, self.scale)
+        return out.permute(2, 0, 1, 3)
+
+
+def probe_torch(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int,
+                causal: bool, rotate: str) -> tuple[str | None, str]:
+    """Which way PyTorch's CP attention runs here: ``("api" | "core" | None, note)``.
+
+    A collective (every rank calls it with the same arguments): a tiny forward and backward
+    through the public API, then (CPU only) through the core ring; every rank's outcome is
+    shared so that all ranks decide alike.
+    """
+    world = dist.get_world_size()
+    s_local = 4
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(s_local, 1, h, d, generator=g).to(device=device, dtype=dtype)
+               .requires_grad_() for h in (hq, hkv, hkv))
+    tried: list[str] = []
+    for mode in ("api", "core") if device.type == "cpu" else ("api",):
+        try:
+            c = TorchContender(mode, causal, d ** -0.5, rotate, device, hq != hkv)
+            with c.session():
+                out = c(q, k, v)
+                out.float().sum().backward()
+            err = ""
+        except Exception as exc:  # noqa: BLE001 - any failure means "does not run here"
+            err = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+        errs: list[str] = [""] * world
+        dist.all_gather_object(errs, err)
+        bad = sorted({e for e in errs if e})
+        if not bad:
+            why = "; ".join(tried)
+            note = ("public context_parallel API" if mode == "api" else
+                    "torch's _templated_ring_attention (private) with the CPU kernel; the public "
+                    "API does not run on CPU: " + why)
+            return mode, note
+        tried.append(f"{mode}: {bad[0]}")
+    return None, "PyTorch context-parallel attention does not run here: " + "; ".join(tried)

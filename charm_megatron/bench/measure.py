@@ -1,0 +1,240 @@
+"""The per-rank timing loop: every rank of the CP group runs :func:`rank_main`.
+
+For each grid point: random inputs (this rank's shard), the contenders, a few warm-up rounds,
+then ``iters`` timed rounds. A round runs every *variant* once - each algorithm for real, and the
+ablated runs (ring compute-only and comm-only for the CCR; every plan algorithm compute-only for
+the lower bound) - in an order rotated by one each round, so that drifting machine noise hits all
+variants alike (CPU-TESTBED.md: identical code moves +-5-10 % between runs).
+
+One run of a variant: barrier, forward (timed), barrier, backward (timed). The barriers make
+the forward and the backward separately measurable; each rank reports its own durations and the
+analysis takes the slowest rank per round (a CP call is as slow as its slowest rank). CPU time
+(``time.process_time``: all threads of the rank, including gloo's) is recorded beside wall time:
+summed over ranks it is the total CPU work the lower bound needs.
+
+Afterwards one untimed forward+backward per algorithm measures peak memory
+(:mod:`charm_megatron.bench.memory`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from charm_megatron.bench import links
+from charm_megatron.bench.config import BenchConfig, Point
+from charm_megatron.bench.contenders import Contender, PlanContender, TorchContender, probe_torch
+from charm_megatron.bench.memory import PeakMeter
+from charm_megatron.bench.progress import Progress
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Job:
+    """What every rank runs (picklable)."""
+
+    cfg: BenchConfig
+    points: list[Point]
+    topology: str  # CHARM+ topology string (GxM, group list, or a probe level)
+    device: str = "cpu"  # "cpu" or "cuda"
+    progress: bool = True
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def variant_key(algo: str, mode: str) -> str:
+    return f"{algo}/{mode}"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _ablation(mode: str):
+    if mode == "full":
+        return contextlib.nullcontext()
+    from charm_megatron.ops.executor import ablate
+
+    return ablate(comm=False) if mode == "compute" else ablate(compute=False)
+
+
+def _run_once(c: Contender, mode: str, inputs: tuple[torch.Tensor, ...], backward: bool,
+              device: torch.device) -> tuple[float, float, float, float]:
+    """(fwd wall, bwd wall, fwd cpu, bwd cpu) seconds of one call on this rank."""
+    q, k, v, dout = inputs
+    # Fresh leaves sharing the inputs' storage (detach() copies nothing).
+    qa, ka, va = (t.detach().requires_grad_(backward) for t in (q, k, v))
+    fwd = bwd = fcpu = bcpu = 0.0
+    with c.session(), _ablation(mode), torch.set_grad_enabled(backward):
+        dist.barrier()
+        _sync(device)
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = c(qa, ka, va)
+        _sync(device)
+        fwd, fcpu = time.perf_counter() - t0, time.process_time() - c0
+        if backward:
+            dist.barrier()
+            _sync(device)
+            c0, t0 = time.process_time(), time.perf_counter()
+            out.backward(dout)
+            _sync(device)
+            bwd, bcpu = time.perf_counter() - t0, time.process_time() - c0
+    return fwd, bwd, fcpu, bcpu
+
+
+def _memory(c: Contender, inputs: tuple[torch.Tensor, ...], backward: bool,
+            device: torch.device) -> dict[str, int]:
+    """Peak memory growth (bytes) of one untimed call: forward, and forward + backward."""
+    q, k, v, dout = inputs
+    qa, ka, va = (t.detach().requires_grad_(backward) for t in (q, k, v))
+    meter = PeakMeter(device)
+    with c.session(), torch.set_grad_enabled(backward):
+        dist.barrier()
+        with meter.phase("fwd"):
+            out = c(qa, ka, va)
+        if backward:
+            dist.barrier()
+            with meter.phase("fwdbwd"):
+                out.backward(dout)
+        del out, qa, ka, va
+    peaks = meter.peaks
+    return {"fwd": peaks["fwd"], "fwdbwd": peaks.get("fwdbwd", peaks["fwd"])}
+
+
+def _inputs(point: Point, cfg: BenchConfig, rank: int, world: int,
+            device: torch.device) -> tuple[torch.Tensor, ...]:
+    """This rank's q, k, v, dout: ``[S/n, B, H, D]`` (values do not matter for timing)."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + point.index * 1009 + rank)
+    s = point.seq // world
+    dt = _DTYPES[cfg.dtype]
+    return tuple(torch.randn(s, point.batch, h, point.head_dim, generator=g)
+                 .to(device=device, dtype=dt)
+                 for h in (point.heads, point.kv_heads, point.kv_heads, point.heads))
+
+
+def _contenders(job: Job, point: Point, device: torch.device, torch_probe: dict,
+                ) -> tuple[dict[str, Contender], dict[str, str], dict[str, str]]:
+    cfg = job.cfg
+    got: dict[str, Contender] = {}
+    skipped: dict[str, str] = {}
+    notes: dict[str, str] = {}
+    for algo in cfg.algos:
+        if algo != "torch":
+            got[algo] = PlanContender(algo, job.topology, cfg.causal)
+            continue
+        if os.environ.get(links.ENV_FLAG) == "software":
+            skipped[algo] = ("the software link model throttles only this package's P2P calls, "
+                             "not torch's collectives; a torch timing would not see the slow link")
+            continue
+        key = (point.heads, point.kv_heads, point.head_dim)
+        if key not in torch_probe:
+            torch_probe[key] = probe_torch(device, _DTYPES[cfg.dtype], point.heads,
+                                           point.kv_heads, point.head_dim, cfg.causal,
+                                           cfg.torch_rotate)
+        mode, note = torch_probe[key]
+        if mode is None:
+            skipped[algo] = note
+            continue
+        notes[algo] = note
+        got[algo] = TorchContender(mode, cfg.causal, point.head_dim ** -0.5, cfg.torch_rotate,
+                                   device, point.heads != point.kv_heads)
+    return got, skipped, notes
+
+
+def _resolve_topology(job: Job, world: int) -> tuple[str, list[list[int]]]:
+    """The CHARM+ topology every rank uses, and its groups (a probe is a collective)."""
+    from charm_megatron.topology import resolve_topology
+
+    topo = resolve_topology(job.topology, None, "charm", world)
+    return str(topo), [list(g) for g in topo.groups]
+
+
+def rank_main(rank: int, world: int, job: Job) -> dict[str, Any]:
+    """Run the whole grid on this rank; returns its raw measurements (picklable)."""
+    os.environ.update(job.env)
+    cfg = job.cfg
+    if job.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        # Ablated runs compute on receive buffers that were never filled; denormal garbage
+        # there must not make the kernels slower than real data would.
+        torch.set_flush_denormal(True)
+    topo_text, topo_groups = _resolve_topology(job, world)
+    job.topology = topo_text
+    variants = cfg.variants()
+    rounds = cfg.warmup + cfg.iters
+    progress = Progress(len(job.points) * rounds, enabled=job.progress and rank == 0)
+    torch_probe: dict = {}
+    points_out = []
+    try:
+        for point in job.points:
+            inputs = _inputs(point, cfg, rank, world, device)
+            contenders, skipped, notes = _contenders(job, point, device, torch_probe)
+            todo = [(a, m) for a, m in variants if a in contenders
+                    and (m == "full" or contenders[a].ablatable)]
+            times = {variant_key(a, m): {"fwd": [], "bwd": [], "fwd_cpu": [], "bwd_cpu": []}
+                     for a, m in todo}
+            for it in range(rounds):
+                shift = it % len(todo)
+                for algo, mode in todo[shift:] + todo[:shift]:
+                    f, b, fc, bc = _run_once(contenders[algo], mode, inputs, cfg.backward, device)
+                    if it >= cfg.warmup:
+                        rec = times[variant_key(algo, mode)]
+                        rec["fwd"].append(f)
+                        rec["bwd"].append(b)
+                        rec["fwd_cpu"].append(fc)
+                        rec["bwd_cpu"].append(bc)
+                progress.update(1, f"{point.label}  round {it + 1}/{rounds}"
+                                + (" (warm-up)" if it < cfg.warmup else ""))
+            memory: dict[str, dict[str, int]] = {}
+            if cfg.memory:
+                for algo, c in contenders.items():
+                    memory[algo] = _memory(c, inputs, cfg.backward, device)
+            points_out.append({"point": point.index, "times": times, "memory": memory,
+                               "skipped": skipped, "notes": notes})
+            del inputs
+    finally:
+        progress.close()
+    return {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "cores": _cores(),
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+        "topology": topo_text,
+        "topology_groups": topo_groups,
+        "memory_method": _memory_method(cfg, device),
+        "points": points_out,
+        "links_booked_cross_bytes": _booked(),
+    }
+
+
+def _memory_method(cfg: BenchConfig, device: torch.device) -> str:
+    if not cfg.memory:
+        return "not measured (--no-memory)"
+    if device.type == "cuda":
+        return ("peak growth of torch.cuda.max_memory_allocated over one call, per rank "
+                "(max over ranks shown)")
+    return ("peak growth of the bytes held by torch's CPU allocator over one call (profiler "
+            "memory events), per rank (max over ranks shown)")
+
+
+def _booked() -> int | None:
+    return links.booked_cross_bytes()
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

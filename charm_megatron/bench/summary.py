@@ -1,0 +1,93 @@
+"""Several benchmark runs side by side, as a Markdown table (for docs/performance.md).
+
+``python -m charm_megatron.bench.summary runs/performance/*/results.csv [--passes fwd,fwdbwd]``
+
+One line per run, point and pass: ring's median time and CCR, then each other algorithm's
+median time, speedup over ring (median of per-round ratios) and measured/bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+
+def _num(v: str) -> float | None:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def load(path: str) -> tuple[str, list[dict]]:
+    """(label, rows) of one results.csv; the label says cluster shape, NIC model and mode."""
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    label = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    meta_path = os.path.join(os.path.dirname(path), "results.json")
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            meta = json.load(f)["meta"]
+        groups = meta.get("hw_groups")
+        shape = f"{len(groups)}x{len(groups[0])}" if groups else f"{meta['world']} ranks"
+        label = f"{shape} {meta['mode']}" + (f" nic={meta['nic']}" if meta.get("nic") else "")
+        cross = (meta.get("rates_Bps") or {}).get("configured_cross")
+        if cross:
+            label += f" {cross * 8 / 1e6:.0f} Mbit/s"
+    return label, rows
+
+
+def table(runs: Sequence[tuple[str, list[dict]]], passes: Sequence[str]) -> str:
+    algos: list[str] = []
+    for _, rows in runs:
+        for r in rows:
+            if r["algo"] != "ring" and r["algo"] not in algos:
+                algos.append(r["algo"])
+    head = ["run", "S", "heads", "pass", "ring CCR", "ring ms", "ring /bound"]
+    for a in algos:
+        head += [f"{a} ms", f"{a} vs ring", f"{a} /bound"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, rows in runs:
+        index = {(r["point"], r["algo"], r["pass"]): r for r in rows}
+        points = sorted({int(r["point"]) for r in rows})
+        for p in points:
+            for ps in passes:
+                ring = index.get((str(p), "ring", ps))
+                if ring is None:
+                    continue
+                heads = f"{ring['heads']}x{ring['head_dim']}"
+                cells = [label, ring["seq"], heads, ps, _fmt(_num(ring["ring_ccr"]), ".2f"),
+                         _fmt(_num(ring["median_ms"]), ".0f"), _fmt(_num(ring["vs_bound"]), ".2f")]
+                for a in algos:
+                    r = index.get((str(p), a, ps))
+                    if r is None or r["status"] != "ok":
+                        cells += ["skipped" if r is not None else "-", "-", "-"]
+                        continue
+                    cells += [_fmt(_num(r["median_ms"]), ".0f"),
+                              _fmt(_num(r["speedup_vs_ring"]), ".2f") + "x",
+                              _fmt(_num(r["vs_bound"]), ".2f")]
+                lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m charm_megatron.bench.summary",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("csv", nargs="+", help="results.csv files of charm-megatron bench runs")
+    ap.add_argument("--passes", default="fwd,fwdbwd", help="passes to show (fwd,bwd,fwdbwd)")
+    args = ap.parse_args(argv)
+    runs = [load(p) for p in args.csv]
+    print(table(runs, [p for p in args.passes.split(",") if p]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
