@@ -28,36 +28,36 @@ def rmplus_rounds(m: int) -> list[Round]:
     Power of two: the paper's Algorithm 1. Level ``i`` meets the peers ``x XOR j`` for
     ``2^(i-1) <= j < 2^i``; the peer with ``j``'s bit ``i-2`` clear is a kv-pair, the other a
     q-pair (level 1 is kv), which is exactly the paper's lower/upper-half split by position.
-    Rounds of a level alternate kv and q so both streams stay busy.
 
     Other sizes: the circle method (a round-robin 1-factorisation; one rank idles per round
     when ``m`` is odd), rounds alternating kv and q.
+
+    Order: kv and q rounds alternate (``kv q kv q ... kv``), levels in order within each role.
+    Every exchange carries original blocks, so the order of rounds is free; alternating keeps
+    both streams busy and lets each stream get by with one receive buffer (a unit's buffers
+    are free again by the time the same stream's next round is posted).
     """
     if m < 1:
         raise ValueError(f"group size must be >= 1, got {m}")
     if m == 1:
         return []
-    if is_power_of_two(m):
-        rounds: list[Round] = []
-        level_start = 1
-        while level_start < m:
-            half = max(level_start // 2, 1)
-            if level_start == 1:
-                kv_js, q_js = [1], []
-            else:
-                kv_js = list(range(level_start, level_start + half))
-                q_js = list(range(level_start + half, 2 * level_start))
-            order = []
-            for a, b in zip(kv_js + [None] * len(q_js), q_js + [None] * len(kv_js)):
-                if a is not None:
-                    order.append(("kv", a))
-                if b is not None:
-                    order.append(("q", b))
-            for role, j in order:
-                rounds.append(Round(role, {x: x ^ j for x in range(m)}))
-            level_start *= 2
-        return rounds
-    return [Round("kv" if r % 2 == 0 else "q", partner) for r, partner in enumerate(_circle(m))]
+    if not is_power_of_two(m):
+        return [Round("kv" if r % 2 == 0 else "q", partner)
+                for r, partner in enumerate(_circle(m))]
+    kv_js: list[int] = []
+    q_js: list[int] = []
+    level_start = 1
+    while level_start < m:
+        quarter = level_start // 2  # level 1: the single peer is a kv-pair
+        for j in range(level_start, 2 * level_start):
+            (kv_js if j < level_start + max(quarter, 1) else q_js).append(j)
+        level_start *= 2
+    rounds: list[Round] = []
+    for idx in range(len(kv_js)):
+        for role, js in (("kv", kv_js), ("q", q_js)):
+            if idx < len(js):
+                rounds.append(Round(role, {x: x ^ js[idx] for x in range(m)}))
+    return rounds
 
 
 def group_rounds(num_groups: int) -> list[dict[int, int]]:
