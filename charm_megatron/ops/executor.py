@@ -15,8 +15,9 @@ kv     k, v ``[s, b, hkv, d]`` (two messages; own k, v sent as is)    input
 qgrad  q, dout ``[s, b, hq, d]``; lse, delta ``[s, b, hq, 2]``        input; fp32
 out    out ``[s, b, hq, d]``, lse ``[s, b, hq]``                      fp32 in accumulators,
                                                                      input dtype on the wire
-dq     ``[s, b, hq, d]``                                             fp32
-dkv    dk, dv ``[s, b, hkv, d]``                                      fp32
+dq     ``[s, b, hq, d]``                                             fp32 in accumulators,
+                                                                     input dtype on the wire
+dkv    dk, dv ``[s, b, hkv, d]``                                      same as dq
 =====  ============================================================  ======================
 
 Own blocks are the caller's tensors themselves (no packing copies).
@@ -131,8 +132,8 @@ class Executor:
             "kv": [(kvs, sh.dtype), (kvs, sh.dtype)],
             "qgrad": [(qs, sh.dtype), (qs, sh.dtype), ((sh.s, sh.b, sh.hq, 2), f32)],
             "out": [(qs, sh.dtype if wire else f32), ((sh.s, sh.b, sh.hq), f32)],
-            "dq": [(qs, f32)],
-            "dkv": [(kvs, f32), (kvs, f32)],
+            "dq": [(qs, sh.dtype if wire else f32)],
+            "dkv": [(kvs, sh.dtype if wire else f32), (kvs, sh.dtype if wire else f32)],
         }
         if kind not in table:
             raise ValueError(f"unknown block kind {kind!r}")
@@ -244,6 +245,9 @@ class Executor:
                 # Partial outputs travel in the input dtype (half the bytes for bf16); the
                 # receiver merges them in fp32.
                 tensors = (tensors[0].to(self.shape.dtype), tensors[1])
+            elif x.kind in ("dq", "dkv"):
+                # So do gradient partials (summed in fp32 on both sides: one rounding each).
+                tensors = tuple(t.to(self.shape.dtype) for t in tensors)
             for t in tensors:
                 t = t if t.is_contiguous() else t.contiguous()
                 keep.append(t)

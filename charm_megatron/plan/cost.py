@@ -28,8 +28,8 @@ class Problem:
             "kv": 2 * self.b * self.hkv * self.d * e,
             "out": self.b * self.hq * (self.d * e + 4),  # partial out + fp32 lse
             "qgrad": self.b * self.hq * (2 * self.d * e + 8),  # q, dout + lse, delta
-            "dq": self.b * self.hq * self.d * 4,
-            "dkv": 2 * self.b * self.hkv * self.d * 4,
+            "dq": self.b * self.hq * self.d * e,  # partials travel in the input dtype
+            "dkv": 2 * self.b * self.hkv * self.d * e,
         }[kind]
         return rows * per_row
 
