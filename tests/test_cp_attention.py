@@ -91,3 +91,14 @@ def test_auto_picks_one_algorithm_everywhere_and_is_correct():
     res = run_ranks(dist_cases.run_auto, 4, "2x2")
     assert len({c for c, _ in res}) == 1 and res[0][0] in ("ring", "rmplus", "charm")
     assert all(err < 1e-5 for _, err in res)
+
+
+@pytest.mark.parametrize("world,topology", [(4, "2x2"), (6, "3x2")])
+def test_joint_pass_order_against_float64_reference(world, topology):
+    cases = [("charm", topology, causal, dtype, hkv)
+             for causal in (True, False) for dtype in ("fp32", "bf16") for hkv in (8, 1)]
+    per_rank = run_ranks(dist_cases.run_matrix, world, cases, timeout_s=600,
+                         env={"CHARM_PASS_ORDER": "joint"})
+    for case in cases:
+        for res in per_rank:
+            assert max(res[case].values()) < TOL[case[3]], (case, res[case])

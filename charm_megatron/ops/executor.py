@@ -205,21 +205,31 @@ class Executor:
         merge_into(acc_o, acc_l, out, lse.permute(2, 0, 1), _rows(s.q_half, self.shape.s))
 
     def _tile_bwd(self, op: TileBwd) -> None:
-        if not _ENABLED["compute"]:
-            return
         s = op.spec
+        if not _ENABLED["compute"]:
+            # Something of the right size must still be there to send.
+            if op.fresh_dq:
+                self._buffer(op.dq_acc, "dq", wire=True).held = s.q_half
+            if op.fresh_dkv:
+                self._buffer(op.dkv_acc, "dkv", wire=True).held = s.kv_half
+            return
         q, dout, stats = self._view(op.q_loc, s.q_half)
         k, v = self._view(op.kv_loc, s.kv_half)
         dq, dk, dv = self.backend.backward(
             dout, q, k, v, _out_with_delta(dout, stats[..., 1]),
             stats[..., 0].permute(1, 2, 0), s.causal, self.scale,
         )
-        (dq_acc,) = self.bufs[op.dq_acc].tensors
-        dk_acc, dv_acc = self.bufs[op.dkv_acc].tensors
         qr, kr = _rows(s.q_half, self.shape.s), _rows(s.kv_half, self.shape.s)
-        dq_acc[qr] += dq
-        dk_acc[kr] += dk
-        dv_acc[kr] += dv
+        if op.fresh_dq:
+            self.bufs[op.dq_acc] = _Buf((dq,), held=s.q_half, kind="dq")
+        else:
+            self.bufs[op.dq_acc].tensors[0][qr] += dq
+        if op.fresh_dkv:
+            self.bufs[op.dkv_acc] = _Buf((dk, dv), held=s.kv_half, kind="dkv")
+        else:
+            dk_acc, dv_acc = self.bufs[op.dkv_acc].tensors
+            dk_acc[kr] += dk
+            dv_acc[kr] += dv
 
     def _merge(self, op: Merge) -> None:
         src = self.bufs[op.src]

@@ -227,10 +227,10 @@ class _CharmRank:
 
     # -- ops ---------------------------------------------------------------------------------
     def _tile(self, owner: int, q_loc: str, kv_owner: int, kv_loc: str, acc: str,
-              dkv_acc: str) -> None:
+              dkv_acc: str, fresh_dq: bool = False, fresh_dkv: bool = False) -> None:
         spec = tile_spec(owner, kv_owner, self.causal)
         if self.bwd:
-            self.p.add(TileBwd(spec, q_loc, kv_loc, acc, dkv_acc))
+            self.p.add(TileBwd(spec, q_loc, kv_loc, acc, dkv_acc, fresh_dq, fresh_dkv))
         else:
             self.p.add(Tile(spec, q_loc, kv_loc, acc))
 
@@ -366,14 +366,16 @@ class _CharmRank:
             if role == "kv":
                 buf = f"kv.rx{slot[u]}"
                 dkv = f"acc.pdkv{slot[u]}"
-                if self.bwd:
+                # One q block: the peer's dk/dv partial is one tile's, sent as the kernel made it.
+                fresh_dkv = self.bwd and len(items) == 1
+                if self.bwd and not fresh_dkv:
                     p.add(Reset(dkv, "dkv", y))
                 # Counterpart's q first: its partial must travel home, the own q's need not.
                 for it in sorted(items, key=lambda it: it.owner == r):
                     if u == last_kv and has_cross and it.owner == r and not self.bwd:
                         self._deferred.append((it.owner, it.q_loc, y, buf, it.acc, dkv))
                         continue
-                    self._tile(it.owner, it.q_loc, y, buf, it.acc, dkv)
+                    self._tile(it.owner, it.q_loc, y, buf, it.acc, dkv, fresh_dkv=fresh_dkv)
                 if self.bwd:
                     half_back = self._kv_half(y, [it.owner for it in items])
                     mine_half = self._kv_half(r, self._owners(ps, peer_local))
@@ -388,8 +390,8 @@ class _CharmRank:
                 for i, o in enumerate(self._owners(ps, peer_local)):
                     acc = f"acc.svc{slot[u]}.{i}"
                     if self.bwd:
-                        p.add(Reset(acc, self.pkind, o))
-                        self._tile(o, f"q.rx{slot[u]}.{i}", r, "own.kv", acc, Plan.DKV)
+                        self._tile(o, f"q.rx{slot[u]}.{i}", r, "own.kv", acc, Plan.DKV,
+                                   fresh_dq=True)
                     else:
                         # A served tile is one partial sent straight back: no accumulator.
                         p.add(Tile(tile_spec(o, r, self.causal), f"q.rx{slot[u]}.{i}", "own.kv",

@@ -125,13 +125,17 @@ class Tile:
 
 @dataclass(frozen=True)
 class TileBwd:
-    """Backward of tile ``spec``: dq rows added into ``dq_acc``, dk/dv rows into ``dkv_acc``."""
+    """Backward of tile ``spec``: dq rows added into ``dq_acc``, dk/dv rows into ``dkv_acc``.
+    With ``fresh_dq`` / ``fresh_dkv`` the kernel's gradient *replaces* what the location held
+    (input dtype, the tile's rows only): a one-tile partial that is only sent on."""
 
     spec: TileSpec
     q_loc: str
     kv_loc: str
     dq_acc: str
     dkv_acc: str
+    fresh_dq: bool = False
+    fresh_dkv: bool = False
 
 
 @dataclass(frozen=True)
@@ -188,8 +192,10 @@ def format_op(op: Op) -> str:
     if isinstance(op, TileBwd):
         s = op.spec
         mask = " causal" if s.causal else ""
+        a = "=>" if op.fresh_dq else "->"
+        b = "=>" if op.fresh_dkv else "->"
         return (f"tile-bwd q[{s.q_owner}].{s.q_half} x kv[{s.kv_owner}].{s.kv_half}{mask}"
-                f" -> {op.dq_acc}, {op.dkv_acc}")
+                f" dq {a} {op.dq_acc}, dkv {b} {op.dkv_acc}")
     if isinstance(op, Merge):
         return f"merge {op.src} into {op.acc}"
     raise TypeError(op)

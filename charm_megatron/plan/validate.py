@@ -198,8 +198,15 @@ def validate(plan: Plan) -> PlanStats:
                 elif isinstance(op, Tile):
                     add_tiles(r, op.acc, "out", s.q_owner, frozenset([s]), depth)
                 else:
-                    add_tiles(r, op.dq_acc, "dq", s.q_owner, frozenset([s]), depth)
-                    add_tiles(r, op.dkv_acc, "dkv", s.kv_owner, frozenset([s]), depth)
+                    for fresh, loc, kind, owner, half in (
+                        (op.fresh_dq, op.dq_acc, "dq", s.q_owner, s.q_half),
+                        (op.fresh_dkv, op.dkv_acc, "dkv", s.kv_owner, s.kv_half),
+                    ):
+                        if fresh:
+                            write_check(r, loc)
+                            state[r][loc] = _Content(kind, owner, half, frozenset([s]), depth)
+                        else:
+                            add_tiles(r, loc, kind, owner, frozenset([s]), depth)
             elif isinstance(op, Merge):
                 src = state[r].get(op.src)
                 if src is None:
