@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from charm_megatron.layout import shard
 from charm_megatron.testing import run_ranks
+from charm_megatron.train_demo.cpu_megatron import init_parallel, patch_for_cpu
 
 pytest.importorskip("megatron.core")
 
@@ -34,40 +34,13 @@ GRAD_TOL = 1e-4  # parameter gradient, relative norm
 
 # --------------------------------------------------------------------------- CPU scaffolding
 def _cpu_megatron() -> None:
-    """Make megatron-core 0.16.1 run on a CPU-only torch (test scaffolding, per process).
-
-    * ``torch.cuda.current_device`` -> ``"cpu"``: RoPE moves ``inv_freq`` there
-      (rotary_pos_embedding.py:162) and ``DotProductAttention`` allocates its score buffer there
-      (utils.py GlobalMemoryBuffer).
-    * RoPE's per-CP-rank slice (rope_utils.get_pos_emb_on_this_cp_rank) builds its index with
-      ``pin_memory=True`` and ``.cuda()``; the same slice is ``charm_megatron.layout.shard``.
-    * The tensor-parallel RNG tracker (``model_parallel_cuda_manual_seed``, activation
-      checkpointing) reads and writes the CUDA generator; here it uses the CPU generator.
-    """
-    import megatron.core.models.common.embeddings.rotary_pos_embedding as rope
-    from megatron.core.tensor_parallel import random as mrandom
-
-    torch.cuda.current_device = lambda: "cpu"
-
-    def pos_emb_on_this_cp_rank(pos_emb, seq_dim, cp_group):
-        return shard(pos_emb, cp_group.rank(), cp_group.size(), seq_dim=seq_dim)
-
-    rope.get_pos_emb_on_this_cp_rank = pos_emb_on_this_cp_rank
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    torch.cuda.manual_seed = torch.manual_seed
+    """Make megatron-core run on a CPU-only torch (RoPE, CP slice, RNG tracker; see
+    charm_megatron.train_demo.cpu_megatron)."""
+    patch_for_cpu()
 
 
 def _init_parallel(tp: int, cp: int, seed: int = 1234) -> None:
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
-    mrandom.model_parallel_cuda_manual_seed(seed, force_reset_rng=True)
-    torch.manual_seed(seed)
+    init_parallel(tp, cp, seed)
 
 
 def _config(tp: int, cp: int, groups: int, **overrides):

@@ -13,9 +13,8 @@ import argparse
 from charm_megatron.model.cluster import PROFILES, Cluster, default_cluster_for, get_profile
 from charm_megatron.model.predict import Prediction, predict_all, ring_ccr
 from charm_megatron.plan.builders import ALGOS
-from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args
 
-_ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
 # (flag, Cluster field, type, help)
 _CLUSTER_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--intra-gbps", "intra_gbps", float, "intra-group link, GB/s per direction per message"),
@@ -50,12 +49,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="cross messages also use the intra ports (one PCIe link per GPU)")
     for flag, _, typ, text in _CLUSTER_FLAGS:
         parser.add_argument(flag, type=typ, default=None, help=text)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=131072, help="global sequence length")
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", choices=sorted(_ELEM), default="bf16")
+    add_problem_args(parser)
     parser.add_argument("--causal", action="store_true", help="causal mask (load-balanced)")
     parser.add_argument("--grid", nargs="?", const="", default=None, metavar="SEQS",
                         help="sweep sequence lengths (comma list, k suffix allowed; "
@@ -107,8 +101,7 @@ def resolve(args: argparse.Namespace) -> tuple[str, list[list[int]], Cluster, st
 
 
 def _problem(args: argparse.Namespace, seq: int) -> Problem:
-    return Problem(args.batch, seq, args.heads, args.kv_heads or args.heads, args.head_dim,
-                   _ELEM[args.dtype])
+    return problem_from_args(args, seq)
 
 
 def _ms(x: float) -> str:

@@ -6,7 +6,7 @@ with a single group, so one builder serves both.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from charm_megatron.plan.core import (
@@ -149,6 +149,14 @@ class _Pass:
 ORDERS = ("split", "joint")
 
 
+def _union(halves: Iterable[Half]) -> Half:
+    """The rows a message must carry: the union of the rows its tiles use."""
+    out = None
+    for h in halves:
+        out = h if out is None else out.union(h)
+    return out or Half.FULL
+
+
 class _CharmRank:
     """Builds one rank's CHARM+ (or, with one group, RM+) forward or backward program.
 
@@ -212,18 +220,12 @@ class _CharmRank:
 
     # -- message halves --------------------------------------------------------------------------
     def _q_half(self, owner: int, kv_owners: Sequence[int]) -> Half:
-        half = None
-        for j in kv_owners:
-            h = tile_spec(owner, j, self.causal).q_half
-            half = h if half is None else half.union(h)
-        return half or Half.FULL
+        """Rows of q block ``owner`` that its tiles with ``kv_owners`` need."""
+        return _union(tile_spec(owner, j, self.causal).q_half for j in kv_owners)
 
     def _kv_half(self, kv_owner: int, q_owners: Sequence[int]) -> Half:
-        half = None
-        for i in q_owners:
-            h = tile_spec(i, kv_owner, self.causal).kv_half
-            half = h if half is None else half.union(h)
-        return half or Half.FULL
+        """Rows of kv block ``kv_owner`` that its tiles with ``q_owners`` need."""
+        return _union(tile_spec(i, kv_owner, self.causal).kv_half for i in q_owners)
 
     # -- ops ---------------------------------------------------------------------------------
     def _tile(self, owner: int, q_loc: str, kv_owner: int, kv_loc: str, acc: str,

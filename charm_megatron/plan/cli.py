@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 
 from charm_megatron.plan.builders import ALGOS, build_plan
-from charm_megatron.plan.cost import Problem, traffic
+from charm_megatron.plan.cost import add_problem_args, problem_from_args, traffic
 from charm_megatron.plan.validate import validate
-
-_ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -18,12 +16,7 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=int, default=None, help="print this rank's schedule")
     parser.add_argument("--algo", choices=ALGOS, default="charm", help="schedule to print")
     parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=131072, help="global sequence length")
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", choices=sorted(_ELEM), default="bf16")
+    add_problem_args(parser)
 
 
 def _mb(x: float) -> str:
@@ -36,8 +29,7 @@ def run(args: argparse.Namespace) -> int:
     topo = Topology.parse(args.topology, cp_size=args.cp)
     topo.check_size(args.cp)
     groups = [list(g) for g in topo.groups]
-    problem = Problem(args.batch, args.seq, args.heads, args.kv_heads or args.heads,
-                      args.head_dim, _ELEM[args.dtype])
+    problem = problem_from_args(args)
     mask = "causal" if args.causal else "full"
     if args.rank is not None:
         if not 0 <= args.rank < args.cp:

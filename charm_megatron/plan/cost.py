@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +33,25 @@ class Problem:
             "dkv": 2 * self.b * self.hkv * self.d * e,
         }[kind]
         return rows * per_row
+
+
+ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def add_problem_args(parser: argparse.ArgumentParser) -> None:
+    """The problem-size options shared by ``charm-megatron plan`` and ``model``."""
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=131072, help="global sequence length")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=sorted(ELEM_BYTES), default="bf16")
+
+
+def problem_from_args(args: argparse.Namespace, seq: int | None = None) -> Problem:
+    """The :class:`Problem` those options describe (``seq`` overrides ``--seq``)."""
+    return Problem(args.batch, args.seq if seq is None else seq, args.heads,
+                   args.kv_heads or args.heads, args.head_dim, ELEM_BYTES[args.dtype])
 
 
 @dataclass
