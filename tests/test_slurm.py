@@ -68,7 +68,7 @@ def after_marker(words: list[str], marker: str) -> list[str]:
 
 
 # --------------------------------------------------------------------------- static checks
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", (*SCRIPTS, "common.sh"))
 def test_shellcheck_clean(script: str) -> None:
     if shutil.which("shellcheck") is None:
         pytest.skip("shellcheck is not installed (apt-get install shellcheck)")

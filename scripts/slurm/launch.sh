@@ -66,13 +66,8 @@ done
 [[ -n $config ]] || die "--config is required"
 [[ -n $run ]] || die "--run is required"
 
-if [[ -n ${CHARM_MEGATRON:-} ]]; then
-    cm=("$CHARM_MEGATRON")
-elif command -v charm-megatron > /dev/null 2>&1; then
-    cm=(charm-megatron)
-else
-    cm=("${PYTHON:-python3}" -m charm_megatron.cli)
-fi
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$here/common.sh"  # sets cm: the charm-megatron command
 # The world size is part of the config (CP must divide it), so node/GPU counts go through it.
 if [[ -n $nodes ]]; then sets+=(--set "nodes=$nodes"); fi
 if [[ -n $gpus ]]; then sets+=(--set "gpus_per_node=$gpus"); fi

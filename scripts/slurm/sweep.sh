@@ -32,13 +32,8 @@ while (($#)); do
 done
 [[ -n $config ]] || die "--config is required"
 
-if [[ -n ${CHARM_MEGATRON:-} ]]; then
-    cm=("$CHARM_MEGATRON")
-elif command -v charm-megatron > /dev/null 2>&1; then
-    cm=(charm-megatron)
-else
-    cm=("${PYTHON:-python3}" -m charm_megatron.cli)
-fi
+# shellcheck source-path=SCRIPTDIR source=common.sh
+source "$here/common.sh"  # sets cm: the charm-megatron command
 
 IFS=, read -r -a comms <<< "$comm_list"
 if [[ -n $run_list ]]; then
