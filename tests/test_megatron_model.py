@@ -23,7 +23,11 @@ import torch
 import torch.distributed as dist
 
 from charm_megatron.testing import run_ranks
-from charm_megatron.train_demo.cpu_megatron import init_parallel, patch_for_cpu
+from charm_megatron.train_demo.cpu_megatron import (
+    cpu_config_kwargs,
+    init_parallel,
+    patch_for_cpu,
+)
 
 pytest.importorskip("megatron.core")
 
@@ -55,15 +59,9 @@ def _config(tp: int, cp: int, groups: int, **overrides):
         num_query_groups=groups,
         tensor_model_parallel_size=tp,
         context_parallel_size=cp,
-        use_cpu_initialization=True,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        params_dtype=torch.float32,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        **cpu_config_kwargs(),
     )
     kw.update(overrides)
     return TransformerConfig(**kw)

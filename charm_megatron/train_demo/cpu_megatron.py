@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
-__all__ = ["init_parallel", "patch_for_cpu", "quiet_megatron"]
+__all__ = ["cpu_config_kwargs", "init_parallel", "patch_for_cpu", "quiet_megatron"]
 
 _PATCHED = False
 
@@ -54,6 +55,23 @@ def patch_for_cpu() -> None:
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()  # type: ignore[assignment]
     torch.cuda.manual_seed = torch.manual_seed  # type: ignore[assignment]
     _PATCHED = True
+
+
+def cpu_config_kwargs() -> dict[str, Any]:
+    """``TransformerConfig`` settings a CPU run needs: fp32 parameters built on the CPU, and
+    every fused kernel off (they are CUDA-only)."""
+    import torch
+
+    return dict(
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        bias_activation_fusion=False,
+    )
 
 
 def quiet_megatron() -> None:

@@ -63,8 +63,9 @@ class TrainSpec:
 
 # --------------------------------------------------------------------------- building blocks
 def _transformer_config(v: dict[str, Any], comm: str) -> Any:
-    import torch
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from charm_megatron.train_demo.cpu_megatron import cpu_config_kwargs
 
     return TransformerConfig(
         num_layers=v["num_layers"],
@@ -82,15 +83,8 @@ def _transformer_config(v: dict[str, Any], comm: str) -> Any:
         init_method_std=v["init_method_std"],
         hidden_dropout=v["hidden_dropout"],
         attention_dropout=v["attention_dropout"],
-        params_dtype=torch.float32,
-        use_cpu_initialization=True,
-        # The fused kernels are CUDA-only (the config's fused_kernels: false).
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        bias_activation_fusion=False,
+        # fp32 on the CPU, fused kernels off (the config's fused_kernels: false).
+        **cpu_config_kwargs(),
     )
 
 
