@@ -208,7 +208,10 @@ class Loc:
     @staticmethod
     def own(kind: Kind) -> Loc:
         """Where a rank's own input block of ``kind`` is (``own.q``, ``own.kv``, ``own.qgrad``)."""
-        return OWN[Kind(kind)]
+        kind = Kind(kind)
+        if kind not in OWN:
+            raise ValueError(f"{kind} is a partial, not an input block: no own location")
+        return OWN[kind]
 
     def __str__(self) -> str:
         s = self.stem if self.slot is None else f"{self.stem}{self.slot}"
