@@ -237,9 +237,9 @@ class _Engine(OpInterpreter[None]):
         if b.pending == 0:
             self._complete(b)
             return
-        for peer in b.op.peers():
+        for peer in b.op.peers:
             other = self.queues.head(peer, b.op.stream)
-            if other is not None and other.active and b.rank in other.op.peers():
+            if other is not None and other.active and b.rank in other.op.peers:
                 self._match(b, other)
 
     def _match(self, a: _Batch, c: _Batch) -> None:

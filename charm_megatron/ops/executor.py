@@ -36,7 +36,7 @@ from charm_megatron.plan.core import (
     TileBwd,
     Wait,
 )
-from charm_megatron.plan.vocab import Dtype
+from charm_megatron.plan.vocab import BLOCKS, Dtype
 
 _ENABLED = {"comm": True, "compute": True}
 
@@ -130,20 +130,24 @@ class Executor(OpInterpreter[None]):
     def _alloc_shapes(self, kind: Kind, wire: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of each tensor of a full block of ``kind``: in a receive buffer
         (``wire``) or in an accumulator."""
-        key = (Kind(kind), wire)
+        key = (kind, wire)
         if key not in self._shapes:
             sh = self.shape
             sizes = {"s": sh.s, "b": sh.b, "hq": sh.hq, "hkv": sh.hkv, "d": sh.d}
             self._shapes[key] = [(t.shape(sizes), self._torch_dtype(t.dtype(accumulator=not wire)))
-                                 for t in key[0].spec.tensors]
+                                 for t in BLOCKS[Kind(kind)].tensors]
         return self._shapes[key]
 
     def _to_wire(self, kind: Kind, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """``tensors`` of a ``kind`` block as they travel: the tensors whose wire dtype is the
         input dtype in that dtype (partials leave their fp32 accumulators; the receiver merges
         them in fp32), fp32 ones as they are."""
-        return tuple(t.to(self.shape.dtype) if spec.wire is Dtype.INPUT else t
-                     for t, spec in zip(tensors, kind.spec.tensors))
+        dtype = self.shape.dtype
+        wire = list(tensors)
+        for i, spec in enumerate(BLOCKS[kind].tensors):
+            if spec.wire is Dtype.INPUT and wire[i].dtype != dtype:
+                wire[i] = wire[i].to(dtype)
+        return tuple(wire)
 
     def _view(self, loc: Loc, half: Half) -> tuple[torch.Tensor, ...]:
         """Rows ``half`` of the block in ``loc`` (which may hold only some rows)."""
@@ -184,7 +188,7 @@ class Executor(OpInterpreter[None]):
         buf = self._buffer(op.loc, op.kind, wire=False)
         buf.held = Half.FULL
         buf.kind = op.kind
-        for t, spec in zip(buf.tensors, op.kind.spec.tensors):
+        for t, spec in zip(buf.tensors, BLOCKS[op.kind].tensors):
             if spec.empty:
                 t.fill_(spec.empty)
             else:
@@ -238,7 +242,7 @@ class Executor(OpInterpreter[None]):
         rows = _rows(src.held, self.shape.s)
         n = rows.stop - rows.start
         acc = self.bufs[op.acc]
-        if acc.kind.spec.lse_merge:  # a partial output: log-sum-exp merge
+        if BLOCKS[acc.kind].lse_merge:  # a partial output: log-sum-exp merge
             merge_into(acc.tensors[0], acc.tensors[1], src.tensors[0][:n], src.tensors[1][:n],
                        rows)
         else:  # gradient partials: sum

@@ -42,19 +42,22 @@ def messages_between(src: int, src_batch: Comm, dst: int,
                      dst_batch: Comm) -> list[tuple[Xfer, Xfer]]:
     """The messages from ``src``'s batch to ``dst``'s: (send, matching receive) pairs, in
     posted order. Raises :class:`BatchMismatch` if the counts differ."""
-    sends = [x for x in src_batch.sends if x.peer == dst]
-    recvs = [x for x in dst_batch.recvs if x.peer == src]
+    sends, recvs = _facing(src, src_batch, dst, dst_batch)
     if len(sends) != len(recvs):
         raise BatchMismatch(src_batch.stream, src, dst, len(sends), len(recvs))
     return list(zip(sends, recvs))
 
 
+def _facing(src: int, src_batch: Comm, dst: int,
+            dst_batch: Comm) -> tuple[list[Xfer], list[Xfer]]:
+    """``src``'s sends to ``dst`` and ``dst``'s receives from ``src``."""
+    return ([x for x in src_batch.sends if x.peer == dst],
+            [x for x in dst_batch.recvs if x.peer == src])
+
+
 def _counts_match(src: int, src_batch: Comm, dst: int, dst_batch: Comm) -> bool:
-    try:
-        messages_between(src, src_batch, dst, dst_batch)
-    except BatchMismatch:
-        return False
-    return True
+    sends, recvs = _facing(src, src_batch, dst, dst_batch)
+    return len(sends) == len(recvs)
 
 
 class StreamQueues(Generic[B]):
@@ -101,7 +104,7 @@ def closed_matching(heads: Mapping[Key, Comm]) -> set[Key]:
         for key in list(alive):
             rank, stream = key
             batch = heads[key]
-            for peer in batch.peers():
+            for peer in batch.peers:
                 other = (peer, stream)
                 if other not in alive or not _counts_match(rank, batch, peer, heads[other]):
                     alive.discard(key)

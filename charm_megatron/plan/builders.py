@@ -93,6 +93,9 @@ def build_plan(
     return plan
 
 
+_OWN_KV = Loc.own(Kind.KV)
+
+
 # --------------------------------------------------------------------------------------- ring
 _RING_KV = Loc("ring.kv")  # the kv block passing through (two copies: receive while computing)
 _RING_DKV = Loc("ring.dkv")  # the dkv partial of the kv block computed here, sent on
@@ -110,7 +113,7 @@ def _ring(r: int, n: int, causal: bool, backward: bool) -> list[Op]:
         p.add(Reset(Plan.DQ, Kind.DQ, r))
     else:
         p.add(Reset(Plan.OUT, Kind.OUT, r))
-    cur = Loc.own(Kind.KV)
+    cur = _OWN_KV
     kv_handle = dkv_handle = None
     for step in range(n):
         j = (r - step) % n
@@ -391,11 +394,11 @@ class _CharmRank:
         pending = self._post(units[0], items) if units else None
         if ps.own_kv:
             for it in own:
-                p.add(self._tile(it.owner, it.q_loc, r, Loc.own(Kind.KV), it.acc, Plan.DKV))
+                p.add(self._tile(it.owner, it.q_loc, r, _OWN_KV, it.acc, Plan.DKV))
         if awaiting:
             self._await_cross(cross_handle, cross)
         if ps.own_kv and cross is not None:
-            p.add(self._tile(cross.owner, cross.q_loc, r, Loc.own(Kind.KV), cross.acc, Plan.DKV))
+            p.add(self._tile(cross.owner, cross.q_loc, r, _OWN_KV, cross.acc, Plan.DKV))
         last_kv = max((u.index for u in units if u.role is Role.KV), default=None)
         # Forward, joint: the own q's tile of the last kv unit waits until the counterpart's
         # partial is on its way (it is not needed before the end).
@@ -428,7 +431,7 @@ class _CharmRank:
         if u.role is Role.KV:
             return self.p.comm(
                 Stream.KV,
-                sends=[Xfer(y, Loc.own(Kind.KV), Kind.KV, r, self._kv_half(r, u.peer_owners))],
+                sends=[Xfer(y, _OWN_KV, Kind.KV, r, self._kv_half(r, u.peer_owners))],
                 recvs=[Xfer(y, _KV_RX.at(u.slot), Kind.KV, y,
                             self._kv_half(y, [it.owner for it in items]))],
             )
@@ -476,11 +479,11 @@ class _CharmRank:
         for i, o in enumerate(u.peer_owners):
             acc, q_loc = _SERVED.at(u.slot, i), _Q_RX.at(u.slot, i)
             if self.bwd:
-                self.p.add(self._tile(o, q_loc, r, Loc.own(Kind.KV), acc, Plan.DKV,
+                self.p.add(self._tile(o, q_loc, r, _OWN_KV, acc, Plan.DKV,
                                       fresh_dq=True))
             else:
                 # A served tile is one partial sent straight back: no accumulator.
-                self.p.add(Tile(tile_spec(o, r, self.causal), q_loc, Loc.own(Kind.KV), acc,
+                self.p.add(Tile(tile_spec(o, r, self.causal), q_loc, _OWN_KV, acc,
                                 fresh=True))
             sends.append(Xfer(y, acc, self.pkind, o, self._q_half(o, [r])))
         recvs = [Xfer(y, _Q_RET.at(u.slot, i), self.pkind, it.owner,

@@ -27,6 +27,7 @@ subclass :class:`OpInterpreter`: one method per op type, one dispatch.
 from __future__ import annotations
 
 import abc
+import functools
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -78,7 +79,8 @@ class Xfer:
     half: Half
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", Kind(self.kind))
+        if type(self.kind) is not Kind:  # a plain string: normalise (cheap check first)
+            object.__setattr__(self, "kind", Kind(self.kind))
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,13 @@ class Comm:
     recvs: tuple[Xfer, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "stream", Stream(self.stream))
+        if type(self.stream) is not Stream:
+            object.__setattr__(self, "stream", Stream(self.stream))
 
-    def peers(self) -> list[int]:
+    @functools.cached_property
+    def peers(self) -> tuple[int, ...]:
         """The ranks this batch exchanges with, in order of first mention."""
-        return list(dict.fromkeys(x.peer for x in self.sends + self.recvs))
+        return tuple(dict.fromkeys(x.peer for x in self.sends + self.recvs))
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,8 @@ class Reset:
     owner: int
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", Kind(self.kind))
+        if type(self.kind) is not Kind:
+            object.__setattr__(self, "kind", Kind(self.kind))
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 class _Named(str, enum.Enum):
@@ -186,8 +187,7 @@ BLOCKS: dict[Kind, BlockSpec] = {
 
 
 # -------------------------------------------------------------------------------- locations
-@dataclass(frozen=True)
-class Loc:
+class Loc(NamedTuple):
     """A buffer of a rank. ``stem`` says what it is for (``kv.rx``: kv received from an RM+
     peer); ``slot`` tells apart the copies that alternate between consecutive units or passes;
     ``index`` the q blocks of one exchange. Prints as ``stem[slot][.index]`` (``q.ret0.1``).
@@ -196,6 +196,7 @@ class Loc:
     accumulators and one-tile partials, anything else a receive buffer. A builder declares its
     stems once as constants and derives the numbered copies with :meth:`at`; the set of
     locations a plan uses is fixed and small, which keeps memory O(1) in the CP size.
+    (A named tuple: every interpreter looks locations up per op, and tuples hash in C.)
     """
 
     stem: str
