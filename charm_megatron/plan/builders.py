@@ -54,17 +54,6 @@ class _Program:
         self.ops.extend(ret.merges)
 
 
-@dataclass(frozen=True)
-class _Return:
-    """Partials on their way back to this rank in batch ``handle``: complete by waiting and
-    applying ``merges``. ``unit``: the RM+ unit that posted it (-1: a cross return, which is
-    completed pass by pass instead)."""
-
-    unit: int
-    handle: int
-    merges: tuple[Merge, ...]
-
-
 def build_plan(
     algo: str,
     direction: str,
@@ -93,10 +82,8 @@ def build_plan(
     return plan
 
 
-_OWN_KV = Loc.own(Kind.KV)
-
-
 # --------------------------------------------------------------------------------------- ring
+_OWN_KV = Loc.own(Kind.KV)
 _RING_KV = Loc("ring.kv")  # the kv block passing through (two copies: receive while computing)
 _RING_DKV = Loc("ring.dkv")  # the dkv partial of the kv block computed here, sent on
 _RING_DKV_IN = Loc("ring.dkvin")  # the dkv partial arriving with the next kv block
@@ -186,6 +173,17 @@ class _Pass:
     cross_round: int | None
     rounds: tuple[int, ...]
     own_kv: bool
+
+
+@dataclass(frozen=True)
+class _Return:
+    """Partials on their way back to this rank in batch ``handle``: complete by waiting and
+    applying ``merges``. ``unit``: the RM+ unit that posted it (-1: a cross return, which is
+    completed pass by pass instead)."""
+
+    unit: int
+    handle: int
+    merges: tuple[Merge, ...]
 
 
 @dataclass(frozen=True)
