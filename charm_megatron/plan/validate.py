@@ -47,7 +47,7 @@ from charm_megatron.plan.core import (
     format_op,
     tile_spec,
 )
-from charm_megatron.plan.vocab import Direction, Side
+from charm_megatron.plan.vocab import Direction, Side, Stream
 
 
 class PlanError(ValueError):
@@ -314,7 +314,7 @@ class _SymbolicRun(OpInterpreter[bool]):
             self.queues.pop(*key)
         return True
 
-    def check_message(self, stream: str, src: int, sx: Xfer, dst: int, rx: Xfer) -> None:
+    def check_message(self, stream: Stream, src: int, sx: Xfer, dst: int, rx: Xfer) -> None:
         if (rx.kind, rx.owner, rx.half) != (sx.kind, sx.owner, sx.half):
             raise PlanError(
                 f"{self.plan.algo} {self.plan.direction}, stream {stream}: rank {src} sends "
