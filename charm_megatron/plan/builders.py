@@ -139,7 +139,7 @@ def _ring(r: int, n: int, causal: bool, backward: bool) -> list[Op]:
 
 
 # ------------------------------------------------------------------------------- RM+ / CHARM+
-# Locations of RM+ and CHARM+ (slot: the copy of alternating units or passes; index: which of
+# Locations of RM+ and CHARM+ (slot: the copy of alternating units or passes; item: which of
 # the q blocks exchanged in one unit).
 _KV_RX = Loc("kv.rx")  # the peer's kv block of a kv unit
 _KV_DRET = Loc("kv.dret")  # our dkv partial coming back from a kv unit's peer

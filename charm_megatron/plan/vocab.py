@@ -190,7 +190,7 @@ BLOCKS: dict[Kind, BlockSpec] = {
 class Loc(NamedTuple):
     """A buffer of a rank. ``stem`` says what it is for (``kv.rx``: kv received from an RM+
     peer); ``slot`` tells apart the copies that alternate between consecutive units or passes;
-    ``index`` the q blocks of one exchange. Prints as ``stem[slot][.index]`` (``q.ret0.1``).
+    ``item`` the q blocks of one exchange. Prints as ``stem[slot][.item]`` (``q.ret0.1``).
 
     By convention ``own.*`` are the rank's own inputs (the caller's tensors), ``acc.*``
     accumulators and one-tile partials, anything else a receive buffer. A builder declares its
@@ -201,10 +201,10 @@ class Loc(NamedTuple):
 
     stem: str
     slot: int | None = None
-    index: int | None = None
+    item: int | None = None
 
-    def at(self, slot: int, index: int | None = None) -> Loc:
-        return Loc(self.stem, slot, index)
+    def at(self, slot: int, item: int | None = None) -> Loc:
+        return Loc(self.stem, slot, item)
 
     @staticmethod
     def own(kind: Kind) -> Loc:
@@ -216,7 +216,7 @@ class Loc(NamedTuple):
 
     def __str__(self) -> str:
         s = self.stem if self.slot is None else f"{self.stem}{self.slot}"
-        return s if self.index is None else f"{s}.{self.index}"
+        return s if self.item is None else f"{s}.{self.item}"
 
 
 # Where a rank's own inputs are (the caller's tensors, never written by a plan).
