@@ -38,7 +38,10 @@ KV0 = Loc.own(Kind.KV)
 def test_enums_print_and_compare_as_their_strings() -> None:
     assert Kind.KV == "kv" and f"{Kind.QGRAD}" == "qgrad" and str(Stream.CROSS) == "cross"
     assert {"kv": 1}[Stream.KV] == 1  # hash as the string: str-keyed tables keep working
-    assert Xfer(1, KV0, "kv", 0, Half.FULL).kind is Kind.KV  # plain strings are normalised
+    # Plain strings are normalised: a hand-written plan is the same values as a typed one.
+    assert Xfer(1, "own.kv", "kv", 0, Half.FULL) == Xfer(1, KV0, Kind.KV, 0, Half.FULL)
+    assert Merge("acc.dkv", "toy.dkvin") == Merge(Plan.DKV, Loc("toy.dkvin"))
+    assert Reset("acc.out", "out", 0).loc == Plan.OUT
     assert Comm(0, "q").stream is Stream.Q
     assert Plan("x", "backward", 1, ((0,),), False).direction is Direction.BACKWARD
     with pytest.raises(ValueError):

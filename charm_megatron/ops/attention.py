@@ -14,7 +14,7 @@ from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.streams import stream_groups
 from charm_megatron.plan.builders import ALGOS as PLAN_ALGOS
 from charm_megatron.plan.builders import build_plan
-from charm_megatron.plan.core import Kind, Plan
+from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.validate import validate
 
@@ -166,8 +166,8 @@ class _CPAttention(torch.autograd.Function):
         fwd, _ = _plans(algo, groups, causal)
         rank = dist.get_rank(group)
         ex = _make_executor(group, q, k, scale)
-        ex.set_own(Kind.Q, q)
-        ex.set_own(Kind.KV, k, v)
+        ex.set_own("own.q", "q", q)
+        ex.set_own("own.kv", "kv", k, v)
         ex.run(fwd.ops[rank])
         acc_out, acc_lse = ex.result(Plan.OUT)
         out = acc_out.to(q.dtype)
@@ -188,8 +188,8 @@ class _CPAttention(torch.autograd.Function):
         # delta = rowsum(dout * out) is all the tiles' backward needs of the output (see
         # executor._out_with_delta), so the q-side bundle carries it instead of out.
         delta = (dout.float() * out.float()).sum(-1)
-        ex.set_own(Kind.QGRAD, q, dout, torch.stack([lse_sbh, delta], -1))
-        ex.set_own(Kind.KV, k, v)
+        ex.set_own("own.qgrad", "qgrad", q, dout, torch.stack([lse_sbh, delta], -1))
+        ex.set_own("own.kv", "kv", k, v)
         ex.run(bwd.ops[rank])
         (dq,) = ex.result(Plan.DQ)
         dk, dv = ex.result(Plan.DKV)

@@ -36,7 +36,7 @@ from charm_megatron.plan.core import (
     TileBwd,
     Wait,
 )
-from charm_megatron.plan.vocab import BLOCKS, Dtype
+from charm_megatron.plan.vocab import BLOCKS, Dtype, as_loc
 
 _ENABLED = {"comm": True, "compute": True}
 
@@ -161,12 +161,11 @@ class Executor(OpInterpreter[None]):
             sl = slice(0, s // 2)
         return tuple(t[sl] for t in buf.tensors)
 
-    def set_own(self, kind: Kind, *tensors: torch.Tensor) -> None:
-        """Make the caller's tensors the rank's own ``kind`` block (``Loc.own(kind)``; no copy,
-        non-contiguous ones are made contiguous), in the layout of ``BLOCKS[kind]``."""
-        kind = Kind(kind)
-        self.bufs[Loc.own(kind)] = _Buf(
-            tuple(t if t.is_contiguous() else t.contiguous() for t in tensors), kind=kind)
+    def set_own(self, loc: Loc | str, kind: Kind | str, *tensors: torch.Tensor) -> None:
+        """Make the caller's tensors the block ``loc`` (``Loc.own(kind)`` or its name, e.g.
+        ``"own.q"``) in the layout of ``BLOCKS[kind]`` (no copy; they must be contiguous)."""
+        self.bufs[as_loc(loc)] = _Buf(
+            tuple(t if t.is_contiguous() else t.contiguous() for t in tensors), kind=Kind(kind))
 
     def result(self, loc: Loc) -> tuple[torch.Tensor, ...]:
         return self.bufs[loc].tensors

@@ -31,7 +31,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from charm_megatron.plan.vocab import RESULT, Direction, Half, Kind, Loc, Stream
+from charm_megatron.plan.vocab import RESULT, Direction, Half, Kind, Loc, Stream, as_loc
 
 __all__ = [
     "STREAMS", "Comm", "Direction", "Half", "Kind", "Loc", "Merge", "Op", "OpInterpreter",
@@ -40,6 +40,15 @@ __all__ = [
 ]
 
 STREAMS = tuple(Stream)
+
+
+def _typed(op: object, **types: type) -> None:
+    """Normalise plain strings in an op's fields (``"kv"``, ``"own.kv"``) to the vocabulary's
+    types, so hand-written plans and typed ones are the same values."""
+    for name, cls in types.items():
+        value = getattr(op, name)
+        if type(value) is str:
+            object.__setattr__(op, name, as_loc(value) if cls is Loc else cls(value))
 
 
 @dataclass(frozen=True)
@@ -79,8 +88,8 @@ class Xfer:
     half: Half
 
     def __post_init__(self) -> None:
-        if type(self.kind) is not Kind:  # a plain string: normalise (cheap check first)
-            object.__setattr__(self, "kind", Kind(self.kind))
+        if type(self.kind) is not Kind or type(self.loc) is str:
+            _typed(self, kind=Kind, loc=Loc)
 
 
 @dataclass(frozen=True)
@@ -94,7 +103,7 @@ class Comm:
 
     def __post_init__(self) -> None:
         if type(self.stream) is not Stream:
-            object.__setattr__(self, "stream", Stream(self.stream))
+            _typed(self, stream=Stream)
 
     @functools.cached_property
     def peers(self) -> tuple[int, ...]:
@@ -116,8 +125,8 @@ class Reset:
     owner: int
 
     def __post_init__(self) -> None:
-        if type(self.kind) is not Kind:
-            object.__setattr__(self, "kind", Kind(self.kind))
+        if type(self.kind) is not Kind or type(self.loc) is str:
+            _typed(self, kind=Kind, loc=Loc)
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,10 @@ class Tile:
     kv_loc: Loc
     acc: Loc
     fresh: bool = False
+
+    def __post_init__(self) -> None:
+        if str in (type(self.q_loc), type(self.kv_loc), type(self.acc)):
+            _typed(self, q_loc=Loc, kv_loc=Loc, acc=Loc)
 
 
 @dataclass(frozen=True)
@@ -148,6 +161,10 @@ class TileBwd:
     fresh_dq: bool = False
     fresh_dkv: bool = False
 
+    def __post_init__(self) -> None:
+        if str in (type(self.q_loc), type(self.kv_loc), type(self.dq_acc), type(self.dkv_acc)):
+            _typed(self, q_loc=Loc, kv_loc=Loc, dq_acc=Loc, dkv_acc=Loc)
+
 
 @dataclass(frozen=True)
 class Merge:
@@ -156,6 +173,10 @@ class Merge:
 
     acc: Loc
     src: Loc
+
+    def __post_init__(self) -> None:
+        if str in (type(self.acc), type(self.src)):
+            _typed(self, acc=Loc, src=Loc)
 
 
 Op = Comm | Wait | Reset | Tile | TileBwd | Merge

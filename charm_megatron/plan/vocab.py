@@ -219,6 +219,11 @@ class Loc(NamedTuple):
         return s if self.item is None else f"{s}.{self.item}"
 
 
+def as_loc(loc: Loc | str) -> Loc:
+    """``loc`` as a :class:`Loc`: a plain name (``"own.kv"``, ``"toy.kv"``) is a stem."""
+    return Loc(loc) if type(loc) is str else loc
+
+
 # Where a rank's own inputs are (the caller's tensors, never written by a plan).
 OWN: dict[Kind, Loc] = {Kind.Q: Loc("own.q"), Kind.KV: Loc("own.kv"),
                         Kind.QGRAD: Loc("own.qgrad")}
