@@ -19,7 +19,9 @@ import statistics
 import sys
 import time
 
-ALGOS = ("ring", "rmplus", "charm")
+from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
+from charm_megatron.plan.registry import uses_topology
+
 #: The operator demo's sizes when not given.
 OPERATOR_DEFAULTS: dict[str, object] = {"ranks": 4, "topology": "2x2", "seq": 2048, "batch": 1,
                                         "heads": 8, "kv_heads": 4, "head_dim": 64, "iters": 5}
@@ -87,7 +89,7 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
     for it in range(cfg["iters"] + 1):  # iteration 0 warms up (process groups, plans)
         for algo in ALGOS:
             qa, ka, va = (t.clone().requires_grad_() for t in (ql, kl, vl))
-            topo = cfg["topology"] if algo == "charm" else None
+            topo = cfg["topology"] if uses_topology(algo) else None
             torch.distributed.barrier()
             t0 = time.perf_counter()
             out = cp_attention(qa, ka, va, algo=algo, topology=topo, causal=True)

@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from charm_megatron.plan.registry import uses_topology
+
 aten = torch.ops.aten
 
 
@@ -57,7 +59,7 @@ class PlanContender(Contender):
     def __init__(self, algo: str, topology: str | None, causal: bool) -> None:
         self.name = algo
         self._fn = functools.partial(_cp_attention(), algo=algo, causal=causal,
-                                     topology=topology if algo == "charm" else None)
+                                     topology=topology if uses_topology(algo) else None)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self._fn(q, k, v)
