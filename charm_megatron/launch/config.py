@@ -7,8 +7,8 @@ that override some of its settings with *flat* leaf keys (``seq_length: 8192``):
     cfg = load_config("gpt-350m", run="scale-s4096-gb8", overrides={"DATA_PATH": "/d/x"})
     cfg["seq_length"], cfg.world_size, cfg.data_parallel_size
 
-The schema is a set of pydantic v2 models, one per section (strict types, ``Literal`` choices,
-bounds, ``extra="forbid"``); :class:`ConfigFile` is the whole file. This module adds what
+The schema is a set of pydantic v2 models (:mod:`charm_megatron.launch.schema`: one per section,
+:class:`RunSettings`, :class:`ConfigFile` for the whole file). This module adds what
 pydantic does not know: the key path of a value that a run or ``--set`` overrode (provenance),
 "did you mean" for unknown keys, ``${VARIABLE}`` substitution, and the cross-key checks a job
 would otherwise only fail at Megatron start-up, after waiting in the SLURM queue.
@@ -27,26 +27,27 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import yaml
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    StringConstraints,
-    ValidationError,
-    create_model,
-)
-from pydantic import Field as PydanticField
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ValidationError
 
+from charm_megatron.launch.schema import (
+    RUN_KEYS,
+    SCHEMA,
+    SECTION_MODELS,
+    SECTIONS,
+    TOKENIZER_KEYS,
+    TOP_KEYS,
+    ConfigFile,
+    Leaf,
+    RunSettings,
+    describe,
+)
 from charm_megatron.topology.core import Topology
 
 __all__ = [
@@ -64,343 +65,12 @@ __all__ = [
     "parse_set",
 ]
 
+_BY_NAME: dict[str, Leaf] = {f.name: f for f in SCHEMA}
+_TOPOLOGY_LEVELS = ("auto", "node", "numa", "flat")
+
 
 class ConfigError(ValueError):
     """A config file, run or override is invalid; the message starts with the key's path."""
-
-
-# --------------------------------------------------------------------------- value types
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
-
-
-def _is_text(value: Any) -> bool:
-    """A YAML scalar that reads as text (numbers too, not booleans)."""
-    return isinstance(value, str | int | float) and not isinstance(value, bool)
-
-
-def _text_to_float(value: Any) -> Any:
-    # PyYAML reads 1e-4 (no dot) as a string; a float key takes any text float() reads.
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return value
-    return value
-
-
-def _strs(value: Any) -> Any:
-    """A string, or a non-empty list of strings / numbers (Megatron's blend weights)."""
-    if value is None or isinstance(value, str):
-        return value
-    if not isinstance(value, list):
-        raise PydanticCustomError("strs_type", "expected a string or a list of strings, got "
-                                  "{got}", {"got": _describe(value)})
-    if value and all(map(_is_text, value)):
-        return [str(v) for v in value]
-    raise PydanticCustomError("strs_type", "expected a string or a non-empty list of strings, "
-                              "got {got}", {"got": _describe(value)})
-
-
-PosInt = Annotated[int, PydanticField(ge=1)]
-NonNegInt = Annotated[int, PydanticField(ge=0)]
-NonNegFloat = Annotated[float, BeforeValidator(_text_to_float),
-                        PydanticField(ge=0.0, allow_inf_nan=False)]
-Strs = Annotated[str | list[str], BeforeValidator(_strs)]
-_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
-Name = Annotated[str, StringConstraints(pattern=_NAME_PATTERN)]
-VarName = Annotated[str, StringConstraints(pattern=r"^[A-Z_][A-Z0-9_]*$")]
-
-
-def _args(value: Any) -> Any:
-    if value is None or (isinstance(value, list) and all(map(_is_text, value))):
-        return value and [str(a) for a in value]
-    raise PydanticCustomError("args_type", "expected a list of strings (Megatron arguments), "
-                              "got {got}", {"got": _describe(value)})
-
-
-def _variable_default(value: Any) -> Any:
-    if value is None or _is_text(value):
-        return None if value is None else str(value)
-    raise PydanticCustomError("variable_type", "expected a string or null, got {got}",
-                              {"got": _describe(value)})
-
-
-ExtraArgs = Annotated[list[str] | None, BeforeValidator(_args)]
-VariableDefault = Annotated[str | None, BeforeValidator(_variable_default)]
-
-# Megatron-LM's tokenizer choices (megatron/training/arguments.py, --tokenizer-type), each with
-# the tokenizer keys it reads; the others are dropped (neither resolved nor emitted), so e.g.
-# --set tokenizer_type=NullTokenizer needs no vocabulary files.
-_TOKENIZER_KEYS = {
-    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-    "NullTokenizer": ("vocab_size",),
-    "HuggingFaceTokenizer": ("tokenizer_model", "vocab_file", "merge_file"),
-    "SentencePieceTokenizer": ("tokenizer_model",),
-    "GPTSentencePieceTokenizer": ("tokenizer_model",),
-    "Llama2Tokenizer": ("tokenizer_model",),
-    "TikTokenizer": ("tokenizer_model", "vocab_size"),
-}
-Tokenizer = Literal["GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer",
-                    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                    "TikTokenizer"]
-assert set(typing.get_args(Tokenizer)) == set(_TOKENIZER_KEYS)
-
-_REQUIRED = object()
-
-
-def leaf(default: Any = None, *, flag: str | None = None, help: str = "") -> Any:
-    """A leaf key: its schema default (``_REQUIRED`` for a required key), the Megatron-LM option
-    it maps to one-to-one (``None`` when the argv builder treats it specially), and its help.
-
-    The pydantic default is ``None`` for a required key and is never validated, so a section
-    that omits the key passes and the merged run reports it missing. A key whose annotation
-    has no ``None`` may not be null in a file (a stray ``key:`` is reported, not dropped)."""
-    required = default is _REQUIRED
-    return PydanticField(None if required else default, description=help,
-                         json_schema_extra={"flag": flag, "required": required})
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-
-# Schema order is also the order of the generated Megatron arguments.
-class ModelSection(_Section):
-    """The GPT shape."""
-
-    num_layers: PosInt = leaf(_REQUIRED, flag="--num-layers", help="transformer layers")
-    hidden_size: PosInt = leaf(_REQUIRED, flag="--hidden-size", help="model width")
-    ffn_hidden_size: PosInt | None = leaf(flag="--ffn-hidden-size",
-                                          help="MLP width; default 4 x hidden_size")
-    num_attention_heads: PosInt = leaf(_REQUIRED, flag="--num-attention-heads",
-                                       help="query heads")
-    num_query_groups: PosInt | None = leaf(
-        help="key/value heads (grouped-query attention); null = multi-head attention")
-    max_position_embeddings: PosInt | None = leaf(flag="--max-position-embeddings",
-                                                  help="default seq_length")
-    position_embedding_type: Literal["rope", "learned_absolute"] = leaf(
-        "rope", flag="--position-embedding-type", help="position embedding")
-    rotary_base: PosInt | None = leaf(flag="--rotary-base",
-                                      help="RoPE base; null = Megatron's default")
-    normalization: Literal["LayerNorm", "RMSNorm"] = leaf("LayerNorm", flag="--normalization",
-                                                          help="layer norm kind")
-    swiglu: bool = leaf(False, flag="--swiglu", help="SwiGLU MLP")
-    untie_embeddings_and_output_weights: bool = leaf(
-        False, flag="--untie-embeddings-and-output-weights", help="separate output layer")
-    disable_bias_linear: bool = leaf(False, flag="--disable-bias-linear",
-                                     help="no biases in linear layers")
-    # Dropout defaults to 0: the CHARM+ attention has no dropout (it refuses to train with
-    # attention dropout), and ring vs CHARM+ comparisons need identical models.
-    attention_dropout: NonNegFloat = leaf(0.0, flag="--attention-dropout",
-                                          help="attention-probability dropout")
-    hidden_dropout: NonNegFloat = leaf(0.0, flag="--hidden-dropout", help="residual dropout")
-    init_method_std: NonNegFloat = leaf(0.02, flag="--init-method-std",
-                                        help="weight init standard deviation")
-
-
-class ParallelSection(_Section):
-    """The world and how it splits."""
-
-    nodes: PosInt = leaf(1, help="nodes (SLURM --nodes)")
-    gpus_per_node: PosInt = leaf(8, help="ranks per node (GPUs; CPU processes for the CPU demo)")
-    tensor_model_parallel_size: PosInt = leaf(1, flag="--tensor-model-parallel-size", help="TP")
-    pipeline_model_parallel_size: PosInt = leaf(1, flag="--pipeline-model-parallel-size",
-                                                help="PP")
-    context_parallel_size: PosInt = leaf(_REQUIRED, flag="--context-parallel-size", help="CP")
-    charm_topology: str = leaf("auto", help="--charm-topology for charm-megatron's comm types: "
-                               "auto|node|numa|flat|GxM|0-7,8-15")
-    sequence_parallel: bool = leaf(False, flag="--sequence-parallel",
-                                   help="Megatron sequence parallelism (with TP > 1)")
-    use_distributed_optimizer: bool = leaf(False, flag="--use-distributed-optimizer",
-                                           help="ZeRO-1 style optimizer sharding")
-
-
-class TrainingSection(_Section):
-    micro_batch_size: PosInt = leaf(1, flag="--micro-batch-size",
-                                    help="sequences per micro batch")
-    global_batch_size: PosInt = leaf(_REQUIRED, flag="--global-batch-size",
-                                     help="sequences per iteration")
-    seq_length: PosInt = leaf(_REQUIRED, flag="--seq-length", help="tokens per sequence")
-    train_iters: PosInt = leaf(_REQUIRED, flag="--train-iters", help="iterations")
-    precision: Literal["bf16", "fp16", "fp32"] = leaf("bf16", help="--bf16, --fp16 or neither")
-    seed: NonNegInt | None = leaf(flag="--seed", help="random seed")
-    eval_interval: PosInt | None = leaf(flag="--eval-interval",
-                                        help="iterations between evaluations")
-    eval_iters: NonNegInt | None = leaf(flag="--eval-iters",
-                                        help="evaluation iterations (0 = no evaluation)")
-
-
-class OptimizerSection(_Section):
-    """Adam and the learning-rate schedule."""
-
-    lr: NonNegFloat = leaf(_REQUIRED, flag="--lr", help="peak LR")
-    min_lr: NonNegFloat = leaf(0.0, flag="--min-lr", help="final LR")
-    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = leaf(
-        "cosine", flag="--lr-decay-style", help="LR decay")
-    lr_warmup_fraction: NonNegFloat | None = leaf(
-        flag="--lr-warmup-fraction", help="warm-up as a fraction of the decay iterations")
-    lr_warmup_iters: NonNegInt | None = leaf(flag="--lr-warmup-iters", help="warm-up iterations")
-    lr_decay_iters: PosInt | None = leaf(flag="--lr-decay-iters",
-                                         help="decay iterations; null = train_iters")
-    weight_decay: NonNegFloat = leaf(0.1, flag="--weight-decay", help="AdamW weight decay")
-    adam_beta1: NonNegFloat = leaf(0.9, flag="--adam-beta1", help="Adam beta1")
-    adam_beta2: NonNegFloat = leaf(0.95, flag="--adam-beta2", help="Adam beta2")
-    adam_eps: NonNegFloat = leaf(1e-8, flag="--adam-eps", help="Adam epsilon")
-    clip_grad: NonNegFloat = leaf(1.0, flag="--clip-grad", help="gradient-norm clipping")
-
-
-class DataSection(_Section):
-    mock_data: bool = leaf(False, help="Megatron's --mock-data (synthetic tokens); data_path is "
-                           "then not used")
-    data_path: Strs | None = leaf(help="--data-path: a prefix, or a list (weights and prefixes, "
-                                  "as Megatron blends)")
-    split: str = leaf("949,50,1", flag="--split", help="train,valid,test split")
-    num_workers: NonNegInt | None = leaf(flag="--num-workers", help="data-loader workers")
-
-
-class TokenizerSection(_Section):
-    tokenizer_type: Tokenizer = leaf(_REQUIRED, flag="--tokenizer-type",
-                                     help="Megatron tokenizer")
-    vocab_file: str | None = leaf(flag="--vocab-file", help="GPT-2 vocab.json")
-    merge_file: str | None = leaf(flag="--merge-file", help="GPT-2 merges.txt")
-    tokenizer_model: str | None = leaf(
-        flag="--tokenizer-model",
-        help="model path/name for HuggingFace / SentencePiece / TikToken tokenizers")
-    vocab_size: PosInt | None = leaf(flag="--vocab-size",
-                                     help="vocabulary size (needed by NullTokenizer)")
-
-
-class SystemSection(_Section):
-    """Implementation choices."""
-
-    transformer_impl: Literal["transformer_engine", "local"] = leaf(
-        "transformer_engine", flag="--transformer-impl", help="Megatron layer implementation")
-    attention_backend: Literal["auto", "flash", "fused", "unfused"] = leaf(
-        "auto", flag="--attention-backend",
-        help="attention kernels of Megatron / Transformer Engine (p2p, a2a, allgather)")
-    use_flash_attn: bool = leaf(False, flag="--use-flash-attn",
-                                help="legacy flash-attention switch")
-    distributed_backend: Literal["nccl", "gloo"] = leaf("nccl", flag="--distributed-backend",
-                                                        help="torch.distributed backend")
-    fused_kernels: bool = leaf(True, help="false adds Megatron's --no-*-fusion flags (CPU runs "
-                               "have no fused CUDA kernels)")
-    use_cpu_initialization: bool = leaf(False, flag="--use-cpu-initialization",
-                                        help="initialise weights on the CPU")
-
-
-class LoggingSection(_Section):
-    log_interval: PosInt = leaf(1, flag="--log-interval",
-                                help="iterations per log line (1: every iteration, what "
-                                "`compare` wants)")
-    log_throughput: bool = leaf(True, flag="--log-throughput", help="TFLOP/s/GPU in the log lines")
-    timing_log_level: Literal[0, 1, 2] | None = leaf(flag="--timing-log-level",
-                                                     help="Megatron timer detail")
-    tensorboard_dir: str | None = leaf(flag="--tensorboard-dir", help="TensorBoard output")
-
-
-_SECTION_MODELS: dict[str, type[_Section]] = {
-    "model": ModelSection, "parallel": ParallelSection, "training": TrainingSection,
-    "optimizer": OptimizerSection, "data": DataSection, "tokenizer": TokenizerSection,
-    "system": SystemSection, "logging": LoggingSection,
-}
-SECTIONS: tuple[str, ...] = tuple(_SECTION_MODELS)
-
-
-@dataclass(frozen=True)
-class Leaf:
-    """One leaf key of the schema, as the argv builder and the docs test read it."""
-
-    name: str
-    section: str
-    kind: str  # int, float, str, bool or strs (a string or a list of strings)
-    default: Any
-    required: bool
-    nullable: bool
-    choices: tuple[Any, ...] | None
-    flag: str | None
-    help: str
-    annotation: Any
-
-    @property
-    def path(self) -> str:
-        """``section.name``, the key's path in a config file."""
-        return f"{self.section}.{self.name}"
-
-
-def _base(annotation: Any) -> tuple[Any, bool]:
-    """An annotation without ``None`` and ``Annotated`` metadata, and whether it admits None."""
-    nullable = False
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        members = typing.get_args(annotation)
-        rest = [a for a in members if a is not type(None)]
-        nullable = len(rest) < len(members)
-        annotation = rest[0] if len(rest) == 1 else annotation
-    while typing.get_origin(annotation) is Annotated:
-        annotation = typing.get_args(annotation)[0]
-    return annotation, nullable
-
-
-def _leaves() -> tuple[Leaf, ...]:
-    kinds = {int: "int", float: "float", str: "str", bool: "bool"}
-    out = []
-    for section, model in _SECTION_MODELS.items():
-        for name, info in model.model_fields.items():
-            extra = info.json_schema_extra
-            assert isinstance(extra, dict)
-            base, nullable = _base(info.annotation)
-            choices = typing.get_args(base) if typing.get_origin(base) is Literal else None
-            if choices:
-                kind = kinds[type(choices[0])]
-            elif typing.get_origin(base) in (typing.Union, types.UnionType):
-                kind = "strs"  # str | list[str]
-            else:
-                kind = kinds[base]
-            out.append(Leaf(name, section, kind, info.default, bool(extra["required"]),
-                            nullable, choices, extra["flag"], info.description or "",
-                            # bounds and validators of a plain Annotated type live in metadata
-                            Annotated[(info.annotation, *info.metadata)] if info.metadata
-                            else info.annotation))
-    return tuple(out)
-
-
-#: Every leaf key, in schema (= Megatron argument) order.
-SCHEMA: tuple[Leaf, ...] = _leaves()
-_BY_NAME: dict[str, Leaf] = {f.name: f for f in SCHEMA}
-assert len(_BY_NAME) == len(SCHEMA), "leaf names must be unique across sections"
-
-#: A run: any leaf key, flat, plus a description and extra Megatron arguments.
-RunSettings = create_model(
-    "RunSettings", __base__=_Section, __doc__="One run under ``runs:``.",
-    description=(str | None, None), extra_args=(ExtraArgs, None),
-    **{f.name: (f.annotation, None) for f in SCHEMA})
-
-
-class ConfigFile(BaseModel):
-    """A whole config file (structure and types; cross-key checks run on a resolved run)."""
-
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, protected_namespaces=())
-
-    name: Name | None = None
-    description: str | None = None
-    variables: dict[VarName, VariableDefault] | None = None
-    extra_args: ExtraArgs = None
-    runs: dict[Name, RunSettings | None] = PydanticField(min_length=1)  # type: ignore[valid-type]
-    # A section may be absent or empty (``model:`` with no keys).
-    model: ModelSection | None = None
-    parallel: ParallelSection | None = None
-    training: TrainingSection | None = None
-    optimizer: OptimizerSection | None = None
-    data: DataSection | None = None
-    tokenizer: TokenizerSection | None = None
-    system: SystemSection | None = None
-    logging: LoggingSection | None = None
-
-
-_TOP_KEYS = tuple(k for k in ConfigFile.model_fields if k not in SECTIONS)
-_RUN_KEYS = ("description", "extra_args")
-_TOPOLOGY_LEVELS = ("auto", "node", "numa", "flat")
 
 
 # --------------------------------------------------------------------------- pydantic errors
@@ -419,13 +89,13 @@ def _unknown_key(loc: tuple[Any, ...]) -> ConfigError:
     home = _BY_NAME.get(key)
     if len(loc) == 1:
         hint = f" ('{key}' belongs in section '{home.section}')" if home else ""
-        return _unknown(path, key, [*_TOP_KEYS, *SECTIONS], hint)
+        return _unknown(path, key, [*TOP_KEYS, *SECTIONS], hint)
     if loc[0] == "runs":
         hint = (" (run settings are flat leaf keys, e.g. 'seq_length: 4096', not sections)"
                 if key in SECTIONS else "")
-        return _unknown(path, key, [*_BY_NAME, *_RUN_KEYS], hint)
+        return _unknown(path, key, [*_BY_NAME, *RUN_KEYS], hint)
     hint = f" ('{key}' belongs in section '{home.section}')" if home else ""
-    return _unknown(path, key, list(_SECTION_MODELS[loc[0]].model_fields), hint)
+    return _unknown(path, key, list(SECTION_MODELS[loc[0]].model_fields), hint)
 
 
 def _explain(err: Mapping[str, Any], path: str | None = None) -> ConfigError:
@@ -446,10 +116,10 @@ def _explain(err: Mapping[str, Any], path: str | None = None) -> ConfigError:
         if kind == "missing":
             return ConfigError("runs: missing required key (a mapping of run name -> settings)")
         return ConfigError(f"runs: expected a non-empty mapping of run name -> settings, "
-                           f"got {_describe(value)}")
+                           f"got {describe(value)}")
     if kind == "model_type":
         what = "settings" if loc[0] == "runs" else "keys"
-        return ConfigError(f"{where}: expected a mapping of {what}, got {_describe(value)}")
+        return ConfigError(f"{where}: expected a mapping of {what}, got {describe(value)}")
     if kind in ("strs_type", "args_type", "variable_type"):  # ours: the message says it all
         return ConfigError(f"{where}: {err['msg']}")
     f = _BY_NAME.get(str(loc[-1])) if loc else None
@@ -464,7 +134,7 @@ def _explain(err: Mapping[str, Any], path: str | None = None) -> ConfigError:
         "dict_type": "expected a mapping",
     }.get(kind)
     if text is not None:
-        return ConfigError(f"{where}: {text}, got {_describe(value)}")
+        return ConfigError(f"{where}: {text}, got {describe(value)}")
     if kind == "finite_number":
         return ConfigError(f"{where}: expected a finite number, got {value!r}")
     if kind == "literal_error" and f is not None and f.choices:
@@ -815,7 +485,7 @@ def load_config(
     # Drop what the command will not use, so its ${VARIABLES} need not be set.
     unused = {"data_path"} if values["mock_data"] else set()
     if values["tokenizer_type"] is not None:
-        used = _TOKENIZER_KEYS[values["tokenizer_type"]]
+        used = TOKENIZER_KEYS[values["tokenizer_type"]]
         unused |= {f.name for f in SCHEMA if f.section == "tokenizer"} - {"tokenizer_type", *used}
     for key in unused:
         values[key] = None
