@@ -110,7 +110,7 @@ def run_operator(args: argparse.Namespace) -> int:
 
     from charm_megatron.kernels.reference import ReferenceBackend
     from charm_megatron.layout import unshard
-    from charm_megatron.testing import run_ranks
+    from charm_megatron.local_ranks import run_ranks
 
     cfg = {"seq": args.seq, "batch": args.batch, "heads": args.heads,
            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "iters": args.iters,

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from charm_megatron.testing import run_ranks
+from charm_megatron.local_ranks import run_ranks
 
 pytest.importorskip("megatron.core")
 

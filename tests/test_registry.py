@@ -12,6 +12,7 @@ import toy_algorithm
 from charm_megatron.bench import config as bench_config
 from charm_megatron.cli import main as cli_main
 from charm_megatron.launch import args_cli, compare
+from charm_megatron.local_ranks import run_ranks
 from charm_megatron.megatron import args as megatron_args
 from charm_megatron.model import choose_algo, predict
 from charm_megatron.model.cluster import default_cluster_for
@@ -20,7 +21,6 @@ from charm_megatron.plan import cli as plan_cli
 from charm_megatron.plan import registry
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.validate import validate
-from charm_megatron.testing import run_ranks
 from charm_megatron.topology import Topology, resolve_topology
 
 BUILT_IN = ("ring", "rmplus", "charm")

@@ -129,7 +129,7 @@ def _cuda_available() -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 on success, 2 on a usage error."""
-    from charm_megatron.bench.launch import in_torchrun
+    from charm_megatron.bench.runners import in_torchrun
 
     torchrun = args.launcher == "torchrun" or (args.launcher == "auto" and in_torchrun()
                                                and not args.emulate)
@@ -182,7 +182,7 @@ def _header(cfg: BenchConfig, world: int, topology: str, where: str, points, dro
 
 
 def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:
-    from charm_megatron.bench import launch
+    from charm_megatron.bench import runners
 
     topology = _topology(args, world, emulate)
     job, dropped = _job(args, cfg, world, topology, "cpu", not args.quiet)
@@ -210,12 +210,12 @@ def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:
     t0 = time.monotonic()
     kw = {"timeout_s": args.timeout_s, "pg_timeout_s": args.comm_timeout_s}
     if mode == "local":
-        results, info = launch.run_local(job, world, **kw)
+        results, info = runners.run_local(job, world, **kw)
     elif mode == "netns":
-        results, info = launch.run_netns(job, emulate[0], emulate[1], args.cross_rate,
+        results, info = runners.run_netns(job, emulate[0], emulate[1], args.cross_rate,
                                          args.intra_rate, args.nic, **kw)
     else:
-        results, info = launch.run_software(job, emulate[0], emulate[1], args.cross_rate,
+        results, info = runners.run_software(job, emulate[0], emulate[1], args.cross_rate,
                                             args.intra_rate, args.nic, **kw)
     return _finish(args, cfg, job, dropped, results, info, time.monotonic() - t0)
 
@@ -223,7 +223,7 @@ def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:
 def _run_torchrun(args, cfg: BenchConfig, cuda: bool) -> int:
     import torch.distributed  # noqa: F401 - fail early if torch lacks distributed
 
-    from charm_megatron.bench import launch
+    from charm_megatron.bench import runners
     from charm_megatron.emulate import parse_rate
 
     world = int(os.environ["WORLD_SIZE"])
@@ -239,7 +239,7 @@ def _run_torchrun(args, cfg: BenchConfig, cuda: bool) -> int:
         _header(cfg, world, topology, f"under torchrun ({'NCCL' if cuda else 'gloo'})",
                 job.points, dropped, print)
     t0 = time.monotonic()
-    results, info = launch.run_torchrun(
+    results, info = runners.run_torchrun(
         job, pg_timeout_s=args.comm_timeout_s, nic=args.nic,
         cross_rate=parse_rate(args.cross_rate) if args.cross_rate else None)
     if results is None or info is None:

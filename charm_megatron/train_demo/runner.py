@@ -215,7 +215,7 @@ def run_demo(
             per_rank = run_ranks_in_cluster(cluster, train_rank, spec, timeout_s=timeout_s,
                                             pg_timeout_s=120.0)
     else:
-        from charm_megatron.testing import run_ranks
+        from charm_megatron.local_ranks import run_ranks
 
         say(f"  link: LOOPBACK - no slow link is emulated ({why}); every rank talks over "
             "this machine's loopback, so the times below show overheads, not the cross-node "
@@ -306,7 +306,7 @@ def _prepare_dirs(cfg: Any, comm_types: Sequence[str], log_paths: dict[str, Path
 def main(args: argparse.Namespace) -> int:
     """Run the demo from parsed :func:`add_arguments` options; the exit status."""
     from charm_megatron.launch.config import ConfigError
-    from charm_megatron.testing import RankFailure
+    from charm_megatron.local_ranks import RankFailure
 
     try:
         result = run_demo(config=args.config, run=args.run,

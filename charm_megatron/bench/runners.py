@@ -2,7 +2,7 @@
 
 * ``torchrun``: this process is one rank (env:// rendezvous, NCCL on GPUs with
   ``device = LOCAL_RANK``, gloo on CPU); rank 0 gathers everyone's measurements.
-* ``local``: ``--ranks N`` gloo processes on this machine (``charm_megatron.testing.run_ranks``);
+* ``local``: ``--ranks N`` gloo processes on this machine (``charm_megatron.local_ranks.run_ranks``);
   all links are loopback.
 * ``netns``: an :class:`~charm_megatron.emulate.EmulatedCluster` (network namespaces joined by
   ``tc tbf`` links); always torn down, on every exit path (the cluster's context manager plus
@@ -33,7 +33,7 @@ def _cores(world: int, threads: int) -> int:
 
 def run_local(job: Job, world: int, *, timeout_s: float, pg_timeout_s: float) -> tuple[list, RunInfo]:
     """``world`` gloo ranks on this machine, plain loopback."""
-    from charm_megatron.testing import run_ranks
+    from charm_megatron.local_ranks import run_ranks
 
     results = run_ranks(rank_main, world, job, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s,
                         threads=job.cfg.threads, env=job.env)
@@ -80,7 +80,7 @@ def run_software(job: Job, groups: int, per_group: int, cross: str, intra: str |
     """Ranks over loopback with the software link model throttling this package's P2P."""
     from charm_megatron.bench.links import SoftwareLinkSetup
     from charm_megatron.emulate import SoftwareLinks, parse_rate
-    from charm_megatron.testing import run_ranks
+    from charm_megatron.local_ranks import run_ranks
 
     world = groups * per_group
     with tempfile.TemporaryDirectory(prefix="charm-bench-links-") as state:

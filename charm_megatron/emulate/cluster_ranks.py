@@ -36,7 +36,7 @@ def run_ranks_in_cluster(
     shared). Returns the per-rank results; raises ``RankFailure`` with tracebacks; kills
     stragglers (so the cluster can be torn down right after).
     """
-    from charm_megatron.testing.multiproc import run_ranks
+    from charm_megatron.local_ranks import run_ranks
 
     return run_ranks(
         fn, cluster.world_size, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s,
