@@ -28,7 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from charm_megatron.bench.config import PASSES, BenchConfig, Point, element_size
-from charm_megatron.plan.registry import uses_topology
+from charm_megatron.plan.core import Comm
+from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.registry import build_plan, uses_topology
 
 COLUMNS = [
     "point", "batch", "seq", "heads", "kv_heads", "head_dim", "dtype", "causal", "world",
@@ -94,10 +96,6 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
     :meth:`charm_megatron.plan.cost.Problem.block_bytes`, counted as
     :func:`charm_megatron.plan.cost.traffic` counts the sender's side, plus the receiver's.
     """
-    from charm_megatron.plan.core import Comm
-    from charm_megatron.plan.cost import Problem
-    from charm_megatron.plan.registry import build_plan
-
     plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal)
     problem = Problem(point.batch, point.seq, point.heads, point.kv_heads, point.head_dim,
                       elem=element_size(dtype))

@@ -7,6 +7,7 @@ import argparse
 from charm_megatron.plan.cost import add_problem_args, problem_from_args, traffic
 from charm_megatron.plan.registry import ALGORITHM_NAMES, build_plan, get, names
 from charm_megatron.plan.validate import validate
+from charm_megatron.topology import Topology
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -26,8 +27,6 @@ def _mb(x: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from charm_megatron.topology import Topology
-
     topo = Topology.parse(args.topology, cp_size=args.cp)
     topo.check_size(args.cp)
     groups = [list(g) for g in topo.groups]
