@@ -28,6 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from charm_megatron.bench.config import PASSES, BenchConfig, Point, element_size
+from charm_megatron.plan.core import Comm
+from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.registry import build_plan, uses_topology
 
 COLUMNS = [
     "point", "batch", "seq", "heads", "kv_heads", "head_dim", "dtype", "causal", "world",
@@ -93,10 +96,6 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
     :meth:`charm_megatron.plan.cost.Problem.block_bytes`, counted as
     :func:`charm_megatron.plan.cost.traffic` counts the sender's side, plus the receiver's.
     """
-    from charm_megatron.plan.builders import build_plan
-    from charm_megatron.plan.core import Comm
-    from charm_megatron.plan.cost import Problem
-
     plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal)
     problem = Problem(point.batch, point.seq, point.heads, point.kv_heads, point.head_dim,
                       elem=element_size(dtype))
@@ -171,7 +170,7 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
             key = f"{algo}/full"
             bytes_by_pass = None
             if algo != "torch" and info.hw_groups and len(info.hw_groups) > 1:
-                plan_groups = charm_groups if algo == "charm" else flat
+                plan_groups = charm_groups if uses_topology(algo) else flat
                 bytes_by_pass = busiest_link_bytes(algo, plan_groups, info.hw_groups,
                                                    cfg.causal, point, cfg.dtype, info.nic or "node")
             for p in passes:

@@ -7,7 +7,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-ALGOS = ("ring", "rmplus", "charm", "torch")
+from charm_megatron.plan.registry import NameView, names
+
+#: The contenders: the registered algorithms, and ``torch`` (PyTorch's own CP ring).
+ALGOS = NameView(lambda: (*names(), "torch"))
 PASSES = ("fwd", "bwd", "fwdbwd")
 DTYPES = ("fp32", "bf16", "fp16")
 

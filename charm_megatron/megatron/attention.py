@@ -78,13 +78,6 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
     return tuple(torch.distributed.get_process_group_ranks(group))
 
 
-def _operator_algos() -> tuple[str, ...]:
-    """The ``algo`` values :func:`charm_megatron.cp_attention` accepts (the list it checks)."""
-    from charm_megatron.ops import attention as ops_attention
-
-    return tuple(ops_attention.ALGOS)
-
-
 def _unsupported(option: str, why: str) -> NotImplementedError:
     return NotImplementedError(f"CharmDotProductAttention (CHARM+ CP attention): {option} {why}")
 
@@ -220,14 +213,6 @@ class CharmDotProductAttention(MegatronModule):
                 f"serves {', '.join(CHARM_COMM_TYPES)} (--cp-comm-type charm). Megatron's own "
                 "p2p / a2a / allgather / a2a+p2p belong to TEDotProductAttention: build the spec "
                 "without use_charm for those"
-            )
-        operator_algos = _operator_algos()
-        if cp_comm_type not in operator_algos:
-            # Fail at model build, not in the first training step.
-            raise _unsupported(
-                f"cp_comm_type={cp_comm_type!r}",
-                "is not available in this version of charm_megatron.cp_attention (it accepts "
-                f"{', '.join(operator_algos)}); use --cp-comm-type charm, rmplus or ring",
             )
         return cp_comm_type
 

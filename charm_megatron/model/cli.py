@@ -12,8 +12,8 @@ import argparse
 
 from charm_megatron.model.cluster import PROFILES, Cluster, default_cluster_for, get_profile
 from charm_megatron.model.predict import Prediction, predict_all, ring_ccr
-from charm_megatron.plan.builders import ALGOS
 from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args
+from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
 
 # (flag, Cluster field, type, help)
 _CLUSTER_FLAGS: tuple[tuple[str, str, type, str], ...] = (

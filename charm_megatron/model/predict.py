@@ -8,9 +8,10 @@ from functools import lru_cache
 
 from charm_megatron.model.cluster import Cluster, default_cluster_for
 from charm_megatron.model.sim import SimResult, simulate
-from charm_megatron.plan.builders import ALGOS, build_plan
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
+from charm_megatron.plan.registry import build_plan
 
 Groups = tuple[tuple[int, ...], ...]
 

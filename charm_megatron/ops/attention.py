@@ -12,15 +12,14 @@ import torch.distributed as dist
 from charm_megatron.kernels import get_backend
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.streams import stream_groups
-from charm_megatron.plan.builders import ALGOS as PLAN_ALGOS
-from charm_megatron.plan.builders import build_plan
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.registry import CHOICES, build_plan, uses_topology
 from charm_megatron.plan.validate import validate
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# What ``algo`` accepts: the plan algorithms, and ``auto`` (the performance model picks one).
-ALGOS = (*PLAN_ALGOS, "auto")
+# What ``algo`` accepts: the registered algorithms, and ``auto`` (the performance model picks one).
+ALGOS = CHOICES
 
 
 def _plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool) -> tuple[Plan, Plan]:
@@ -99,7 +98,7 @@ def _resolve(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch
         problem = Problem(q.shape[1], q.shape[0] * cp_size, q.shape[2], k.shape[2], q.shape[3],
                           q.element_size())
         algo = choose_algo_cached(groups, problem, causal=causal)
-    return algo, (groups if algo == "charm" else flat)
+    return algo, (groups if uses_topology(algo) else flat)
 
 
 def cp_attention(
