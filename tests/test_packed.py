@@ -123,3 +123,17 @@ def test_tile_segments_follow_documents_and_skip_padding():
     # second q half of rank 0 (chunk 3: doc0 positions 6 only real) vs all of kv rank 1.
     assert later.q_index.tolist() == [0] and later.k_index.tolist() == [0, 1, 3, 4]
     assert tile_spec(0, 1, True).q_half is Half.SECOND
+
+
+def test_bench_packed_documents_fill_the_tokens_and_are_seeded():
+    from charm_megatron.bench.config import BenchConfig, HeadSpec
+    from charm_megatron.bench.packing import doc_lengths
+
+    real, padded = doc_lengths(8192, 8, 512, seed=3)
+    assert sum(padded) == 8192 and all(p % 16 == 0 and 1 <= r <= p for r, p in zip(real, padded))
+    assert len(real) > 4 and len(set(real)) > 2  # several documents of different lengths
+    assert doc_lengths(8192, 8, 512, seed=3) == (real, padded)
+    assert doc_lengths(8192, 8, 512, seed=4) != (real, padded)
+    cfg = BenchConfig([1], [96, 100], [HeadSpec(2, 8)], causal=False, packed_mean=16)
+    points, dropped = cfg.points(4)
+    assert [p.seq for p in points] == [96] and "packed" in dropped[0]

@@ -54,10 +54,13 @@ class PlanContender(Contender):
 
     ablatable = True
 
-    def __init__(self, algo: str, topology: str | None, causal: bool) -> None:
+    def __init__(self, algo: str, topology: str | None, causal: bool,
+                 packed: dict | None = None) -> None:
         self.name = algo
+        # packed: cu_seqlens / cu_seqlens_padded for THD inputs (the benchmark's packed mode).
         self._fn = functools.partial(_cp_attention(), algo=algo, causal=causal,
-                                     topology=topology if algo == "charm" else None)
+                                     topology=topology if algo == "charm" else None,
+                                     **(packed or {}))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self._fn(q, k, v)

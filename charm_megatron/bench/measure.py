@@ -109,10 +109,27 @@ def _memory(c: Contender, inputs: tuple[torch.Tensor, ...], backward: bool,
     return {"fwd": peaks["fwd"], "fwdbwd": peaks.get("fwdbwd", peaks["fwd"])}
 
 
+def _packed(point: Point, cfg: BenchConfig, world: int, device: torch.device) -> dict | None:
+    """Packed mode: the point's cu_seqlens (same on every rank: seeded by point, not rank)."""
+    if not cfg.packed_mean:
+        return None
+    from charm_megatron.bench.packing import cumulative, doc_lengths
+
+    real, padded = doc_lengths(point.batch * point.seq, world, cfg.packed_mean,
+                               cfg.seed * 1_000_003 + point.index)
+    return {"cu_seqlens": cumulative(real, device), "cu_seqlens_padded": cumulative(padded, device)}
+
+
 def _inputs(point: Point, cfg: BenchConfig, rank: int, world: int,
             device: torch.device) -> tuple[torch.Tensor, ...]:
-    """This rank's q, k, v, dout: ``[S/n, B, H, D]`` (values do not matter for timing)."""
+    """This rank's q, k, v, dout: ``[S/n, B, H, D]`` (values do not matter for timing); in
+    packed mode THD ``[B*S/n, H, D]``."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + point.index * 1009 + rank)
+    if cfg.packed_mean:
+        t = point.batch * point.seq // world
+        dt = _DTYPES[cfg.dtype]
+        return tuple(torch.randn(t, h, point.head_dim, generator=g).to(device=device, dtype=dt)
+                     for h in (point.heads, point.kv_heads, point.kv_heads, point.heads))
     s = point.seq // world
     dt = _DTYPES[cfg.dtype]
     return tuple(torch.randn(s, point.batch, h, point.head_dim, generator=g)
@@ -121,6 +138,7 @@ def _inputs(point: Point, cfg: BenchConfig, rank: int, world: int,
 
 
 def _contenders(job: Job, point: Point, device: torch.device, torch_probe: dict,
+                packed: dict | None = None,
                 ) -> tuple[dict[str, Contender], dict[str, str], dict[str, str]]:
     cfg = job.cfg
     got: dict[str, Contender] = {}
@@ -128,7 +146,10 @@ def _contenders(job: Job, point: Point, device: torch.device, torch_probe: dict,
     notes: dict[str, str] = {}
     for algo in cfg.algos:
         if algo != "torch":
-            got[algo] = PlanContender(algo, job.topology, cfg.causal)
+            got[algo] = PlanContender(algo, job.topology, cfg.causal, packed)
+            continue
+        if packed is not None:
+            skipped[algo] = "PyTorch's context-parallel attention cannot run packed sequences"
             continue
         if os.environ.get(links.ENV_FLAG) == "software":
             skipped[algo] = ("the software link model throttles only this package's P2P calls, "
@@ -179,7 +200,8 @@ def rank_main(rank: int, world: int, job: Job) -> dict[str, Any]:
     try:
         for point in job.points:
             inputs = _inputs(point, cfg, rank, world, device)
-            contenders, skipped, notes = _contenders(job, point, device, torch_probe)
+            contenders, skipped, notes = _contenders(job, point, device, torch_probe,
+                                                     _packed(point, cfg, world, device))
             todo = [(a, m) for a, m in variants if a in contenders
                     and (m == "full" or contenders[a].ablatable)]
             times = {variant_key(a, m): {"fwd": [], "bwd": [], "fwd_cpu": [], "bwd_cpu": []}
