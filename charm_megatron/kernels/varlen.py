@@ -149,8 +149,8 @@ class _AtenVarlen:
         return out.unsqueeze(1), _lse_unpadded(lse, seg)
 
     def backward(self, dog, qg, kg, vg, og, lg, seg, scale):
-        rng = torch.empty(2, dtype=torch.int64, device=qg.device)
-        unused = torch.empty((), dtype=torch.int64, device=qg.device)
+        # No dropout: the rng state is not read (as in torch_backend's flash backward).
+        rng = unused = torch.empty((), dtype=torch.int64, device=qg.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             dog[:, 0].to(qg.dtype).contiguous(), qg[:, 0], kg[:, 0], vg[:, 0],
             og[:, 0].to(qg.dtype).contiguous(), _lse_like_kernel(lg, seg, self.padded_lse),

@@ -108,7 +108,13 @@ def _segment_lists(layout: THDLayout, spec: TileSpec):
 
 
 def tile_segments(layout: THDLayout, spec: TileSpec, device: torch.device) -> Segments:
-    """The :class:`Segments` of tile ``spec`` (per document, real rows only)."""
+    """The :class:`Segments` of tile ``spec`` (per document, real rows only); cached, so the
+    index tensors are built (and copied to the GPU) once per layout, not once per call."""
+    return _tile_segments(layout, spec, str(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _tile_segments(layout: THDLayout, spec: TileSpec, device: str) -> Segments:
     qi, ki, cu_q, cu_k = _segment_lists(layout, spec)
 
     def dev(x, dtype):
@@ -230,13 +236,9 @@ class PackedExecutor(Executor):
                  layout: THDLayout) -> None:
         super().__init__(streams, backend, shape, scale)
         self.layout = layout
-        self._segs: dict[TileSpec, Segments] = {}
 
     def _segments(self, spec: TileSpec) -> Segments:
-        seg = self._segs.get(spec)
-        if seg is None:
-            seg = self._segs[spec] = tile_segments(self.layout, spec, self.shape.device)
-        return seg
+        return tile_segments(self.layout, spec, self.shape.device)
 
     def _kernel_forward(self, spec, q, k, v):
         return segmented_forward(self.backend, q, k, v, self._segments(spec), self.scale)
@@ -293,6 +295,15 @@ class _PackedCPAttention(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
+@functools.lru_cache(maxsize=64)
+def _permutation(layout: THDLayout, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(THD-local -> internal, internal -> THD-local) row indices on ``device``."""
+    perm = torch.tensor(layout.permutation(), dtype=torch.long)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel())
+    return perm.to(device), inv.to(device)
+
+
 def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens,
                         cu_seqlens_padded, group, algo: str, topology, causal: bool,
                         softmax_scale: float | None, return_lse: bool):
@@ -317,9 +328,7 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
     q4 = q.unsqueeze(1)
     algo, groups = _resolve(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    perm = torch.tensor(layout.permutation(), dtype=torch.long, device=q.device)
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=q.device)
+    perm, inv = _permutation(layout, str(q.device))
     qi, ki, vi = (t.index_select(0, perm).unsqueeze(1) for t in (q, k, v))
     out, lse = _PackedCPAttention.apply(qi, ki, vi, group, algo, groups, causal, float(scale),
                                         layout)
