@@ -2,6 +2,9 @@
 
 The sequence is cut into ``2·cp`` equal chunks; CP rank ``r`` holds chunk ``r`` followed by
 chunk ``2·cp−1−r``. Under a causal mask every rank then has the same amount of work.
+
+Packed sequences (THD) apply the same cut to every document separately: ``thd_shard`` /
+``thd_unshard`` / ``thd_index``, and ``thd_pad`` / ``thd_unpad`` to lay documents out padded.
 """
 
 from __future__ import annotations
