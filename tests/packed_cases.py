@@ -168,3 +168,33 @@ def packed_bad_input(rank: int, world: int, case: str):
 def run_bad_inputs(rank: int, world: int, cases: list[str]):
     """All bad-input cases in one process group (each must leave no rank in a collective)."""
     return {case: packed_bad_input(rank, world, case) for case in cases}
+
+
+def wire_sizes(rank: int, world: int, algo: str, topology):
+    """Element counts of every tensor this rank sends, packed (causal, padding present) and
+    unpacked with the same local length: the plans move the same (half-)blocks."""
+    import charm_megatron.ops.executor as ex
+
+    sent: list[int] = []
+    real_batch = ex.dist.batch_isend_irecv
+
+    def recording(ops):
+        sent.extend(op.tensor.numel() for op in ops if op.op is dist.isend)
+        return real_batch(ops)
+
+    ex.dist.batch_isend_irecv = recording
+    try:
+        real, padded = doc_lengths("unequal", world)
+        t = sum(padded) // world
+        q = torch.randn(t, 4, 8, requires_grad=True)
+        k = torch.randn(t, 2, 8, requires_grad=True)
+        v = torch.randn(t, 2, 8, requires_grad=True)
+        out = cp_attention(q, k, v, algo=algo, topology=topology, cu_seqlens=cumulative(real),
+                           cu_seqlens_padded=cumulative(padded))
+        out.sum().backward()
+        packed, sent[:] = list(sent), []
+        q4, k4, v4 = (x.detach().unsqueeze(1).requires_grad_() for x in (q, k, v))
+        cp_attention(q4, k4, v4, algo=algo, topology=topology).sum().backward()
+        return packed, list(sent)
+    finally:
+        ex.dist.batch_isend_irecv = real_batch

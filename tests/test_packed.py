@@ -22,7 +22,7 @@ DOCS = ("one", "short", "unequal", "nopad")
 SETUPS = {
     2: [("ring", None), ("rmplus", None), ("charm", "flat")],
     3: [("ring", None), ("rmplus", None), ("charm", "flat")],
-    4: [("ring", None), ("rmplus", None), ("charm", "2x2"), ("charm", "flat")],
+    4: [("ring", None), ("rmplus", None), ("charm", "2x2"), ("charm", "flat"), ("auto", "2x2")],
     8: [("ring", None), ("rmplus", None), ("charm", "2x4"), ("charm", "4x2")],
 }
 
@@ -59,6 +59,17 @@ def test_packed_matrix_against_float64_reference(world):
                     failures.append(f"{case} rank {rank}: {name} rel err {err:.3g} >= {tol}")
     assert not failures, "\n".join(failures)
     assert any("bitwise" in per_rank[0][c][0] for c in cases)
+
+
+def test_packed_messages_are_the_unpacked_ones():
+    """Same plans, same message sizes: under causal masking half-block transfers stay
+    half-sized with packing (the edge permutation keeps each half contiguous)."""
+    for rank, (packed, plain) in enumerate(run_ranks(packed_cases.wire_sizes, 4, "charm",
+                                                     "2x2", timeout_s=120)):
+        assert packed == plain and packed, rank
+        t = packed_cases.doc_lengths("unequal", 4)[1]
+        half_kv = sum(t) // 4 // 2 * 2 * 8  # half a k (or v) block: t/2 rows x 2 heads x 8
+        assert half_kv in packed, rank
 
 
 BAD = {
