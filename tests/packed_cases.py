@@ -31,6 +31,8 @@ def doc_lengths(kind: str, cp: int) -> tuple[list[int], list[int] | None]:
         real = [6 * c + 3, 1, c, 2 * c - 1]
     elif kind == "nopad":  # multiples of 2*cp, cu_seqlens_padded omitted
         return [2 * c, c, 3 * c], None
+    elif kind == "odd":  # CP size 1 only: any lengths, no padding
+        return [5, 1, 8, 3], None
     else:
         raise ValueError(kind)
     return real, [pad(n) for n in real]
@@ -88,7 +90,9 @@ def one_case(rank: int, world: int, algo: str, topology, causal: bool, dtype: st
                      for h in (hq, hkv, hkv, hq))
     scale = d ** -0.5
     ref = reference(q, k, v, dout, real, causal, scale)
-    idx = thd_index(rank, world, cumulative(pad_or_real))
+    # (CP size 1 holds the whole sequence: any lengths, no chunking)
+    idx = (torch.arange(sum(pad_or_real)) if world == 1
+           else thd_index(rank, world, cumulative(pad_or_real)))
     mask = _real_mask(real, pad_or_real)[idx]
 
     def local(x):

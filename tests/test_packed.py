@@ -20,6 +20,7 @@ TOL = {"fp32": 1e-5, "bf16": 2e-2}
 DOCS = ("one", "short", "unequal", "nopad")
 
 SETUPS = {
+    1: [("ring", None), ("charm", None)],
     2: [("ring", None), ("rmplus", None), ("charm", "flat")],
     3: [("ring", None), ("rmplus", None), ("charm", "flat")],
     4: [("ring", None), ("rmplus", None), ("charm", "2x2"), ("charm", "flat"), ("auto", "2x2")],
@@ -29,10 +30,11 @@ SETUPS = {
 
 def _cases(world):
     """Every (algo, topology) x mask x document mix; dtype and GQA ratio rotate so that each
-    document mix meets both dtypes and several ratios."""
+    document mix meets both dtypes and several ratios. CP size 1 also takes odd lengths."""
     cases = []
+    docs_here = DOCS + (("odd",) if world == 1 else ())
     for algo, topo in SETUPS[world]:
-        for i, (causal, docs) in enumerate(itertools.product((True, False), DOCS)):
+        for i, (causal, docs) in enumerate(itertools.product((True, False), docs_here)):
             dtype = ("fp32", "bf16")[(i + i // 4) % 2]
             hkv = (4, 2, 1)[(i + len(cases)) % 3]
             cases.append((algo, topo, causal, dtype, hkv, docs))

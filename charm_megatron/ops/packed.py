@@ -142,7 +142,11 @@ def _as_list(x, name: str) -> list[int]:
 
 
 def make_layout(cu_seqlens, cu_seqlens_padded, cp_size: int, t_local: int) -> THDLayout:
-    """Check the cumulative lengths and return the layout (ValueError / TypeError)."""
+    """Check the cumulative lengths and return the layout (ValueError / TypeError).
+
+    Padded lengths must be multiples of ``2*cp_size``, except at ``cp_size == 1`` (no CP: the
+    documents are attended in place, any lengths)."""
+    unit = 2 * cp_size if cp_size > 1 else 1
     cu = _as_list(cu_seqlens, "cu_seqlens")
     explicit = cu_seqlens_padded is not None
     cup = _as_list(cu_seqlens_padded, "cu_seqlens_padded") if explicit else cu
@@ -163,11 +167,11 @@ def make_layout(cu_seqlens, cu_seqlens_padded, cp_size: int, t_local: int) -> TH
         if p < n:
             raise ValueError(f"cp_attention: document {i} has {n} tokens but padded length "
                              f"{p}; cu_seqlens_padded lengths must be >= cu_seqlens lengths")
-        if p % (2 * cp_size):
+        if p % unit:
             what = "padded length" if explicit else "length (no cu_seqlens_padded given)"
             raise ValueError(
                 f"cp_attention: document {i} has {what} {p}, not a multiple of 2*cp_size="
-                f"{2 * cp_size}; pad every document to a multiple of 2*cp_size and pass "
+                f"{unit}; pad every document to a multiple of 2*cp_size and pass "
                 "cu_seqlens_padded (Megatron: --context-parallel-size with padded packing)")
     if cup[-1] != t_local * cp_size:
         raise ValueError(f"cp_attention: cu_seqlens_padded[-1]={cup[-1]} but the tensors hold "
@@ -295,6 +299,43 @@ class _PackedCPAttention(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
+class _LocalPacked(torch.autograd.Function):
+    """CP size 1: every document attended in place (one segmented tile, no plan)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seg, scale):
+        backend = get_backend(q.device, q.dtype)
+        out, lse = segmented_forward(backend, q, k, v, seg, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = (seg, scale)
+        lse_ht = lse[0].contiguous()
+        ctx.mark_non_differentiable(lse_ht)
+        return out, lse_ht
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        seg, scale = ctx.cfg
+        backend = get_backend(q.device, q.dtype)
+        dq, dk, dv = segmented_backward(backend, dout.to(q.dtype).contiguous(), q, k, v, out,
+                                        lse, seg, scale)
+        return dq, dk, dv, None, None
+
+
+@functools.lru_cache(maxsize=64)
+def _local_segments(layout: THDLayout, causal: bool, device: str) -> Segments:
+    rows, cu = [], [0]
+    start = 0
+    for n, p in zip(layout.real, layout.padded):
+        if n:
+            rows.extend(range(start, start + n))
+            cu.append(len(rows))
+        start += p
+    idx = torch.tensor(rows, dtype=torch.long, device=device)
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
+    return Segments(idx, idx, tuple(cu), tuple(cu), causal, cu_t, cu_t)
+
+
 @functools.lru_cache(maxsize=64)
 def _permutation(layout: THDLayout, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(THD-local -> internal, internal -> THD-local) row indices on ``device``."""
@@ -325,9 +366,15 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
     if cp_size > 1:
         _agree(layout, error, group, q.device)
     assert layout is not None
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if cp_size == 1:
+        seg = _local_segments(layout, causal, str(q.device))
+        out, lse = _LocalPacked.apply(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), seg,
+                                      float(scale))
+        out = out.squeeze(1)
+        return (out, lse) if return_lse else out
     q4 = q.unsqueeze(1)
     algo, groups = _resolve(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     perm, inv = _permutation(layout, str(q.device))
     qi, ki, vi = (t.index_select(0, perm).unsqueeze(1) for t in (q, k, v))
     out, lse = _PackedCPAttention.apply(qi, ki, vi, group, algo, groups, causal, float(scale),
