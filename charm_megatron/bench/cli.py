@@ -53,6 +53,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                    help="causal mask, Megatron's load-balanced layout (default)")
     g.add_argument("--no-causal", dest="causal", action="store_false", help="full attention")
     g.add_argument("--max-tokens", type=int, help="skip points with B*S above this (0: none)")
+    g.add_argument("--packed", metavar="MEAN", type=parse_count, default=0,
+                   help="packed documents (THD): B*S tokens of documents whose lengths are "
+                        "LogNormal(sigma=1) with mean MEAN tokens (seeded), each padded to a "
+                        "multiple of 2*cp; torch is left out (it cannot pack)")
 
     a = parser.add_argument_group("what is timed")
     a.add_argument("--algos", default=",".join(ALGOS),
@@ -123,6 +127,7 @@ def _config(args: argparse.Namespace, cuda: bool) -> BenchConfig:
         max_tokens=int(pick("max_tokens")),
         threads=args.threads,
         torch_rotate=args.torch_rotate,
+        packed_mean=args.packed,
     )
 
 
@@ -178,6 +183,10 @@ def _header(cfg: BenchConfig, world: int, topology: str, where: str, points, dro
         f"{'causal' if cfg.causal else 'full attention'}, "
         f"{'forward + backward' if cfg.backward else 'forward only'}, CHARM+ topology {topology}; "
         f"{cfg.warmup} warm-up + {cfg.iters} timed rounds per point")
+    if cfg.packed_mean:
+        from charm_megatron.bench.packing import describe
+
+        log(f"  {describe(cfg.packed_mean)}")
     for d in dropped:
         log(f"  left out: {d}")
 

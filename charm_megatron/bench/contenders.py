@@ -63,10 +63,13 @@ class PlanContender(Contender):
 
     ablatable = True
 
-    def __init__(self, algo: str, topology: str | None, causal: bool) -> None:
+    def __init__(self, algo: str, topology: str | None, causal: bool,
+                 packed: dict | None = None) -> None:
         self.name = algo
+        # packed: cu_seqlens / cu_seqlens_padded for THD inputs (the benchmark's packed mode).
         self._fn = functools.partial(cp_attention, algo=algo, causal=causal,
-                                     topology=topology if uses_topology(algo) else None)
+                                     topology=topology if uses_topology(algo) else None,
+                                     **(packed or {}))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self._fn(q, k, v)
@@ -220,13 +223,18 @@ class Lineup:
 
 
 def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
-            torch_probe: dict) -> Lineup:
+            torch_probe: dict, packed: dict | None = None) -> Lineup:
     """Every algorithm of ``cfg.algos`` that runs here at ``point``. ``torch_probe`` caches
-    :func:`probe_torch` per head shape (a collective: every rank calls this alike)."""
+    :func:`probe_torch` per head shape (a collective: every rank calls this alike); ``packed``
+    holds the point's ``cu_seqlens`` in packed mode."""
     lineup = Lineup({}, {}, {})
     for algo in cfg.algos:
         if algo != "torch":
-            lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal)
+            lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed)
+            continue
+        if packed is not None:
+            lineup.skipped[algo] = ("PyTorch's context-parallel attention cannot run packed "
+                                    "sequences")
             continue
         if os.environ.get(links.ENV_FLAG) == "software":
             lineup.skipped[algo] = (

@@ -32,6 +32,7 @@ from charm_megatron.bench import links
 from charm_megatron.bench.config import BenchConfig, Point
 from charm_megatron.bench.contenders import DTYPES, Contender, Lineup, line_up
 from charm_megatron.bench.memory import PeakMeter
+from charm_megatron.bench.packing import cumulative, doc_lengths
 from charm_megatron.bench.progress import Progress
 from charm_megatron.ops.executor import ablate
 from charm_megatron.topology import resolve_topology
@@ -116,10 +117,25 @@ def _memory(c: Contender, inputs: tuple[torch.Tensor, ...], backward: bool,
     return {"fwd": peaks["fwd"], "fwdbwd": peaks.get("fwdbwd", peaks["fwd"])}
 
 
+def _packed(point: Point, cfg: BenchConfig, world: int, device: torch.device) -> dict | None:
+    """Packed mode: the point's cu_seqlens (same on every rank: seeded by point, not rank)."""
+    if not cfg.packed_mean:
+        return None
+    real, padded = doc_lengths(point.batch * point.seq, world, cfg.packed_mean,
+                               cfg.seed * 1_000_003 + point.index)
+    return {"cu_seqlens": cumulative(real, device), "cu_seqlens_padded": cumulative(padded, device)}
+
+
 def _inputs(point: Point, cfg: BenchConfig, rank: int, world: int,
             device: torch.device) -> tuple[torch.Tensor, ...]:
-    """This rank's q, k, v, dout: ``[S/n, B, H, D]`` (values do not matter for timing)."""
+    """This rank's q, k, v, dout: ``[S/n, B, H, D]`` (values do not matter for timing); in
+    packed mode THD ``[B*S/n, H, D]``."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + point.index * 1009 + rank)
+    if cfg.packed_mean:
+        t = point.batch * point.seq // world
+        dt = DTYPES[cfg.dtype]
+        return tuple(torch.randn(t, h, point.head_dim, generator=g).to(device=device, dtype=dt)
+                     for h in (point.heads, point.kv_heads, point.kv_heads, point.heads))
     s = point.seq // world
     dt = DTYPES[cfg.dtype]
     return tuple(torch.randn(s, point.batch, h, point.head_dim, generator=g)
@@ -177,7 +193,8 @@ def rank_main(rank: int, world: int, job: Job) -> dict[str, Any]:
     torch_probe: dict = {}  # PyTorch CP's way of running, per head shape (a collective probe)
     try:
         points_out = [
-            _measure_point(job, point, line_up(cfg, job.topology, point, device, torch_probe),
+            _measure_point(job, point, line_up(cfg, job.topology, point, device, torch_probe,
+                                   _packed(point, cfg, world, device)),
                            rank, world, device, progress)
             for point in job.points]
     finally:

@@ -112,6 +112,8 @@ def cp_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_padded: torch.Tensor | None = None,
 ):
     """Context-parallel attention over the CP process group ``group``.
 
@@ -132,6 +134,10 @@ def cp_attention(
         causal: causal mask over the full sequence.
         softmax_scale: defaults to ``1/sqrt(d)``.
         return_lse: also return the log-sum-exp.
+        cu_seqlens, cu_seqlens_padded: packed sequences (THD): q ``[t_local, h_q, d]``,
+            k, v ``[t_local, h_kv, d]``, global cumulative real / padded document lengths
+            (int32, same on every rank), Megatron's THD CP layout; out ``[t_local, h_q, d]``,
+            lse ``[h_q, t_local]``. See :mod:`charm_megatron.ops.packed` and docs/api.md.
 
     Returns:
         ``out [s_local, b, h_q, d]`` in q's dtype; with ``return_lse`` also
@@ -143,6 +149,14 @@ def cp_attention(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cp_attention: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group (or run under torchrun) first")
+    if cu_seqlens is not None or cu_seqlens_padded is not None:
+        # Packed documents (THD): its own module, the same plans (ops/packed.py).
+        from charm_megatron.ops.packed import packed_cp_attention
+
+        return packed_cp_attention(q, k, v, cu_seqlens=cu_seqlens,
+                                   cu_seqlens_padded=cu_seqlens_padded, group=group, algo=algo,
+                                   topology=topology, causal=causal,
+                                   softmax_scale=softmax_scale, return_lse=return_lse)
     cp_size = dist.get_world_size(group)
     _check_inputs(q, k, v, causal, cp_size)
     algo, groups = _resolve(algo, topology, group, cp_size, q, k, causal)
