@@ -127,11 +127,13 @@ def _winners(ok: Sequence[bool]) -> str:
 def summary_table(groups: dict[str, Sequence[Setting]]) -> str:
     """Markdown: one row per group (and all), median |err| / worst err (count)."""
     lines = ["| points | ring time, calibrated on | ring time, not | CHARM+ time, not | "
-             "speed-up, not | right winner, not |", "|---|---|---|---|---|---|"]
+             "RM+ time, not | speed-up, not | right winner, not |",
+             "|---|---|---|---|---|---|---|"]
     for name, sts in groups.items():
         s = summarize(sts)
+        rm = [st.err("rmplus") for st in sts if "rmplus" in st.measured]
         lines.append(f"| {name} | {_stat(s.ring_fit)} | {_stat(s.ring_new)} | "
-                     f"{_stat(s.charm_new + s.charm_fit)} | "
+                     f"{_stat(s.charm_new + s.charm_fit)} | {_stat(rm)} | "
                      f"{_stat(s.speedup_new + s.speedup_fit)} | "
                      f"{_winners(s.winners_new + s.winners_fit)} |")
     return "\n".join(lines)
