@@ -188,6 +188,60 @@ def fit_cpu_costs(points: Sequence[Point]) -> tuple[float, float]:
     return a * 1e9, c * 1e6
 
 
+def nelder_mead(cluster: Cluster, params: Sequence[str], loss: Callable[[Cluster], float], *,
+                max_evals: int = 400, spread: float = 1.0) -> tuple[Cluster, float]:
+    """Minimise ``loss`` over ``params`` in log space with the Nelder-Mead simplex (handles
+    the correlated valleys of rate vs fixed cost that defeat coordinate descent).
+    Deterministic: the simplex starts at ``x0`` and ``x0 + spread`` along each axis."""
+    x0 = [math.log(getattr(cluster, n) or _FLOOR.get(n, 1e-3)) for n in params]
+
+    def make(x: Sequence[float]) -> Cluster:
+        c = cluster
+        for n, v in zip(params, x):
+            c = _with(c, n, math.exp(v))
+        return c
+
+    def f(x: Sequence[float]) -> float:
+        return loss(make(x))
+
+    simplex = [list(x0)] + [[v + (spread if i == j else 0.0) for j, v in enumerate(x0)]
+                            for i in range(len(x0))]
+    vals = [f(x) for x in simplex]
+    evals = len(vals)
+    while evals < max_evals:
+        order = sorted(range(len(simplex)), key=lambda i: vals[i])
+        simplex, vals = [simplex[i] for i in order], [vals[i] for i in order]
+        if vals[-1] - vals[0] <= 1e-10 * max(1.0, abs(vals[0])):
+            break
+        n = len(x0)
+        cent = [sum(x[j] for x in simplex[:-1]) / n for j in range(n)]
+        worst = simplex[-1]
+        refl = [c + (c - w) for c, w in zip(cent, worst)]
+        fr = f(refl)
+        evals += 1
+        if fr < vals[0]:
+            exp_ = [c + 2 * (c - w) for c, w in zip(cent, worst)]
+            fe = f(exp_)
+            evals += 1
+            simplex[-1], vals[-1] = (exp_, fe) if fe < fr else (refl, fr)
+        elif fr < vals[-2]:
+            simplex[-1], vals[-1] = refl, fr
+        else:
+            con = [c + 0.5 * (w - c) for c, w in zip(cent, worst)]
+            fc = f(con)
+            evals += 1
+            if fc < vals[-1]:
+                simplex[-1], vals[-1] = con, fc
+            else:  # shrink towards the best
+                best = simplex[0]
+                simplex = [best] + [[b + 0.5 * (v - b) for b, v in zip(best, x)]
+                                    for x in simplex[1:]]
+                vals = [vals[0]] + [f(x) for x in simplex[1:]]
+                evals += n
+    i = min(range(len(vals)), key=lambda k: vals[k])
+    return make(simplex[i]), vals[i]
+
+
 def _median(xs: Sequence[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
@@ -250,8 +304,10 @@ def calibrate(paths: Sequence[str], *, name: str = "calibrated", cores: int | No
                          f"{', '.join(paths)}")
     say = log or (lambda _msg: None)
     if tg["compute"]:
+        cl, e = nelder_mead(cl, COMPUTE_PARAMS, lambda c: log_error(c, tg["compute"]),
+                            max_evals=max_evals)
         cl, e = coordinate_descent(cl, COMPUTE_PARAMS, lambda c: log_error(c, tg["compute"]),
-                                   max_evals=max_evals)
+                                   step=1.1, max_evals=max_evals // 2)
         say(f"compute fit on {len(tg['compute'])} compute-only times: rms log error "
             f"{math.sqrt(e):.3f}")
     cpu_rows = [t.point for t in tg["full"] if t.point.run_cpu_ms and t.point.cpu_work_ms]
