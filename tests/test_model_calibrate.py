@@ -152,3 +152,22 @@ def test_auto_follows_the_profile_a_user_calibrated(tmp_path: Path) -> None:
     slow = TRUTH.with_(cross_gbps=0.5, intra_gbps=50.0)
     assert choose_algo_cached(groups, prob, auto_cluster(fast), causal=True) != "charm"
     assert choose_algo_cached(groups, prob, auto_cluster(slow), causal=True) == "charm"
+
+
+def test_environment_profile_reaches_choose_algo_and_the_cli(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """cluster=None in choose_algo(_cached) means CHARM_MODEL_PROFILE, then the generic one;
+    the cache follows the variable."""
+    groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    prob = Problem(1, 16384, 8, 8, 128, 2)
+    fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
+    save_profile(Profile("fast", TRUTH.with_(cross_gbps=400.0, intra_gbps=400.0), "2x4", ""),
+                 fast)
+    save_profile(Profile("slow", TRUTH.with_(cross_gbps=0.5, intra_gbps=50.0), "2x4", ""), slow)
+    monkeypatch.setenv("CHARM_MODEL_PROFILE", str(slow))
+    assert choose_algo_cached(groups, prob, causal=True) == "charm"
+    monkeypatch.setenv("CHARM_MODEL_PROFILE", str(fast))
+    assert choose_algo_cached(groups, prob, causal=True) != "charm"
+    assert main(["model", "--seq", "16384"]) == 0
+    assert "profile fast (from CHARM_MODEL_PROFILE)" in capsys.readouterr().out

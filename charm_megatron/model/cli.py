@@ -2,7 +2,9 @@
 
 Describe the cluster with a profile (``--profile h100 [--topology 4x8]``) or by hand
 (``--topology 2x8 --intra-gbps 300 --cross-gbps 40 --tflops 300 --nic rank``); any field given
-on the command line overrides the profile's. With neither, a generic cluster is assumed
+on the command line overrides the profile's. Without ``--profile`` the profile named by
+``CHARM_MODEL_PROFILE`` is used if set (as ``algo="auto"`` does); with neither, a generic
+cluster is assumed
 (:func:`~charm_megatron.model.cluster.default_cluster_for`). ``--profile`` also takes a profile
 file, which ``--calibrate BENCH_CSV... -o FILE`` writes (:mod:`.calibrate`); ``--accuracy``
 compares a profile with measurements (:mod:`.accuracy`).
@@ -11,7 +13,9 @@ compares a profile with measurements (:mod:`.accuracy`).
 from __future__ import annotations
 
 import argparse
+import os
 
+from charm_megatron.model.auto import ENV
 from charm_megatron.model.cluster import PROFILES, Cluster, default_cluster_for, get_profile
 from charm_megatron.model.predict import Prediction, predict_all, ring_ccr
 from charm_megatron.plan.builders import ALGOS
@@ -102,14 +106,17 @@ def resolve(args: argparse.Namespace) -> tuple[str, list[list[int]], Cluster, st
                                     for flag, field, _, _ in _CLUSTER_FLAGS}
     overrides["nic"] = args.nic
     overrides["cross_via_intra"] = args.cross_via_intra
-    if args.profile:
-        prof = get_profile(args.profile)  # a name or a file; ValueError says which exist
+    name, origin = args.profile, ""
+    if not name and os.environ.get(ENV):
+        name, origin = os.environ[ENV], f" (from {ENV})"
+    if name:
+        prof = get_profile(name)  # a name or a file; ValueError says which exist
         topo = Topology.parse(args.topology or prof.topology)
         cluster = prof.cluster.with_(**overrides)
-        how = f"profile {prof.name}"
+        how = f"profile {prof.name}{origin}"
     else:
         if not args.topology:
-            raise SystemExit("charm-megatron model: give --profile or --topology")
+            raise SystemExit(f"charm-megatron model: give --profile or --topology (or set {ENV})")
         topo = Topology.parse(args.topology)
         groups = [list(g) for g in topo.groups]
         needed = ("intra_gbps", "cross_gbps", "tflops")
