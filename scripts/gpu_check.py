@@ -159,6 +159,21 @@ def check_cp(case, device: str, gen) -> dict:
             "errors": {n: float(f"{e:.3g}") for n, e in errs.items()}, "ok": ok}
 
 
+def _guarded(check, case, device: str, gen) -> dict:
+    """A check that raises is a failed check with its message (a one-shot run must report
+    every path, not stop at the first unsupported one)."""
+    try:
+        return check(case, device, gen)
+    except Exception as exc:  # noqa: BLE001 - recorded and reported as FAIL
+        names = ("backend", "dtype", "sq", "sk", "b", "hq", "hkv", "d", "causal") \
+            if check is check_kernel else ("algo", "dtype", "s", "b", "hq", "hkv", "d", "causal")
+        info = dict(zip(names, case))
+        info["dtype"] = str(info["dtype"]).split(".")[-1]
+        info["heads"] = f"{info.pop('hq')}/{info.pop('hkv')}"
+        return {"check": "kernel" if check is check_kernel else "cp_attention", **info,
+                "errors": {}, "ok": False, "exception": f"{type(exc).__name__}: {exc}"}
+
+
 # ------------------------------------------------------------------------------ measurement
 def _timer(device: str):
     if device == "cuda":
@@ -287,16 +302,15 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(1234)
     dev_name = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu"
     print(f"# gpu_check on {dev_name} (torch {torch.__version__})")
-    results = []
-    for case in kernel_cases(args.device, args.tiny):
-        results.append(check_kernel(case, args.device, gen))
+    results = [_guarded(check_kernel, case, args.device, gen)
+               for case in kernel_cases(args.device, args.tiny)]
     _init_single_process(args.device)
-    for case in cp_cases(args.device, args.tiny):
-        results.append(check_cp(case, args.device, gen))
+    results += [_guarded(check_cp, case, args.device, gen)
+                for case in cp_cases(args.device, args.tiny)]
     for r in results:
         what = r.get("backend") or r.get("algo")
         shape = (f"sq={r['sq']} sk={r['sk']}" if "sq" in r else f"s={r['s']}")
-        errs = " ".join(f"{n} {e:.2g}" for n, e in r["errors"].items())
+        errs = " ".join(f"{n} {e:.2g}" for n, e in r["errors"].items()) or r.get("exception")
         print(f"{'ok  ' if r['ok'] else 'FAIL'} {r['check']:12} {what:10} {r['dtype']:8} "
               f"{shape:14} heads {r['heads']:4} d={r['d']:<3} causal={r['causal']!s:5} {errs}")
     failed = [r for r in results if not r["ok"]]

@@ -61,3 +61,20 @@ def test_gpu_check_script_runs_on_cpu(tmp_path: Path) -> None:
     prof = load_profile(out)
     assert prof.fit["checks_ok"] is True and prof.fit["kernel_table"]
     assert prof.cluster.tflops > 0 and prof.cluster.op_overhead_us > 0
+
+
+def test_gpu_check_reports_a_raising_path_as_failed() -> None:
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    gen = torch.Generator().manual_seed(0)
+    bad = mod._guarded(mod.check_kernel, ("torch", torch.float32, 8, 16, 1, 2, 2, 8, True),
+                       "cpu", gen)
+    assert bad["ok"] is False and "equal q and kv" in bad["exception"]
+    good = mod._guarded(mod.check_kernel, ("torch", torch.float32, 16, 16, 1, 2, 1, 8, True),
+                        "cpu", gen)
+    assert good["ok"] is True and set(good["errors"]) == {"out", "lse", "dq", "dk", "dv"}
