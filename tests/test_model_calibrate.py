@@ -83,10 +83,19 @@ def test_calibrate_recovers_a_known_cluster_from_ring_rows(tmp_path: Path) -> No
 
 
 def test_calibrate_names_what_an_old_file_lacks(tmp_path: Path) -> None:
-    csv_path = _write_bench(tmp_path / "old.csv", TRUTH, seqs=(8192,),
-                            drop=("intra_rate_mbps",))
+    """A CPU-testbed file without its intra rate: an error naming the option. A GPU run
+    without link rates: the rate the ring waits on (cross, here) is fitted."""
+    csv_path = _write_bench(tmp_path / "old.csv", TRUTH, drop=("intra_rate_mbps",
+                                                                "cross_rate_mbps"))
+    with pytest.raises(ValueError, match="--cross-gbps"):
+        calibrate([str(csv_path)], cores=2)
     with pytest.raises(ValueError, match="--intra-gbps"):
-        calibrate([str(csv_path)])
+        calibrate([str(csv_path)], cores=2, cross_gbps=5.0)
+    logs: list[str] = []
+    prof = calibrate([str(csv_path)], max_evals=200, log=logs.append)
+    assert prof.fit["fitted_link_rates"] == ["cross_gbps", "intra_gbps"]
+    assert any("fitted on the ring" in m for m in logs)
+    assert prof.cluster.cross_gbps == pytest.approx(TRUTH.cross_gbps, rel=0.05)
     with pytest.raises(ValueError, match="does not exist"):
         calibrate([str(tmp_path / "missing.csv")])
 

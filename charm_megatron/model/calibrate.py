@@ -256,11 +256,14 @@ def initial_cluster(points: Sequence[Point], *, cores: int | None, intra_gbps: f
                            if any(p.cross_mbps for p in points) else None)
     intra = intra_gbps or (_median([p.intra_mbps for p in points if p.intra_mbps]) / 1e3
                            if any(p.intra_mbps for p in points) else None)
-    if cross is None:
+    if cores and cross is None:
         raise ValueError("the bench output has no cross_rate_mbps: give --cross-gbps")
-    if intra is None:
+    if cores and intra is None:
         raise ValueError("the bench output has no intra_rate_mbps (written by bench since "
                          "this version; older files lack it): give --intra-gbps")
+    # GPU runs (no shared pool): a rate neither measured nor given is fitted (calibrate).
+    cross = cross or 10.0
+    intra = intra or 8.0 * cross
     if cross_burst_kb is None:
         found = [p.cross_burst_kb for p in points if p.cross_burst_kb is not None]
         cross_burst_kb = _median(found) if found else 0.0
@@ -295,6 +298,9 @@ def calibrate(paths: Sequence[str], *, name: str = "calibrated", cores: int | No
         cores = max(found) if found else None
     cl = initial_cluster(points, cores=cores, intra_gbps=intra_gbps, cross_gbps=cross_gbps,
                          cross_burst_kb=cross_burst_kb, intra_burst_kb=intra_burst_kb)
+    unmeasured = tuple(name for name, given, col in (("cross_gbps", cross_gbps, "cross_mbps"),
+                                                     ("intra_gbps", intra_gbps, "intra_mbps"))
+                       if not given and not any(getattr(p, col) for p in points))
     if not cores:
         cl = replace(cl, cpu_ns_per_byte=0.0)
     comm_params = COMM_PARAMS if cores else ("latency_us",)
@@ -311,7 +317,11 @@ def calibrate(paths: Sequence[str], *, name: str = "calibrated", cores: int | No
         say(f"compute fit on {len(tg['compute'])} compute-only times: rms log error "
             f"{math.sqrt(e):.3f}")
     cpu_rows = [t.point for t in tg["full"] if t.point.run_cpu_ms and t.point.cpu_work_ms]
-    rest: tuple[str, ...] = ("latency_us",)
+    rest: tuple[str, ...] = ("latency_us",) + unmeasured
+    if unmeasured:
+        say(f"no measured {' / '.join(unmeasured)}: fitted on the ring's times (only a link "
+            "the ring waits on is determined; give --cross-gbps / --intra-gbps from "
+            "charm-megatron topo or a point-to-point test if you have them)")
     if cores and cpu_rows:
         ns, us = fit_cpu_costs(cpu_rows)
         cl = replace(cl, cpu_ns_per_byte=ns, msg_cpu_us=us)
@@ -325,13 +335,17 @@ def calibrate(paths: Sequence[str], *, name: str = "calibrated", cores: int | No
         f"{math.sqrt(e):.3f}")
     every = tg["compute"] + tg["comm"] + tg["full"]
     cl = _rounded(cl)
-    fit = {"method": "charm_megatron.model.calibrate (coordinate descent, log error)",
+    fit = {"method": "charm_megatron.model.calibrate (Nelder-Mead + coordinate descent, log "
+                     "error)",
            "inputs": file_digest(paths), "fit_algos": list(fit_algos),
+           "fitted_link_rates": list(unmeasured),
            "passes": ["fwd", "bwd"], "targets": {k: len(v) for k, v in tg.items()},
            "rms_log_error": round(math.sqrt(log_error(cl, every)), 4)}
     topo = points[0].topology
     src = (f"calibrated by charm-megatron model --calibrate on {', '.join(sorted(fit['inputs']))}"
-           f" ({'/'.join(fit_algos)} rows only; link rates as the bench measured them)")
+           f" ({'/'.join(fit_algos)} rows only; link rates "
+           + (f"{', '.join(unmeasured)} fitted, the rest " if unmeasured else "")
+           + "as the bench measured or the command line gave them)")
     return Profile(name, cl, topo, src, fit)
 
 
