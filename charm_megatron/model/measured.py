@@ -12,10 +12,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from charm_megatron.plan.builders import ALGOS
 from charm_megatron.plan.cost import ELEM_BYTES, Problem
 
 PASSES = ("fwd", "bwd", "fwdbwd")
+# The bench's contenders the model replays (its own plans); "torch" and others are skipped.
+MODELLED = ("ring", "rmplus", "charm")
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def load_points(paths: Iterable[str | Path]) -> list[Point]:
         if not rows or "median_ms" not in rows[0]:
             raise ValueError(f"{p}: not a charm-megatron bench results.csv (no median_ms column)")
         for row in rows:
-            if row.get("status") != "ok" or row.get("algo") not in ALGOS:
+            if row.get("status") != "ok" or row.get("algo") not in MODELLED:
                 continue
             if row.get("pass") not in PASSES:
                 continue
