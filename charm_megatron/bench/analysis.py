@@ -40,7 +40,10 @@ COLUMNS = [
     "ring_ccr", "ring_compute_ms", "ring_comm_ms",
     "compute_only_ms", "cpu_work_ms", "run_cpu_ms",
     "cross_link_mb", "cross_rate_mbps", "bound_ms", "bound_by", "vs_bound",
-    "peak_mem_mb", "note",
+    "peak_mem_mb",
+    # What `charm-megatron model --calibrate` needs beyond the above (older files lack them).
+    "cores", "intra_rate_mbps", "cross_burst_kb",
+    "note",
 ]
 
 
@@ -154,7 +157,7 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
         base = {"point": point.index, "batch": point.batch, "seq": point.seq,
                 "heads": point.heads, "kv_heads": point.kv_heads, "head_dim": point.head_dim,
                 "dtype": cfg.dtype, "causal": cfg.causal, "world": world, "topology": topology,
-                "mode": info.mode, "nic": info.nic or ""}
+                "mode": info.mode, "nic": info.nic or "", **_link_columns(info)}
         ccr: dict[str, tuple[float, float, float]] = {}
         if "ring/compute" in wall and "ring/comm" in wall:
             for p in passes:
@@ -188,6 +191,15 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                     row["peak_mem_mb"] = max(m[which] for m in mem) / 2**20
                 rows.append(row)
     return rows, raw
+
+
+def _link_columns(info: RunInfo) -> dict:
+    """Cores the ranks shared, the intra rate (measured one pair, else configured) and the
+    cross links' token bucket: the calibration's inputs (docs/model.md)."""
+    intra = info.rates.get("intra_one_pair") or info.rates.get("configured_intra")
+    return {"cores": info.cores if info.device != "cuda" else "",
+            "intra_rate_mbps": intra / 1e6 if intra else "",
+            "cross_burst_kb": info.cross_burst / 1024 if info.cross_burst else ""}
 
 
 def _timing(wall: dict, cpu: dict, key: str, p: str) -> dict:
