@@ -30,6 +30,7 @@ from charm_megatron.model.predict import _plan
 from charm_megatron.model.sim import simulate
 from charm_megatron.model.testbed import emulated_cluster
 from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.registry import uses_topology
 
 # Parameters of each stage; all are >= 0 and searched in log space from these starts.
 COMPUTE_PARAMS = ("tflops", "kernel_q_rows", "op_overhead_us", "bwd_factor", "merge_gbps")
@@ -52,7 +53,7 @@ def _sim_ms(cluster: Cluster, topology: str, problem: Problem, causal: bool, alg
     total = 0.0
     for direction in (("forward",) if pas == "fwd" else ("backward",) if pas == "bwd"
                       else ("forward", "backward")):
-        plan = _plan(algo, direction, groups if algo == "charm" else flat, causal)
+        plan = _plan(algo, direction, groups if uses_topology(algo) else flat, causal)
         total += simulate(plan, problem, cluster, groups, compute=compute, comm=comm).time_s
     return total * 1e3
 
@@ -155,7 +156,7 @@ def plan_volume(pt: Point) -> tuple[float, int]:
     nbytes, msgs = 0.0, 0
     for direction in (("forward",) if pt.pas == "fwd" else ("backward",) if pt.pas == "bwd"
                       else ("forward", "backward")):
-        plan = _plan(pt.algo, direction, groups if pt.algo == "charm" else flat, pt.causal)
+        plan = _plan(pt.algo, direction, groups if uses_topology(pt.algo) else flat, pt.causal)
         t = traffic(plan, pt.problem, groups)
         nbytes += sum(t.intra) + sum(t.cross)
         msgs += sum(len(op.sends) + len(op.recvs) for ops in plan.ops for op in ops
