@@ -10,7 +10,6 @@ import torch
 
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.plan.batches import BatchMismatch, closed_matching, messages_between
-from charm_megatron.plan.builders import build_plan
 from charm_megatron.plan.core import (
     Comm,
     Half,
@@ -28,6 +27,7 @@ from charm_megatron.plan.core import (
     format_op,
 )
 from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.registry import build_plan
 from charm_megatron.plan.validate import PlanError, validate
 from charm_megatron.plan.vocab import BLOCKS, Direction, Side
 

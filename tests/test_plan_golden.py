@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from charm_megatron.plan.builders import build_plan
 from charm_megatron.plan.cost import Problem, traffic
+from charm_megatron.plan.registry import build_plan
 from charm_megatron.plan.validate import validate
 
 GOLDEN = Path(__file__).parent / "golden" / "plans"
