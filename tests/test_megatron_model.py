@@ -67,21 +67,22 @@ def _config(tp: int, cp: int, groups: int, **overrides):
     return TransformerConfig(**kw)
 
 
-def _model(config, charm: bool):
+def _model(config, charm: bool, topology: str | None = None, spec=None, **kw):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from charm_megatron.megatron import use_charm
 
-    spec = get_gpt_layer_local_spec()
+    spec = get_gpt_layer_local_spec() if spec is None else spec
     if charm:
-        spec = use_charm(spec)
+        spec = use_charm(spec, topology=topology)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         position_embedding_type="rope",
+        **kw,
     )
 
 
@@ -203,17 +204,15 @@ def _rank_cp_matches_cp1(rank: int, world: int, layouts: tuple[tuple[int, int, s
     from megatron.core import parallel_state as ps
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from charm_megatron.megatron import set_topology
-
     out = {}
     for tp, cp, topology in layouts:
-        set_topology(topology)
         for groups in group_options:
             state, ref_losses, ref_grads, _ = _reference(tp, groups)
             _init_parallel(tp, cp)
             ref_local = get_batch_on_this_cp_rank({"losses": ref_losses})["losses"]
             for algo in algos:
-                model = _model(_config(tp, cp, groups, cp_comm_type=algo), charm=True)
+                model = _model(_config(tp, cp, groups, cp_comm_type=algo), charm=True,
+                               topology=topology)
                 model.load_state_dict(state)
                 losses = _losses(model, 0, reference=False)
                 _backward(losses, model)
@@ -229,9 +228,6 @@ def _rank_training(rank: int, world: int, cp: int, topology: str) -> dict:
     _cpu_megatron()
     from megatron.core import parallel_state as ps
 
-    from charm_megatron.megatron import set_topology
-
-    set_topology(topology)
     steps = 3
     state, _, _, ref_traj = _reference(1, groups=2, steps=steps)
 
@@ -239,7 +235,7 @@ def _rank_training(rank: int, world: int, cp: int, topology: str) -> dict:
     out: dict = {"reference": ref_traj}
 
     # Three steps with CHARM+, from the reference weights.
-    model = _model(_config(1, cp, 2, cp_comm_type="charm"), charm=True)
+    model = _model(_config(1, cp, 2, cp_comm_type="charm"), charm=True, topology=topology)
     model.load_state_dict(state)
     calls = _count_attention_calls()
     out["charm"] = _train(model, steps, reference=False)
@@ -252,7 +248,7 @@ def _rank_training(rank: int, world: int, cp: int, topology: str) -> dict:
         ("selective_recompute", dict(recompute_granularity="selective",
                                      recompute_modules=["core_attn"])),
     ):
-        m = _model(_config(1, cp, 2, cp_comm_type="charm", **kw), charm=True)
+        m = _model(_config(1, cp, 2, cp_comm_type="charm", **kw), charm=True, topology=topology)
         m.load_state_dict(state)
         calls.clear()
         out[name] = _train(m, steps, reference=False)
@@ -260,7 +256,7 @@ def _rank_training(rank: int, world: int, cp: int, topology: str) -> dict:
 
     # One step under ring, checkpoint (model + optimizer, through torch.save), resume under
     # charm; compare with ring carrying on.
-    ring = _model(_config(1, cp, 2, cp_comm_type="ring"), charm=True)
+    ring = _model(_config(1, cp, 2, cp_comm_type="ring"), charm=True, topology=topology)
     ring.load_state_dict(state)
     ring_opt = _sgd(ring)
     first = _train(ring, 1, reference=False, opt=ring_opt)
@@ -270,7 +266,7 @@ def _rank_training(rank: int, world: int, cp: int, topology: str) -> dict:
 
     buf.seek(0)
     ckpt = torch.load(buf, weights_only=True)
-    charm = _model(_config(1, cp, 2, cp_comm_type="charm"), charm=True)
+    charm = _model(_config(1, cp, 2, cp_comm_type="charm"), charm=True, topology=topology)
     charm.load_state_dict(ckpt["model"], strict=True)  # same keys: the attention has no state
     charm_opt = _sgd(charm)
     charm_opt.load_state_dict(ckpt["optimizer"])
