@@ -167,7 +167,9 @@ def _pretrain_until_cuda_gate(real_pretrain, report: dict):
     return pretrain
 
 
-def _rank_real(rank: int, world: int, root: str, argv: list[str]) -> dict:
+def _prepare_rank(rank: int, world: int, root: str) -> tuple[dict, object]:
+    """Environment, import path and CPU redirections; returns the report and the checkout's
+    ``megatron.training`` (its ``pretrain`` swapped for the stand-in)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       CUDA_DEVICE_MAX_CONNECTIONS="1", MEGATRON_LM_PATH=root)
     sys.path.insert(0, root)  # the checkout's megatron package, before anything imports one
@@ -176,40 +178,100 @@ def _rank_real(rank: int, world: int, root: str, argv: list[str]) -> dict:
 
     quiet_megatron()
     patch_for_cpu()
-    import megatron
+    import megatron.core
     import megatron.training
     import megatron.training.arguments
 
     # validate_args asks the GPU's architecture (CUDA) for the CUDA_DEVICE_MAX_CONNECTIONS rule:
     # answer Hopper's (9), so that rule is checked as on an H100.
     megatron.training.arguments.get_device_arch_version = lambda: 9
-
-    import megatron.core
-
-    from charm_megatron import pretrain_gpt as launcher
-
     # megatron is a namespace package: both of its parts must come from the checkout.
     report: dict = {"megatron": [megatron.training.__file__, megatron.core.__file__]}
     megatron.training.pretrain = _pretrain_until_cuda_gate(megatron.training.pretrain, report)
+    return report, megatron.training
+
+
+def _rank_real(rank: int, world: int, root: str, argv: list[str]) -> dict:
+    """Through our launcher's ``main()``."""
+    report, _ = _prepare_rank(rank, world, root)
+    from charm_megatron import pretrain_gpt as launcher
+
     launcher.main(argv)
     return report
+
+
+def _rank_patched(rank: int, world: int, root: str, patched: str, argv: list[str],
+                  hide_charm: bool) -> dict:
+    """The patched ``pretrain_gpt.py`` run directly (no launcher); ``hide_charm``: as if
+    charm-megatron were not installed."""
+    import runpy
+
+    report, _ = _prepare_rank(rank, world, root)
+    if hide_charm:
+        for name in ("charm_megatron.megatron.args", "charm_megatron.megatron.build"):
+            sys.modules[name] = None  # import raises ImportError
+    sys.path.insert(0, patched)
+    sys.argv = [os.path.join(patched, "pretrain_gpt.py"), *argv]
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except ImportError as exc:
+        report["error"] = str(exc)
+    return report
+
+
+def _check_report(rep: dict, comm_types: list[str]) -> float:
+    expected = comm_types * 2 if len(comm_types) == 1 else comm_types
+    for path in rep["megatron"]:
+        assert path.startswith(str(Path(ROOT).resolve())), rep["megatron"]
+    assert rep["gate"] == "Megatron requires CUDA.", rep
+    assert rep["args_cp_comm_type"] == comm_types and rep["charm_topology"] == "2x2"
+    assert rep["core_attention"] == ["CharmDotProductAttention"] * 2, rep
+    assert rep["algos"] == expected, rep
+    assert rep["config_cp_comm_type"] == comm_types, rep
+    assert rep["tokens"] == SEQ and rep["grads_finite"] and rep["n_grads"] > 0, rep
+    return round(rep["loss"], 6)
 
 
 @pytest.mark.parametrize("comm_types", [["charm"], ["ring", "charm"]], ids=["charm", "per-layer"])
 def test_real_megatron_lm_until_cuda_gate(comm_types):
     argv = _argv(comm_types)
     results = run_ranks(_rank_real, 4, ROOT, argv, timeout_s=600, pg_timeout_s=120)
-    expected = comm_types * 2 if len(comm_types) == 1 else comm_types
-    losses = set()
-    for rep in results:
-        for path in rep["megatron"]:
-            assert path.startswith(str(Path(ROOT).resolve())), rep["megatron"]
-        assert rep["gate"] == "Megatron requires CUDA.", rep
-        assert rep["args_cp_comm_type"] == comm_types and rep["charm_topology"] == "2x2"
-        assert rep["core_attention"] == ["CharmDotProductAttention"] * 2, rep
-        assert rep["algos"] == expected, rep
-        assert rep["config_cp_comm_type"] == comm_types, rep
-        assert rep["tokens"] == SEQ and rep["grads_finite"] and rep["n_grads"] > 0, rep
-        losses.add(round(rep["loss"], 6))
+    losses = {_check_report(rep, comm_types) for rep in results}
     # Random tokens over a 1024-word vocabulary: the loss of a fresh model is near ln(1024).
-    assert len(losses) == 1 and 6.0 < losses.pop() < 7.9, results[0]["loss"]
+    assert len(losses) == 1 and 6.0 < next(iter(losses)) < 7.9, losses
+
+
+@pytest.fixture(scope="module")
+def patched_tree(tmp_path_factory) -> str:
+    """pretrain_gpt.py, gpt_builders.py and model_provider.py of the checkout, with our patch
+    applied (``git apply``, as patches/README.md says)."""
+    import shutil
+    import subprocess
+
+    tree = tmp_path_factory.mktemp("patched")
+    for name in ("pretrain_gpt.py", "gpt_builders.py", "model_provider.py"):
+        shutil.copy(Path(ROOT) / name, tree / name)
+    patch = Path(__file__).resolve().parents[1] / "patches" / "megatron-lm-core_v0.16.1-charm.patch"
+    subprocess.run(["git", "apply", "--unsafe-paths", f"--directory={tree}", str(patch)],
+                   cwd=tree, check=True, capture_output=True, timeout=60)
+    assert "charm_gpt_specs" in (tree / "gpt_builders.py").read_text()
+    return str(tree)
+
+
+def test_real_megatron_lm_patched(patched_tree):
+    comm_types = ["ring", "charm"]
+    results = run_ranks(_rank_patched, 4, ROOT, patched_tree, _argv(comm_types), False,
+                        timeout_s=600, pg_timeout_s=120)
+    losses = {_check_report(rep, comm_types) for rep in results}
+    assert len(losses) == 1 and "error" not in results[0]
+
+
+def test_real_megatron_lm_patched_without_charm_megatron(patched_tree):
+    """The patch's promise: without charm-megatron, --charm-topology is still accepted and the
+    build fails with an ImportError saying what to install (on every rank)."""
+    results = run_ranks(_rank_patched, 4, ROOT, patched_tree, _argv(["charm"]), True,
+                        timeout_s=600, pg_timeout_s=120)
+    for rep in results:
+        assert rep["charm_topology"] == "2x2" and rep["gate"] == "Megatron requires CUDA."
+        assert "need charm-megatron: pip install 'charm-megatron[megatron]'" in rep["error"]
+        assert "core_attention" not in rep
