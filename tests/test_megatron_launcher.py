@@ -326,3 +326,27 @@ def test_main_without_megatron_lm(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["charm_megatron.pretrain_gpt"])
     with pytest.raises(SystemExit, match="MEGATRON_LM_PATH"):
         launcher.main(["--cp-comm-type", "charm"])
+
+
+def test_args_says_where_a_cpu_config_cannot_run(capsys):
+    """``charm-megatron args gpt-tiny-cpu`` prints a pretrain_gpt command; Megatron-LM's
+    pretrain() asserts CUDA, so the CPU-only nature is stated next to it (stderr: stdout stays
+    one command line)."""
+    from charm_megatron.launch import args_cli
+
+    def run(config: str, run_name: str, fmt: str = "shell") -> tuple[str, str]:
+        variables = ["DATA_PATH=/d", "VOCAB_FILE=/v.json", "MERGE_FILE=/m.txt"]
+        ns = argparse.Namespace(config=config, run=run_name, cp_comm_type="charm",
+                                overrides=variables, format=fmt, python="python",
+                                list_runs=False)
+        assert args_cli.run(ns) == 0
+        captured = capsys.readouterr()
+        return captured.out, captured.err
+
+    out, err = run("gpt-tiny-cpu", "demo-s256-gb2")
+    assert out.count("\n") == 1 and "charm_megatron.pretrain_gpt" in out
+    assert "Megatron requires CUDA." in err and "charm-megatron demo" in err
+    assert "Megatron requires CUDA." in json.loads(run("gpt-tiny-cpu", "demo-s256-gb2",
+                                                       "json")[0])["note"]
+    out, err = run("gpt-350m", "scale-s2048-gb16")
+    assert err == "" and "note" not in json.loads(run("gpt-350m", "scale-s2048-gb16", "json")[0])
