@@ -123,7 +123,7 @@ def _pretrain_until_cuda_gate(real_pretrain, report: dict):
                             allow_no_cuda=True, skip_mpu_initialization=True)
         args = get_args()
         report["args_cp_comm_type"] = list(args.cp_comm_type)
-        report["charm_topology"] = args.charm_topology
+        report["charm_topology"] = getattr(args, "charm_topology", "<unregistered>")
         # 3. _initialize_distributed without CUDA: the gloo group exists already.
         ps.initialize_model_parallel(
             tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -137,6 +137,7 @@ def _pretrain_until_cuda_gate(real_pretrain, report: dict):
         cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
         report["core_attention"] = [type(c).__name__ for c in cores]
         report["algos"] = [getattr(c, "algo", None) for c in cores]
+        report["topologies"] = [str(getattr(c, "topology", None)) for c in cores]
         report["config_cp_comm_type"] = [model.config.cp_comm_type] if isinstance(
             model.config.cp_comm_type, str) else list(model.config.cp_comm_type)
         # 5. One forward / backward with pretrain_gpt.py's own loss_func.
@@ -202,8 +203,8 @@ def _rank_real(rank: int, world: int, root: str, argv: list[str]) -> dict:
 
 def _rank_patched(rank: int, world: int, root: str, patched: str, argv: list[str],
                   hide_charm: bool) -> dict:
-    """The patched ``pretrain_gpt.py`` run directly (no launcher); ``hide_charm``: as if
-    charm-megatron were not installed."""
+    """``patched/pretrain_gpt.py`` run directly (no launcher; ``patched`` may be the checkout
+    itself, unpatched); ``hide_charm``: as if charm-megatron were not installed."""
     import runpy
 
     report, _ = _prepare_rank(rank, world, root)
@@ -219,14 +220,15 @@ def _rank_patched(rank: int, world: int, root: str, patched: str, argv: list[str
     return report
 
 
-def _check_report(rep: dict, comm_types: list[str]) -> float:
+def _check_report(rep: dict, comm_types: list[str], topology: str = "2x2") -> float:
     expected = comm_types * 2 if len(comm_types) == 1 else comm_types
     for path in rep["megatron"]:
         assert path.startswith(str(Path(ROOT).resolve())), rep["megatron"]
     assert rep["gate"] == "Megatron requires CUDA.", rep
-    assert rep["args_cp_comm_type"] == comm_types and rep["charm_topology"] == "2x2"
+    assert rep["args_cp_comm_type"] == comm_types and rep["charm_topology"] == topology, rep
     assert rep["core_attention"] == ["CharmDotProductAttention"] * 2, rep
     assert rep["algos"] == expected, rep
+    assert all(t == "2x2" for a, t in zip(expected, rep["topologies"]) if a == "charm"), rep
     assert rep["config_cp_comm_type"] == comm_types, rep
     assert rep["tokens"] == SEQ and rep["grads_finite"] and rep["n_grads"] > 0, rep
     return round(rep["loss"], 6)
@@ -275,3 +277,16 @@ def test_real_megatron_lm_patched_without_charm_megatron(patched_tree):
         assert rep["charm_topology"] == "2x2" and rep["gate"] == "Megatron requires CUDA."
         assert "need charm-megatron: pip install 'charm-megatron[megatron]'" in rep["error"]
         assert "core_attention" not in rep
+
+
+def test_real_megatron_lm_spec_route_without_patch_or_launcher():
+    """Stock pretrain_gpt.py, unpatched, with ``--spec charm_megatron.megatron.layer_specs
+    charm_local_layer_spec`` and the topology from CHARM_TOPOLOGY (no --charm-topology)."""
+    argv = _argv(["charm"])
+    i = argv.index("--charm-topology")
+    argv = argv[:i] + argv[i + 2:] + ["--spec", "charm_megatron.megatron.layer_specs",
+                                      "charm_local_layer_spec"]
+    results = run_ranks(_rank_patched, 4, ROOT, ROOT, argv, False, timeout_s=600,
+                        pg_timeout_s=120, env={"CHARM_TOPOLOGY": "2x2"})
+    losses = {_check_report(rep, ["charm"], topology="<unregistered>") for rep in results}
+    assert len(losses) == 1 and "error" not in results[0]

@@ -290,3 +290,35 @@ def test_args_module_imports_no_torch():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --------------------------------------------------------------------------- --spec route
+def test_layer_specs_load_the_way_megatron_spec_does(monkeypatch):
+    """Megatron-LM core_v0.16.1's ``--spec MODULE NAME`` is ``import_module((MODULE, NAME))``
+    (gpt_builders.py:44-45), which returns the named object itself."""
+    from megatron.core.transformer.spec_utils import build_module, import_module
+
+    from charm_megatron.megatron import layer_specs
+
+    local = import_module(("charm_megatron.megatron.layer_specs", "charm_local_layer_spec"))
+    assert local is layer_specs.charm_local_layer_spec
+    assert _is_selector(_core(local), DotProductAttention)
+    assert local == layer_specs.local_layer_spec() and local.module.__name__ == "TransformerLayer"
+
+    te_spec = import_module(("charm_megatron.megatron.layer_specs", "charm_te_layer_spec"))
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:  # this machine: a spec that says what is missing when built
+        with pytest.raises(ImportError, match="needs Transformer Engine"):
+            build_module(te_spec)
+    # The TE variant's structure, with megatron-core's TE names bound as in
+    # test_transformer_engine_spec.
+    import megatron.core.extensions.transformer_engine as te
+    import megatron.core.extensions.transformer_engine_spec_provider as provider
+
+    monkeypatch.setattr(provider, "is_te_min_version", lambda *a, **k: True)
+    monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", provider.TESpecProvider, raising=False)
+    monkeypatch.setattr(gpt_layer_specs, "TENorm", te.TENorm, raising=False)
+    monkeypatch.setattr(gpt_layer_specs, "TEFusedMLP", te.TEFusedMLP, raising=False)
+    built = layer_specs.te_layer_spec(topology="2x4")
+    assert _is_selector(_core(built), provider.TESpecProvider().core_attention(), topology="2x4")

@@ -46,6 +46,7 @@ __all__ = [
 #: CHARM+, so that is the default.
 DEFAULT_COMM_TYPE = "charm"
 
+
 def _group_ranks(group: Any) -> tuple[int, ...]:
     if group is None:
         return ()
