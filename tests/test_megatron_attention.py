@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from charm_megatron.testing import run_ranks
+from charm_megatron.local_ranks import run_ranks
 
 pytest.importorskip("megatron.core")
 
@@ -107,7 +107,7 @@ def _rank_checks(rank: int, world: int) -> dict:
     v = torch.randn(SEQ // 2, 2, 2, 16)
     attn = build(topology="flat")
     out["packed"] = _outcome(
-        lambda: attn(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
+        lambda: attn(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="bshd"))
     )
     out["packed_sbhd"] = _outcome(
         lambda: attn(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
@@ -181,7 +181,7 @@ def test_startup_line_once_on_rank0(results):
 
 
 def test_comm_types(results):
-    _err(results, "p2p", "ValueError", "layer 1 has cp_comm_type 'p2p'", "charm, rmplus, ring",
+    _err(results, "p2p", "ValueError", "layer 1 has cp_comm_type 'p2p'", "ring, rmplus, charm, auto",
          "use_charm")
     _err(results, "bogus", "ValueError", "cp_comm_type 'bogus'")
     # use_charm kept the local spec's DotProductAttention for p2p: Megatron's own refusal.
@@ -211,7 +211,7 @@ def test_unsupported_options_name_the_option(results):
     _err(results, "padding", "NotImplementedError", "attn_mask_type=padding")
     _err(results, "cross", "NotImplementedError", "attention_type='cross'")
     _err(results, "te_kwarg", "NotImplementedError", "k_channels")
-    _err(results, "packed", "NotImplementedError", "packed_seq_params", "qkv_format='thd'")
+    _err(results, "packed", "NotImplementedError", "packed_seq_params", "qkv_format='bshd'")
     _err(results, "local_cp_size_2", "ValueError", "local_cp_size=2 without a cp_group")
     assert all(r["packed_sbhd"] == ("ok", "") for r in results)
     _err(results, "bias", "NotImplementedError", "attention_bias")
@@ -226,16 +226,11 @@ def test_forward_shape_and_qk_layer_scaling(results):
         assert res["qk_scaling_err"] < 1e-6
 
 
-def test_auto_follows_the_operator(results):
-    """``auto`` runs when cp_attention accepts it (same result as ring), else fails at build."""
-    from charm_megatron.ops.attention import ALGOS
-
+def test_auto_builds_and_matches_ring(results):
+    """``auto`` (a registry choice, so accepted by the layer and by cp_attention) gives ring's
+    result."""
     for res in results:
-        if "auto" in ALGOS:
-            assert res["auto_build"] == ("ok", "") and res["auto_err"] < 1e-6
-        else:
-            kind, msg = res["auto_build"]
-            assert kind == "NotImplementedError" and "cp_comm_type='auto'" in msg, msg
+        assert res["auto_build"] == ("ok", "") and res["auto_err"] < 1e-6
 
 
 def test_cp_size_1_is_local_attention(results):

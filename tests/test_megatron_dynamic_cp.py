@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from charm_megatron.testing import run_ranks
+from charm_megatron.local_ranks import run_ranks
 from dist_cases import local_part, make_inputs, reference, rel_err
 
 pytest.importorskip("megatron.core")

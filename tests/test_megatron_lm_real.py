@@ -46,7 +46,7 @@ from pathlib import Path
 
 import pytest
 
-from charm_megatron.testing import run_ranks
+from charm_megatron.local_ranks import run_ranks
 
 ROOT = os.environ.get("MEGATRON_LM_PATH", "").strip()
 if not ROOT:

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from charm_megatron.testing import run_ranks
+from charm_megatron.local_ranks import run_ranks
 
 pytest.importorskip("megatron.core")
 

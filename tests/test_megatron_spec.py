@@ -226,7 +226,7 @@ def test_add_charm_args_and_chain():
 
 
 def test_charm_comm_types_rules():
-    assert our_comm_types() == CHARM_COMM_TYPES
+    assert our_comm_types() == CHARM_COMM_TYPES == ("ring", "rmplus", "charm", "auto")
     assert set(our_comm_types()) >= {"charm", "rmplus", "ring", "auto"}
     assert charm_comm_types(["charm"]) == ("charm",)
     assert charm_comm_types("rmplus") == ("rmplus",)

@@ -53,13 +53,6 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
     return tuple(torch.distributed.get_process_group_ranks(group))
 
 
-def _operator_algos() -> tuple[str, ...]:
-    """The ``algo`` values :func:`charm_megatron.cp_attention` accepts (the list it checks)."""
-    from charm_megatron.ops import attention as ops_attention
-
-    return tuple(ops_attention.ALGOS)
-
-
 def _local_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
     """Attention over one rank's whole sequence (no CP): ``[s, b, h, d]`` in and out."""
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
@@ -226,14 +219,6 @@ class CharmDotProductAttention(MegatronModule):
                 "charm_megatron.megatron.use_charm, which keeps the spec's own core attention for "
                 "such layers"
             )
-        operator_algos = _operator_algos()
-        if cp_comm_type not in operator_algos:
-            # Fail at model build, not in the first training step.
-            raise _unsupported(
-                f"cp_comm_type={cp_comm_type!r}",
-                "is not available in this version of charm_megatron.cp_attention (it accepts "
-                f"{', '.join(operator_algos)}); use --cp-comm-type charm, rmplus or ring",
-            )
         return cp_comm_type
 
     @staticmethod
@@ -348,7 +333,6 @@ class CharmDotProductAttention(MegatronModule):
         """
         from charm_megatron import cp_attention
 
-        group, cp_size = self.call_group(packed_seq_params)
         if attention_bias is not None:
             raise _unsupported("attention_bias", "is not supported")
         if self.training and self.attention_dropout_p > 0.0:
@@ -360,6 +344,9 @@ class CharmDotProductAttention(MegatronModule):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise _unsupported(f"attn_mask_type={mask_type.name}", "is not supported")
+        if getattr(packed_seq_params, "qkv_format", None) == "thd":
+            return self._forward_thd(query, key, value, packed_seq_params, mask_type)
+        group, cp_size = self.call_group(packed_seq_params)
         if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
             raise ValueError(
                 "CharmDotProductAttention expects sbhd tensors [s, b, heads, d], got "
@@ -408,18 +395,17 @@ class CharmDotProductAttention(MegatronModule):
           ``local_cp_size`` without ``cp_group`` must be 1 and means no CP for this call (local
           attention), as for TransformerEngine's attention. ``local_cp_size`` with ``cp_group``
           must equal the group's size.
-        * ``qkv_format`` ``sbhd`` (or unset) is the only layout: one unpadded sequence per batch
-          entry, so ``cu_seqlens_*`` and ``max_seqlen_*`` are not read. Packed ``thd``
-          sequences raise ``NotImplementedError``.
+        * ``qkv_format`` ``sbhd`` (or unset): one unpadded sequence per batch entry, so
+          ``cu_seqlens_*`` and ``max_seqlen_*`` are not read. Packed ``thd`` sequences go to
+          :meth:`_forward_thd` before this; any other format raises ``NotImplementedError``.
         """
         if packed_seq_params is None:
             return self.cp_group, self.cp_size
         qkv_format = getattr(packed_seq_params, "qkv_format", None)
         if qkv_format not in (None, "sbhd"):
             raise _unsupported(
-                f"packed sequences (packed_seq_params with qkv_format={qkv_format!r}, THD "
-                "format, --reset-position-ids / --reset-attention-mask / SFT packing)",
-                "are not supported",
+                f"packed_seq_params with qkv_format={qkv_format!r}",
+                "is not supported; use 'sbhd' (dynamic CP) or 'thd' (packed sequences)",
             )
         group = getattr(packed_seq_params, "cp_group", None)
         local = getattr(packed_seq_params, "local_cp_size", None)
@@ -440,6 +426,62 @@ class CharmDotProductAttention(MegatronModule):
                 f"cp_group has {size} ranks; they must agree"
             )
         return group, size
+
+    def _forward_thd(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params: Any,
+                     mask_type: AttnMaskType) -> Tensor:
+        """Packed documents (``qkv_format="thd"``): ``query [t/cp, heads/tp, d]``, ``key, value
+        [t/cp, groups/tp, d]`` in Megatron's THD CP layout; returns ``[t/cp, heads/tp * d]``.
+
+        Reads ``cu_seqlens_q`` and ``cu_seqlens_q_padded`` (the kv ones must be the same:
+        self-attention over one packed sequence); ``max_seqlen_*`` are not needed.
+        """
+        from charm_megatron import cp_attention
+
+        psp = packed_seq_params
+
+        def same(a: Any, b: Any) -> bool:
+            if a is None or b is None:
+                return a is None and b is None
+            return a.shape == b.shape and bool(torch.equal(a.to(b.device), b))
+
+        for q_name, kv_name in (("cu_seqlens_q", "cu_seqlens_kv"),
+                                ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
+            if not same(getattr(psp, q_name, None), getattr(psp, kv_name, None)):
+                raise _unsupported(
+                    f"packed_seq_params.{q_name} != packed_seq_params.{kv_name}",
+                    "is not supported: CHARM+ serves self-attention within each packed "
+                    "document, so q and kv must have the same (padded) cumulative lengths",
+                )
+        if psp.cu_seqlens_q is None:
+            raise ValueError("CharmDotProductAttention: packed_seq_params.cu_seqlens_q is None; "
+                             "qkv_format='thd' needs the cumulative document lengths")
+        if getattr(psp, "local_cp_size", None) not in (None, self.cp_size):
+            raise _unsupported(
+                f"packed_seq_params.local_cp_size={psp.local_cp_size} (hybrid context "
+                "parallelism)", f"is not supported; the CP size is {self.cp_size}",
+            )
+        psp_group = getattr(psp, "cp_group", None)
+        if psp_group is not None and _group_ranks(psp_group) != _group_ranks(self.cp_group):
+            raise _unsupported(
+                "packed_seq_params.cp_group differing from the layer's CP group (hybrid "
+                "context parallelism)", "is not supported",
+            )
+        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+            raise ValueError(
+                "CharmDotProductAttention with qkv_format='thd' expects [t, heads, d] tensors, "
+                f"got query {tuple(query.shape)}, key {tuple(key.shape)}"
+            )
+        if query.shape[1] != self.num_attention_heads_per_partition:
+            raise ValueError(
+                f"CharmDotProductAttention: query has {query.shape[1]} heads, expected "
+                f"{self.num_attention_heads_per_partition} (num_attention_heads / tp)"
+            )
+        out = cp_attention(
+            query, key, value, group=self.cp_group, algo=self.algo, topology=self.topology,
+            causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
+            cu_seqlens=psp.cu_seqlens_q, cu_seqlens_padded=psp.cu_seqlens_q_padded,
+        )
+        return out.reshape(out.shape[0], -1)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None

@@ -12,15 +12,14 @@ import torch.distributed as dist
 from charm_megatron.kernels import get_backend
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.streams import stream_groups
-from charm_megatron.plan.builders import ALGOS as PLAN_ALGOS
-from charm_megatron.plan.builders import build_plan
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.registry import CHOICES, build_plan, uses_topology
 from charm_megatron.plan.validate import validate
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# What ``algo`` accepts: the plan algorithms, and ``auto`` (the performance model picks one).
-ALGOS = (*PLAN_ALGOS, "auto")
+# What ``algo`` accepts: the registered algorithms, and ``auto`` (the performance model picks one).
+ALGOS = CHOICES
 
 
 def _plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool) -> tuple[Plan, Plan]:
@@ -99,7 +98,7 @@ def _resolve(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch
         problem = Problem(q.shape[1], q.shape[0] * cp_size, q.shape[2], k.shape[2], q.shape[3],
                           q.element_size())
         algo = choose_algo_cached(groups, problem, causal=causal)
-    return algo, (groups if algo == "charm" else flat)
+    return algo, (groups if uses_topology(algo) else flat)
 
 
 def cp_attention(
@@ -113,6 +112,8 @@ def cp_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_padded: torch.Tensor | None = None,
 ):
     """Context-parallel attention over the CP process group ``group``.
 
@@ -133,6 +134,10 @@ def cp_attention(
         causal: causal mask over the full sequence.
         softmax_scale: defaults to ``1/sqrt(d)``.
         return_lse: also return the log-sum-exp.
+        cu_seqlens, cu_seqlens_padded: packed sequences (THD): q ``[t_local, h_q, d]``,
+            k, v ``[t_local, h_kv, d]``, global cumulative real / padded document lengths
+            (int32, same on every rank), Megatron's THD CP layout; out ``[t_local, h_q, d]``,
+            lse ``[h_q, t_local]``. See :mod:`charm_megatron.ops.packed` and docs/api.md.
 
     Returns:
         ``out [s_local, b, h_q, d]`` in q's dtype; with ``return_lse`` also
@@ -144,6 +149,14 @@ def cp_attention(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cp_attention: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group (or run under torchrun) first")
+    if cu_seqlens is not None or cu_seqlens_padded is not None:
+        # Packed documents (THD): its own module, the same plans (ops/packed.py).
+        from charm_megatron.ops.packed import packed_cp_attention
+
+        return packed_cp_attention(q, k, v, cu_seqlens=cu_seqlens,
+                                   cu_seqlens_padded=cu_seqlens_padded, group=group, algo=algo,
+                                   topology=topology, causal=causal,
+                                   softmax_scale=softmax_scale, return_lse=return_lse)
     cp_size = dist.get_world_size(group)
     _check_inputs(q, k, v, causal, cp_size)
     algo, groups = _resolve(algo, topology, group, cp_size, q, k, causal)
