@@ -335,10 +335,11 @@ def test_args_says_where_a_cpu_config_cannot_run(capsys):
     from charm_megatron.launch import args_cli
 
     def run(config: str, run_name: str, fmt: str = "shell") -> tuple[str, str]:
-        variables = ["DATA_PATH=/d", "VOCAB_FILE=/v.json", "MERGE_FILE=/m.txt"]
-        ns = argparse.Namespace(config=config, run=run_name, cp_comm_type="charm",
-                                overrides=variables, format=fmt, python="python",
-                                list_runs=False)
+        parser = argparse.ArgumentParser()
+        args_cli.register(parser)
+        ns = parser.parse_args([config, "--run", run_name, "--cp-comm-type", "charm",
+                                "--format", fmt, "--set", "DATA_PATH=/d",
+                                "--set", "VOCAB_FILE=/v.json", "--set", "MERGE_FILE=/m.txt"])
         assert args_cli.run(ns) == 0
         captured = capsys.readouterr()
         return captured.out, captured.err
