@@ -11,11 +11,13 @@ Python path) as ``__main__``, after wrapping ``megatron.training.pretrain`` so t
 
 * the ``extra_args_provider`` also registers ``--charm-topology`` (chained with the one
   ``pretrain_gpt.py`` passes, ``add_modelopt_args`` when ModelOpt is installed);
-* the ``model_provider``, when ``--cp-comm-type`` is ``charm``/``rmplus``/``ring``/``auto``,
-  builds the model with the layer spec passed through :func:`charm_megatron.megatron.use_charm`:
-  ``gpt_builders.gpt_builder`` chooses the spec (local, Transformer Engine, MoE block, ``--spec``,
-  MTP) exactly as usual, and its call to ``GPTModel`` is intercepted to swap the core attention.
-  The built model is then checked: every self-attention must hold CHARM+, or start-up fails.
+* the ``model_provider``, when any ``--cp-comm-type`` value (one, or one per layer) is ours
+  (``charm``/``rmplus``/``ring``/``auto``), builds the model with the layer spec passed through
+  :func:`charm_megatron.megatron.use_charm`: ``gpt_builders.gpt_builder`` chooses the spec
+  (local, Transformer Engine, MoE block, ``--spec``, MTP) exactly as usual, and its call to
+  ``GPTModel`` is intercepted (:func:`charm_megatron.megatron.build.charm_gpt_specs`, the same
+  call the patch makes). Layers with our values get CHARM+, the others keep the spec's core
+  attention. The built model is then checked layer by layer, or start-up fails.
 
 Everything else (arguments, validation, data, optimizer, training loop, checkpoints) is
 Megatron-LM's. Megatron's argument validation accepts the new values as they are (verified for
@@ -37,7 +39,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from charm_megatron.megatron.args import add_charm_args, chain_extra_args_providers, charm_comm_type
+from charm_megatron.megatron.args import add_charm_args, chain_extra_args_providers, uses_charm
 
 __all__ = [
     "MegatronLMNotFound",
@@ -90,47 +92,25 @@ def find_megatron_lm(
 
 
 # --------------------------------------------------------------------------- model provider
-def _self_attentions(model: Any) -> Iterator[Any]:
-    from megatron.core.transformer.attention import SelfAttention
-
-    models = model if isinstance(model, (list, tuple)) else [model]
-    for m in models:
-        for module in m.modules():
-            if isinstance(module, SelfAttention):
-                yield module
-
-
 def check_model_uses_charm(model: Any) -> int:
-    """Raise ``RuntimeError`` unless every ``SelfAttention`` in ``model`` runs CHARM+.
+    """Raise ``RuntimeError`` unless every layer whose comm type is ours holds CHARM+
+    (:func:`charm_megatron.megatron.build.check_model`); returns how many do."""
+    from charm_megatron.megatron.build import check_model
 
-    Returns the number of CHARM+ core attentions (0 is fine: a pipeline stage may hold no
-    transformer layers).
-    """
-    from charm_megatron.megatron.attention import CharmDotProductAttention
-
-    n = 0
-    for attn in _self_attentions(model):
-        if not isinstance(attn.core_attention, CharmDotProductAttention):
-            raise RuntimeError(
-                "charm-megatron: --cp-comm-type selects CHARM+, but the model was built with "
-                f"{type(attn.core_attention).__name__} in layer {attn.layer_number}: the model "
-                "builder did not go through gpt_builders.GPTModel (ModelOpt, a custom "
-                "model_provider?); build its spec with charm_megatron.megatron.use_charm"
-            )
-        n += 1
-    return n
+    return check_model(model)
 
 
 @contextlib.contextmanager
-def _charm_gpt_model(module: Any) -> Iterator[list[int]]:
+def _charm_gpt_model(module: Any, margs: Any) -> Iterator[list[int]]:
     """Temporarily replace ``module.GPTModel`` with a function that passes the layer spec and
-    MTP block spec through ``use_charm``; yields a list that counts the intercepted calls.
+    MTP block spec through :func:`charm_megatron.megatron.build.charm_gpt_specs`; yields a list
+    that counts the intercepted calls.
 
     ``gpt_builders.gpt_builder`` (core_v0.16.1, ``gpt_builders.py:95``) picks the spec and
     calls ``GPTModel(config=..., transformer_layer_spec=..., mtp_block_spec=...)``; patching the
     name in that module's namespace touches nothing else.
     """
-    from charm_megatron.megatron.spec import use_charm
+    from charm_megatron.megatron.build import charm_gpt_specs
 
     original = module.GPTModel
     calls: list[int] = []
@@ -138,12 +118,16 @@ def _charm_gpt_model(module: Any) -> Iterator[list[int]]:
     @functools.wraps(original)
     def gpt_model(*args: Any, **kwargs: Any) -> Any:
         bound = inspect.signature(original).bind(*args, **kwargs)
-        spec = bound.arguments.get("transformer_layer_spec")
+        spec, mtp = charm_gpt_specs(
+            margs,
+            bound.arguments.get("config"),
+            bound.arguments.get("transformer_layer_spec"),
+            bound.arguments.get("mtp_block_spec"),
+        )
         if spec is not None:
-            bound.arguments["transformer_layer_spec"] = use_charm(spec)
-        mtp = bound.arguments.get("mtp_block_spec")
+            bound.arguments["transformer_layer_spec"] = spec
         if mtp is not None:
-            bound.arguments["mtp_block_spec"] = use_charm(mtp)
+            bound.arguments["mtp_block_spec"] = mtp
         calls.append(1)
         return original(*bound.args, **bound.kwargs)
 
@@ -159,7 +143,8 @@ def wrap_model_provider(
     get_args: Callable[[], Any] | None = None,
     builder_module: Any = None,
 ) -> Callable[..., Any]:
-    """A model provider that builds the model with CHARM+ when ``--cp-comm-type`` selects it.
+    """A model provider that builds the model with CHARM+ in the layers ``--cp-comm-type``
+    selects it for.
 
     ``get_args`` defaults to ``megatron.training.get_args``; ``builder_module`` (the module whose
     ``GPTModel`` name the builder calls) defaults to ``sys.modules['gpt_builders']``. Otherwise
@@ -174,28 +159,23 @@ def wrap_model_provider(
             margs = megatron_get_args()
         else:
             margs = get_args()
-        algo = charm_comm_type(getattr(margs, "cp_comm_type", None))
-        if algo is None:
+        if not uses_charm(margs):
             return model_provider(*args, **kwargs)
         if getattr(margs, "use_legacy_models", False):
             raise RuntimeError(
-                f"charm-megatron: --cp-comm-type {algo} needs megatron-core models; drop "
-                "--use-legacy-models"
+                f"charm-megatron: --cp-comm-type {' '.join(margs.cp_comm_type)} needs "
+                "megatron-core models; drop --use-legacy-models"
             )
-        # A per-layer list of identical values would reach TransformerConfig as a list, which
-        # megatron-core 0.16.1 indexes with the 1-based layer number (transformer_layer.py:297);
-        # one value is a plain string for every layer.
-        margs.cp_comm_type = [algo]
-        from charm_megatron.megatron.attention import set_topology
-
-        set_topology(getattr(margs, "charm_topology", None))
         module = builder_module if builder_module is not None else sys.modules.get("gpt_builders")
         if module is not None and hasattr(module, "GPTModel"):
-            with _charm_gpt_model(module):
+            with _charm_gpt_model(module, margs):
                 model = model_provider(*args, **kwargs)
         else:
             model = model_provider(*args, **kwargs)
         check_model_uses_charm(model)
+        from charm_megatron.megatron.build import print_model_description
+
+        print_model_description(model)
         return model
 
     return provider

@@ -1,5 +1,6 @@
-"""``CharmDotProductAttention`` as a module: construction checks, loud errors, the start-up log
-line, CP size 1, and ``auto``. One 2-rank gloo job gathers every check; the parent asserts."""
+"""``CharmDotProductAttention`` as a module: construction checks, loud errors, the start-up
+line (``describe_model``), CP size 1, and ``auto``. One 2-rank gloo job gathers every check;
+the parent asserts."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def _rank_checks(rank: int, world: int) -> dict:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
 
-    from charm_megatron.megatron import CharmDotProductAttention, set_topology
+    from charm_megatron.megatron import CharmDotProductAttention
+    from charm_megatron.megatron.build import print_model_description
 
     out: dict = {}
     singles = [dist.new_group([r]) for r in range(world)]  # every rank, same order
@@ -58,10 +60,13 @@ def _rank_checks(rank: int, world: int) -> dict:
         args.update(kw)
         return CharmDotProductAttention(**args)
 
-    set_topology("2x1")
     text = io.StringIO()
+    layers = torch.nn.ModuleList([build(layer_number=1, topology="2x1"),
+                                  build(layer_number=2, topology="2x1")])
     with contextlib.redirect_stdout(text):
-        build(layer_number=1), build(layer_number=2)  # two layers, one line
+        print_model_description(layers)  # two layers, one line
+        print_model_description(torch.nn.ModuleList(
+            [build(layer_number=1, topology="2x1"), build(layer_number=2, cp_comm_type="ring")]))
     out["log"] = text.getvalue()
 
     def with_config(**changes):
@@ -87,38 +92,44 @@ def _rank_checks(rank: int, world: int) -> dict:
     out["group_size"] = _outcome(
         lambda: build(pg_collection=ProcessGroupCollection(tp=pgs.tp, cp=singles[rank]))
     )
-    set_topology("2x2")
-    out["topology_size"] = _outcome(build)
-    # Precedence: set_topology (--charm-topology) > CHARM_TOPOLOGY > probe; ring/rmplus: flat.
+    out["topology_size"] = _outcome(lambda: build(topology="2x2"))
+    out["empty_topology"] = _outcome(lambda: build(topology=" "))
+    # Precedence: topology= (--charm-topology) > CHARM_TOPOLOGY > probe; ring/rmplus: flat.
     os.environ["CHARM_TOPOLOGY"] = "2x1"
-    set_topology(None)
     out["env_topology"] = str(build().topology), str(build(cp_comm_type="rmplus").topology)
-    set_topology("1x2")
-    out["set_beats_env"] = str(build().topology)
+    out["set_beats_env"] = str(build(topology="1x2").topology)
     del os.environ["CHARM_TOPOLOGY"]
-    set_topology(None)
 
     # ---- forward-time errors (and what works).
-    set_topology("flat")
     torch.manual_seed(0)
     q = torch.randn(SEQ // 2, 2, 4, 16)
     k = torch.randn(SEQ // 2, 2, 2, 16)
     v = torch.randn(SEQ // 2, 2, 2, 16)
-    attn = build()
-    out["packed"] = _outcome(lambda: attn(q, k, v, None, packed_seq_params=PackedSeqParams()))
+    attn = build(topology="flat")
+    out["packed"] = _outcome(
+        lambda: attn(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="bshd"))
+    )
+    out["packed_sbhd"] = _outcome(
+        lambda: attn(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
+    )
+    out["local_cp_size_2"] = _outcome(
+        lambda: attn(q, k, v, None, packed_seq_params=PackedSeqParams(local_cp_size=2))
+    )
     out["bias"] = _outcome(lambda: attn(q, k, v, None, attention_bias=torch.zeros(1)))
     out["kv_cache"] = _outcome(lambda: attn(q[:1], k, v, None))
-    dropout = build(attention_dropout=0.1)
+    dropout = build(attention_dropout=0.1, topology="flat")
     out["dropout_train"] = _outcome(lambda: dropout(q, k, v, None))
     dropout.eval()
     out["dropout_eval"] = _outcome(lambda: dropout(q, k, v, None))
     ring = build(cp_comm_type="ring")(q, k, v, None)
     out["shape"] = tuple(ring.shape)
-    out["auto_build"] = _outcome(lambda: build(cp_comm_type="auto"))
+    out["auto_build"] = _outcome(lambda: build(cp_comm_type="auto", topology="flat"))
     if out["auto_build"][0] == "ok":
-        out["auto_err"] = (build(cp_comm_type="auto")(q, k, v, None) - ring).abs().max().item()
+        auto = build(cp_comm_type="auto", topology="flat")
+        out["auto_err"] = (auto(q, k, v, None) - ring).abs().max().item()
     # Query-key layer scaling does not change the attention (Megatron's own identity).
-    scaled = build(with_config(apply_query_key_layer_scaling=True), layer_number=3)
+    scaled = build(with_config(apply_query_key_layer_scaling=True), layer_number=3,
+                   topology="flat")
     out["qk_scaling_err"] = (scaled(q, k, v, None) - ring).abs().max().item()
 
     # ---- no CP group at all, CP size 2.
@@ -127,7 +138,8 @@ def _rank_checks(rank: int, world: int) -> dict:
         lambda: build(pg_collection=ProcessGroupCollection(tp=singles[rank]))
     )
 
-    # ---- a whole GPTModel with an unknown comm type fails at build, on every rank.
+    # ---- a whole GPTModel with Megatron's p2p keeps the spec's own core attention (here the
+    # local DotProductAttention, which itself refuses CP), on every rank.
     _init_parallel(1, 2)
     out["model_p2p"] = _outcome(lambda: _model(_config(1, 2, 2, cp_comm_type="p2p"), charm=True))
 
@@ -141,7 +153,6 @@ def _rank_checks(rank: int, world: int) -> dict:
     )
     out["cp1_algo"] = charm.decoder.layers[0].self_attention.core_attention.algo
     ps.destroy_model_parallel()
-    set_topology(None)
     return out
 
 
@@ -161,14 +172,20 @@ def _err(results, key: str, kind: str, *phrases: str) -> None:
 def test_startup_line_once_on_rank0(results):
     assert results[0]["log"] == (
         "charm-megatron: cp_comm_type=charm cp_size=2 topology=2x1 groups=[[0],[1]] cp_ranks=0,1\n"
+        "charm-megatron: cp_comm_type=charm cp_size=2 topology=2x1 groups=[[0],[1]] cp_ranks=0,1"
+        " layers=1\n"
+        "charm-megatron: cp_comm_type=ring cp_size=2 topology=1x2 groups=[[0,1]] cp_ranks=0,1"
+        " layers=2\n"
     )
     assert results[1]["log"] == ""
 
 
 def test_comm_types(results):
-    _err(results, "p2p", "ValueError", "unknown cp_comm_type 'p2p'", "ring, rmplus, charm, auto")
-    _err(results, "bogus", "ValueError", "unknown cp_comm_type 'bogus'")
-    _err(results, "model_p2p", "ValueError", "unknown cp_comm_type 'p2p'")
+    _err(results, "p2p", "ValueError", "layer 1 has cp_comm_type 'p2p'", "ring, rmplus, charm, auto",
+         "use_charm")
+    _err(results, "bogus", "ValueError", "cp_comm_type 'bogus'")
+    # use_charm kept the local spec's DotProductAttention for p2p: Megatron's own refusal.
+    _err(results, "model_p2p", "AssertionError", "only supported by TEDotProductAttention")
     assert all(r["none_is_charm"] == "charm" for r in results)
 
 
@@ -178,6 +195,7 @@ def test_misconfigured_groups_and_topology(results):
     _err(results, "group_size", "RuntimeError", "CP process group has 1 ranks",
          "context_parallel_size is 2")
     _err(results, "topology_size", "ValueError", "2x2", "has 4 ranks but the CP group has 2")
+    _err(results, "empty_topology", "ValueError", "empty topology")
     for res in results:
         assert res["env_topology"] == ("2x1", "1x2")  # charm reads CHARM_TOPOLOGY; rmplus flat
         assert res["set_beats_env"] == "1x2"
@@ -193,7 +211,9 @@ def test_unsupported_options_name_the_option(results):
     _err(results, "padding", "NotImplementedError", "attn_mask_type=padding")
     _err(results, "cross", "NotImplementedError", "attention_type='cross'")
     _err(results, "te_kwarg", "NotImplementedError", "k_channels")
-    _err(results, "packed", "NotImplementedError", "packed_seq_params")
+    _err(results, "packed", "NotImplementedError", "packed_seq_params", "qkv_format='bshd'")
+    _err(results, "local_cp_size_2", "ValueError", "local_cp_size=2 without a cp_group")
+    assert all(r["packed_sbhd"] == ("ok", "") for r in results)
     _err(results, "bias", "NotImplementedError", "attention_bias")
     _err(results, "kv_cache", "NotImplementedError", "KV cache")
     _err(results, "dropout_train", "NotImplementedError", "--attention-dropout")

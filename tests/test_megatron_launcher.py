@@ -31,8 +31,7 @@ from megatron.core.transformer.attention import SelfAttention  # noqa: E402
 from charm_megatron import pretrain_gpt as launcher  # noqa: E402
 from charm_megatron.megatron import (  # noqa: E402
     CharmDotProductAttention,
-    get_topology,
-    set_topology,
+    PerLayerCoreAttention,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,7 +53,8 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
              non_loss_data_func=None, store=None, inprocess_call_wrapper=None):
     global _ARGS
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"])
+    parser.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
+                        help="p2p, a2a, allgather or a2a+p2p")
     parser.add_argument("--num-layers", type=int, default=2)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
@@ -65,16 +65,18 @@ def pretrain(train_valid_test_dataset_provider, model_provider, model_type, forw
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     model = model_provider(pre_process=True, post_process=True)
-    from charm_megatron.megatron import get_topology
-
+    cores = [layer.self_attention.core_attention for layer in model.decoder.layers]
+    help_text = next(a.help for a in parser._actions if "--cp-comm-type" in a.option_strings)
     report = {
         "cp_comm_type": _ARGS.cp_comm_type,
         "charm_topology": getattr(_ARGS, "charm_topology", "<unregistered>"),
         "their_flag": getattr(_ARGS, "their_flag", "<unregistered>"),
-        "module_topology": get_topology(),
-        "core_attention": [type(layer.self_attention.core_attention).__name__
-                           for layer in model.decoder.layers],
+        "module_topology": [getattr(c, "topology_spec", None) for c in cores],
+        "core_attention": [type(c).__name__ for c in cores],
+        "algo": [getattr(c, "algo", None) for c in cores],
         "config_cp_comm_type": model.config.cp_comm_type,
+        "config_type": type(model.config.cp_comm_type).__name__,
+        "help": help_text,
     }
     with open(os.environ["FAKE_REPORT"], "w") as f:
         json.dump(report, f)
@@ -145,12 +147,6 @@ def fake_root(tmp_path: Path) -> Path:
     return _fake_megatron_lm(tmp_path / "Megatron-LM")
 
 
-@pytest.fixture(autouse=True)
-def _reset_topology():
-    yield
-    set_topology(None)
-
-
 def _launch(root: Path, tmp_path: Path, *argv: str, **env: str) -> tuple[subprocess.CompletedProcess, dict]:
     report = tmp_path / "report.json"
     full_env = dict(os.environ, MEGATRON_LM_PATH=str(root), FAKE_REPORT=str(report),
@@ -169,26 +165,40 @@ def test_launcher_charm_run(fake_root, tmp_path):
                            "--charm-topology", "flat", "--their-flag", "kept")
     assert proc.returncode == 0, proc.stderr
     assert report["core_attention"] == ["CharmDotProductAttention"] * 2
-    assert report["charm_topology"] == report["module_topology"] == "flat"
+    assert report["charm_topology"] == "flat" and report["module_topology"] == ["flat"] * 2
     assert report["their_flag"] == "kept"  # pretrain_gpt's own extra args still registered
-    # Identical per-layer values are folded into one (megatron-core 0.16.1 would index a list
-    # with the 1-based layer number).
-    assert report["cp_comm_type"] == ["charm"]
+    # A per-layer list stays one (no folding); the config's list is made safe for 0.16.1.
+    assert report["cp_comm_type"] == ["charm", "charm"]
+    assert report["config_type"] == "PerLayerCommTypes"
+    assert "charm-megatron adds" in report["help"] and "rmplus" in report["help"]
     assert "charm-megatron: cp_comm_type=charm cp_size=1 topology=1x1 groups=[[0]]" in proc.stdout
+
+
+def test_launcher_per_layer_mix(fake_root, tmp_path):
+    """Three layers: ours, Megatron's, ours - each layer gets its own entry (L-1), the p2p
+    layer keeps the spec's core attention."""
+    proc, report = _launch(fake_root, tmp_path, "--num-layers", "3", "--cp-comm-type", "ring",
+                           "p2p", "rmplus")
+    assert proc.returncode == 0, proc.stderr
+    assert report["core_attention"] == [
+        "CharmDotProductAttention", "DotProductAttention", "CharmDotProductAttention"
+    ]
+    assert report["algo"] == ["ring", None, "rmplus"]
+    assert "layers=1" in proc.stdout and "layers=3" in proc.stdout
 
 
 def test_launcher_leaves_megatron_comm_types_alone(fake_root, tmp_path):
     proc, report = _launch(fake_root, tmp_path, "--cp-comm-type", "p2p")
     assert proc.returncode == 0, proc.stderr
     assert report["core_attention"] == ["DotProductAttention"] * 2
-    assert report["charm_topology"] is None and report["module_topology"] is None
+    assert report["charm_topology"] is None and report["module_topology"] == [None, None]
     assert "charm-megatron:" not in proc.stdout
 
 
 def test_launcher_refuses_a_model_built_without_charm(fake_root, tmp_path):
     proc, report = _launch(fake_root, tmp_path, "--cp-comm-type", "charm", FAKE_BYPASS="1")
     assert proc.returncode != 0 and not report
-    assert "the model was built with DotProductAttention" in proc.stderr
+    assert "the model was built with DotProductAttention in layer 1" in proc.stderr
 
 
 def test_launcher_without_megatron_lm(tmp_path):
@@ -269,19 +279,19 @@ def test_wrap_model_provider_swaps_the_spec_only_for_charm():
                                             get_args=lambda: args, builder_module=module)
     provider(pre_process=True, post_process=True)
     layer_spec, mtp = module.calls[-1]
-    core = layer_spec.submodules.self_attention.submodules.core_attention
-    assert core is CharmDotProductAttention
-    assert mtp[0].submodules.self_attention.submodules.core_attention is CharmDotProductAttention
+    for core in (layer_spec.submodules.self_attention.submodules.core_attention,
+                 mtp[0].submodules.self_attention.submodules.core_attention):
+        assert core.module is PerLayerCoreAttention
+        assert core.params["topology"] == "2x4"  # --charm-topology reaches the spec
     assert module.GPTModel == original_gpt_model  # restored after the build
-    assert get_topology() == "2x4"
 
     args.cp_comm_type = ["p2p"]
     provider()
     assert module.calls[-1][0] is spec  # untouched
 
-    args.cp_comm_type = ["charm", "p2p"]
-    with pytest.raises(ValueError, match="cannot be mixed"):
-        provider()
+    args.cp_comm_type = ["charm", "p2p"]  # a per-layer mix goes through use_charm
+    provider()
+    assert module.calls[-1][0] is not spec
     legacy = types.SimpleNamespace(cp_comm_type=["charm"], use_legacy_models=True)
     with pytest.raises(RuntimeError, match="--use-legacy-models"):
         launcher.wrap_model_provider(_provider_via(module, spec), get_args=lambda: legacy,
@@ -289,15 +299,21 @@ def test_wrap_model_provider_swaps_the_spec_only_for_charm():
 
 
 def test_check_model_uses_charm():
+    per_layer = ["p2p", "p2p", "charm", "a2a"]
+
     class FakeSelfAttention(SelfAttention):
-        def __init__(self, core):  # skip SelfAttention's build: only the attributes matter
+        def __init__(self, core, layer_number=3):  # skip SelfAttention's build: attributes only
             torch.nn.Module.__init__(self)
             self.core_attention = core
-            self.layer_number = 3
+            self.layer_number = layer_number
+            self.config = types.SimpleNamespace(cp_comm_type=per_layer)
 
     charm = CharmDotProductAttention.__new__(CharmDotProductAttention)
     torch.nn.Module.__init__(charm)
-    good = torch.nn.Sequential(FakeSelfAttention(charm), torch.nn.Linear(1, 1))
+    # Layer 3 (entry 2, charm) holds CHARM+; layers 2 and 4 (p2p, a2a) may hold anything else.
+    good = torch.nn.Sequential(FakeSelfAttention(charm), torch.nn.Linear(1, 1),
+                               FakeSelfAttention(torch.nn.Identity(), 2),
+                               FakeSelfAttention(torch.nn.Identity(), 4))
     assert launcher.check_model_uses_charm([good, torch.nn.Linear(1, 1)]) == 1
     bad = torch.nn.Sequential(FakeSelfAttention(torch.nn.Identity()))
     with pytest.raises(RuntimeError, match="built with Identity in layer 3"):
@@ -310,3 +326,28 @@ def test_main_without_megatron_lm(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "argv", ["charm_megatron.pretrain_gpt"])
     with pytest.raises(SystemExit, match="MEGATRON_LM_PATH"):
         launcher.main(["--cp-comm-type", "charm"])
+
+
+def test_args_says_where_a_cpu_config_cannot_run(capsys):
+    """``charm-megatron args gpt-tiny-cpu`` prints a pretrain_gpt command; Megatron-LM's
+    pretrain() asserts CUDA, so the CPU-only nature is stated next to it (stderr: stdout stays
+    one command line)."""
+    from charm_megatron.launch import args_cli
+
+    def run(config: str, run_name: str, fmt: str = "shell") -> tuple[str, str]:
+        parser = argparse.ArgumentParser()
+        args_cli.register(parser)
+        ns = parser.parse_args([config, "--run", run_name, "--cp-comm-type", "charm",
+                                "--format", fmt, "--set", "DATA_PATH=/d",
+                                "--set", "VOCAB_FILE=/v.json", "--set", "MERGE_FILE=/m.txt"])
+        assert args_cli.run(ns) == 0
+        captured = capsys.readouterr()
+        return captured.out, captured.err
+
+    out, err = run("gpt-tiny-cpu", "demo-s256-gb2")
+    assert out.count("\n") == 1 and "charm_megatron.pretrain_gpt" in out
+    assert "Megatron requires CUDA." in err and "charm-megatron demo" in err
+    assert "Megatron requires CUDA." in json.loads(run("gpt-tiny-cpu", "demo-s256-gb2",
+                                                       "json")[0])["note"]
+    out, err = run("gpt-350m", "scale-s2048-gb16")
+    assert err == "" and "note" not in json.loads(run("gpt-350m", "scale-s2048-gb16", "json")[0])

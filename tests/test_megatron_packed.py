@@ -37,14 +37,16 @@ def _config(cp: int, **overrides):
     return TransformerConfig(**kw)
 
 
-def _model(config, charm: bool, max_len: int):
+def _model(config, charm: bool, max_len: int, topology: str | None = None):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from charm_megatron.megatron import use_charm
 
     spec = get_gpt_layer_local_spec()
-    return GPTModel(config=config, transformer_layer_spec=use_charm(spec) if charm else spec,
+    if charm:
+        spec = use_charm(spec, topology=topology)
+    return GPTModel(config=config, transformer_layer_spec=spec,
                     vocab_size=VOCAB, max_sequence_length=max_len,
                     position_embedding_type="rope")
 
@@ -71,11 +73,9 @@ def _rank_packed(rank: int, world: int, cp: int, topology: str, algos: tuple[str
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from charm_megatron.layout import thd_pad, thd_shard
-    from charm_megatron.megatron import set_topology
     from charm_megatron.train_demo.cpu_megatron import init_parallel, patch_for_cpu
 
     patch_for_cpu()
-    set_topology(topology)
     padded = [-(-n // (2 * cp)) * (2 * cp) for n in REAL]
     cu, cup = _cu(REAL), _cu(padded)
     total = sum(REAL)
@@ -115,7 +115,8 @@ def _rank_packed(rank: int, world: int, cp: int, topology: str, algos: tuple[str
                           max_seqlen_q=max(padded), max_seqlen_kv=max(padded))
     out = {}
     for algo in algos:
-        model = _model(_config(cp, cp_comm_type=algo), charm=True, max_len=max(padded))
+        model = _model(_config(cp, cp_comm_type=algo), charm=True, max_len=max(padded),
+                       topology=topology)
         model.load_state_dict(state)
         losses = model(tok_l[None], pos_l[None], None, labels=lab_l[None],
                        packed_seq_params=psp)[0]

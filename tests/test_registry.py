@@ -90,7 +90,7 @@ def test_a_registered_algorithm_is_listed_everywhere(toy, capsys):
     for name, names in lists.items():
         assert TOY in names, f"{TOY} missing from {name}: {names}"
     assert resolve_topology(None, None, TOY, 4) == Topology.flat(4)  # uses_topology=False
-    assert megatron_args.charm_comm_type([TOY]) == TOY  # --cp-comm-type toygather selects CHARM+
+    assert megatron_args.charm_comm_types([TOY]) == (TOY,)  # --cp-comm-type toygather: CHARM+
     assert cli_main(["args", "--list-comm-types"]) == 0
     assert TOY in capsys.readouterr().out.split()
     assert TOY in registry.describe_choices()

@@ -39,7 +39,7 @@ def env_for(tmp_path: Path, fake_bin: Path | None = None) -> dict[str, str]:
     if fake_bin is not None:
         path = f"{fake_bin}:{path}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CHARM_", "SLURM_"))}
-    for name in VARS:
+    for name in (*VARS, "MEGATRON_LM_PATH"):
         env.pop(name, None)
     env.update(PATH=path, PYTHON=sys.executable, PYTHONPATH=str(REPO), HOME=str(tmp_path))
     return env
@@ -61,6 +61,14 @@ def recorder(bin_dir: Path, name: str, stdout: str = "") -> Path:
                     f"printf '%s' {shlex.quote(stdout)}\n")
     tool.chmod(0o755)
     return bin_dir / f"{name}.args"
+
+
+def fake_megatron_lm(tmp_path: Path) -> dict[str, str]:
+    """MEGATRON_LM_PATH pointing at a directory shaped like a checkout (for submit-time checks)."""
+    root = tmp_path / "Megatron-LM"
+    (root / "megatron" / "training").mkdir(parents=True, exist_ok=True)
+    (root / "pretrain_gpt.py").write_text("")
+    return {"MEGATRON_LM_PATH": str(root)}
 
 
 def after_marker(words: list[str], marker: str) -> list[str]:
@@ -170,7 +178,7 @@ def test_launch_submits_exact_argv_and_records_the_run(tmp_path: Path) -> None:
     sets = ["--set", f"DATA_PATH={nasty}", "--set", "VOCAB_FILE=/v.json", "--set",
             "MERGE_FILE=/m.txt"]
     proc = sh(tmp_path, "launch.sh", "--config", "gpt-1.3b", "--run", "scale-s2048-gb16",
-              "--comm", "charm", *sets, fake_bin=fake)
+              "--comm", "charm", *sets, fake_bin=fake, extra_env=fake_megatron_lm(tmp_path))
     assert proc.returncode == 0, proc.stderr
     run_dir = tmp_path / "runs" / "gpt-1.3b" / "scale-s2048-gb16" / "charm"
     assert proc.stdout.strip() == f"submitted 4242: {run_dir}"
@@ -252,12 +260,33 @@ def test_sweep_selects_runs_and_comm_types(tmp_path: Path) -> None:
 def test_sweep_submits_with_fake_sbatch(tmp_path: Path) -> None:
     fake = tmp_path / "bin"
     recorder(fake, "sbatch", stdout="7\n")
-    proc = sh(tmp_path, "sweep.sh", "--config", "gpt-tiny-cpu", fake_bin=fake)
+    proc = sh(tmp_path, "sweep.sh", "--config", "gpt-tiny-cpu", fake_bin=fake,
+              extra_env=fake_megatron_lm(tmp_path))
     assert proc.returncode == 0, proc.stderr
     dirs = sorted(p.relative_to(tmp_path / "runs").as_posix()
                   for p in (tmp_path / "runs").glob("*/*/*"))
     assert dirs == [f"gpt-tiny-cpu/{r}/{c}" for r in sorted(list_runs("gpt-tiny-cpu"))
                     for c in ("charm", "p2p")]
+
+
+# --------------------------------------------------------------------------- MEGATRON_LM_PATH
+@pytest.mark.parametrize("script", ["launch.sh", "sweep.sh"])
+@pytest.mark.parametrize("case", ["unset", "not-a-checkout"])
+def test_submit_checks_megatron_lm_path_before_sbatch(tmp_path: Path, script: str,
+                                                      case: str) -> None:
+    fake = tmp_path / "bin"
+    sbatch_args = recorder(fake, "sbatch", stdout="1\n")
+    env = {} if case == "unset" else {"MEGATRON_LM_PATH": str(tmp_path)}
+    args = ["--config", "gpt-tiny-cpu"] + (["--run", "demo-s256-gb2"] if script == "launch.sh"
+                                           else [])
+    proc = sh(tmp_path, script, *args, fake_bin=fake, extra_env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "MEGATRON_LM_PATH" in proc.stderr
+    assert ("is not set" if case == "unset" else "is not a Megatron-LM checkout") in proc.stderr
+    assert not sbatch_args.exists() and not (tmp_path / "runs").exists()
+    # --dry-run still prints the plan, with a note saying a real submission would stop.
+    dry = sh(tmp_path, script, *args, "--dry-run", extra_env=env)
+    assert dry.returncode == 0 and "a real submission would stop here" in dry.stderr, dry.stderr
 
 
 # --------------------------------------------------------------------------- comm types

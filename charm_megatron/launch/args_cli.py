@@ -175,6 +175,21 @@ def _env_lines(cfg: ResolvedRun, comm_type: str) -> list[str]:
     return out
 
 
+#: Printed (stderr) next to a command line whose config runs on CPU ranks (gloo).
+CPU_NOTE = (
+    "note: this config runs on CPU ranks (--distributed-backend gloo). Megatron-LM's pretrain() "
+    "asserts CUDA ('Megatron requires CUDA.') before it parses anything, so this command "
+    "documents the arguments and does not train on a CPU-only machine; the runnable CPU "
+    "training of this config is `charm-megatron demo` (megatron-core on gloo ranks, docs/demo.md), and "
+    "tests/test_megatron_lm_real.py drives Megatron-LM with these arguments up to that gate "
+    "(docs/megatron.md)"
+)
+
+
+def _cpu_note(cfg: ResolvedRun) -> str | None:
+    return CPU_NOTE if cfg.values.get("distributed_backend") == "gloo" else None
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the command line (or the run list); 2 with a message on a config error."""
     try:
@@ -195,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.format == "shell":
         print(shlex.join(command(cfg, args.cp_comm_type, args.python)))
+        if _cpu_note(cfg):
+            print(f"charm-megatron args: {_cpu_note(cfg)}", file=sys.stderr)
     elif args.format == "lines":
         # One argument per line: a newline inside one, or an empty one (lost by the shell's
         # $(...)), cannot be represented.
@@ -209,5 +226,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         payload = dict(cfg.summary(), comm_type=args.cp_comm_type,
                        command=command(cfg, args.cp_comm_type, args.python), argv=argv)
+        if _cpu_note(cfg):
+            payload["note"] = _cpu_note(cfg)
         print(json.dumps(payload, indent=2))
     return 0

@@ -4,7 +4,9 @@ Megatron-LM (``megatron/training/arguments.py``, core_v0.16.1) declares
 ``--cp-comm-type`` with ``nargs='+'`` and no ``choices``; one value reaches
 ``TransformerConfig.cp_comm_type`` as a string, several values become a per-layer list. So
 ``--cp-comm-type charm`` passes Megatron's parser and validation unchanged; this module only
-adds ``--charm-topology`` and decides when a run is a CHARM+ run.
+adds ``--charm-topology``, lists our values in ``--cp-comm-type``'s help, and decides when a
+run is a CHARM+ run (any layer's value is ours). Which value each layer gets is
+``charm_megatron.megatron.comm_types``.
 
 Imports neither torch nor Megatron: the launcher and the Megatron-LM patch use it before
 Megatron is initialised.
@@ -22,7 +24,8 @@ __all__ = [
     "CHARM_COMM_TYPES",
     "add_charm_args",
     "chain_extra_args_providers",
-    "charm_comm_type",
+    "charm_comm_types",
+    "our_comm_types",
     "uses_charm",
 ]
 
@@ -30,24 +33,44 @@ __all__ = [
 #: registry's choices (``charm_megatron.plan.registry``, no torch), ``auto`` included.
 CHARM_COMM_TYPES = CHOICES
 
+
+def our_comm_types() -> tuple[str, ...]:
+    """The ``--cp-comm-type`` values served by CHARM+'s layer (every other value keeps the core
+    attention of the user's spec). The one place the Megatron layer asks; everything in
+    ``charm_megatron.megatron`` and the patch goes through it."""
+    return tuple(CHARM_COMM_TYPES)
+
+
 TOPOLOGY_HELP = (
-    "CP topology for --cp-comm-type charm/rmplus/ring/auto: 'auto' (probe hosts and NUMA nodes "
+    "CP topology for the CHARM+ --cp-comm-type values: 'auto' (probe hosts and NUMA nodes "
     "of the CP ranks; default), 'node' or 'numa' (probe at that level), 'flat' (one group), "
     "'GxM' (G groups of M consecutive CP ranks, e.g. 2x8), or explicit groups of CP-local "
     "ranks ('0-7,8-15', '0,2/1,3'). Default: the CHARM_TOPOLOGY environment variable, else auto."
 )
 
 
-def add_charm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``charm-megatron`` argument group (``--charm-topology``) to ``parser``.
+def _comm_type_help_suffix() -> str:
+    return (
+        f" charm-megatron adds {', '.join(our_comm_types())} (CHARM+ context-parallel "
+        "attention, docs/megatron.md); per-layer lists may mix them with the values above "
+        "(layer L gets entry L-1)."
+    )
 
-    Has the signature of Megatron-LM's ``extra_args_provider`` (returns the parser).
-    Idempotent: a parser that already has ``--charm-topology`` is returned unchanged.
+
+def add_charm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``charm-megatron`` argument group (``--charm-topology``) to ``parser`` and name
+    our values in the help of Megatron's ``--cp-comm-type`` (when the parser has it).
+
+    Has the signature of Megatron-LM's ``extra_args_provider`` (returns the parser), which
+    Megatron calls after declaring its own arguments. Idempotent.
     """
     if any("--charm-topology" in a.option_strings for a in parser._actions):
         return parser
     group = parser.add_argument_group(title="charm-megatron (CHARM+ context parallelism)")
     group.add_argument("--charm-topology", type=str, default=None, help=TOPOLOGY_HELP)
+    for action in parser._actions:
+        if "--cp-comm-type" in action.option_strings:
+            action.help = (action.help or "") + _comm_type_help_suffix()
     return parser
 
 
@@ -71,38 +94,21 @@ def chain_extra_args_providers(
     return provider
 
 
-def charm_comm_type(cp_comm_type: str | Sequence[str] | None) -> str | None:
-    """The CHARM+ comm type that ``--cp-comm-type`` selects, or ``None`` if it selects none.
+def charm_comm_types(cp_comm_type: str | Sequence[str] | None) -> tuple[str, ...]:
+    """The CHARM+ values among ``--cp-comm-type`` (Megatron's parsed list, or one string), in
+    order of first appearance; empty when the run uses none of ours.
 
-    Accepts Megatron's parsed value (a list, ``nargs='+'``) or a single string. Raises
-    ``ValueError`` when CHARM+ values are mixed with Megatron's own (``p2p``, ``a2a`` ...) or
-    with each other: per-layer lists are not supported with CHARM+ (and megatron-core
-    core_v0.16.1 indexes that list with the 1-based layer number,
-    ``transformer_layer.py:297``, so the last layer would fall off its end).
+    Per-layer lists may mix our values with Megatron's own (``p2p``, ``a2a`` ...): layers whose
+    entry is ours get CHARM+, the others keep their core attention (see
+    ``charm_megatron.megatron.comm_types``).
     """
     if cp_comm_type is None:
-        return None
+        return ()
     values = [cp_comm_type] if isinstance(cp_comm_type, str) else list(cp_comm_type)
-    ours = [v for v in values if v in CHARM_COMM_TYPES]
-    if not ours:
-        return None
-    if len(ours) != len(values):
-        others = sorted({v for v in values if v not in CHARM_COMM_TYPES})
-        raise ValueError(
-            f"--cp-comm-type {' '.join(values)}: CHARM+ types ({', '.join(CHARM_COMM_TYPES)}) "
-            f"cannot be mixed with Megatron's {', '.join(others)}; give one value"
-        )
-    if len(set(ours)) != 1:
-        raise ValueError(
-            f"--cp-comm-type {' '.join(values)}: per-layer CHARM+ comm types are not "
-            "supported; give one value (e.g. --cp-comm-type charm)"
-        )
-    return ours[0]
+    ours = our_comm_types()
+    return tuple(dict.fromkeys(v for v in values if v in ours))
 
 
 def uses_charm(args: Any) -> bool:
-    """True when Megatron-LM ``args`` select CHARM+ (``args.cp_comm_type`` is one of ours).
-
-    Raises ``ValueError`` for mixed or per-layer values (see :func:`charm_comm_type`).
-    """
-    return charm_comm_type(getattr(args, "cp_comm_type", None)) is not None
+    """True when Megatron-LM ``args`` select CHARM+ for at least one layer."""
+    return bool(charm_comm_types(getattr(args, "cp_comm_type", None)))

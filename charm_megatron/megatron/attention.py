@@ -9,6 +9,10 @@ in the load-balanced CP layout; it expects ``[s/cp, b, heads/tp * d]`` back. Thi
 that contract with :func:`charm_megatron.cp_attention`, so ``--cp-comm-type charm`` (or
 ``rmplus``, ``ring``, ``auto``) selects CHARM+ instead of Transformer Engine's CP attention.
 
+The module keeps all its state itself: the topology it was given (``topology=``, which
+``use_charm(spec, topology=...)`` puts into the spec), the CP group, and the topologies it
+resolved, one per CP group it has run on (dynamic CP hands it other groups per micro-batch).
+
 What is not supported raises ``NotImplementedError`` naming the Megatron option, at construction
 when the config says so, otherwise at the first forward call that uses it.
 """
@@ -27,16 +31,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
-# ``--cp-comm-type`` values served here (cp_attention's algos); defined in the torch-free args.
-from charm_megatron.megatron.args import CHARM_COMM_TYPES
-from charm_megatron.topology import resolve_topology
+from charm_megatron.megatron.args import our_comm_types
+from charm_megatron.megatron.comm_types import is_ours, layer_comm_type
+from charm_megatron.topology import Topology, resolve_topology
 
 __all__ = [
-    "CHARM_COMM_TYPES",
     "DEFAULT_COMM_TYPE",
     "CharmDotProductAttention",
-    "get_topology",
-    "set_topology",
 ]
 
 #: Used when Megatron passes no ``cp_comm_type``: megatron-core's ``TransformerLayer`` only
@@ -45,37 +46,20 @@ __all__ = [
 #: CHARM+, so that is the default.
 DEFAULT_COMM_TYPE = "charm"
 
-# Topology set by the launcher (``--charm-topology``); ``None`` defers to ``CHARM_TOPOLOGY`` and
-# then to the probe, as charm_megatron.topology.resolve_topology decides.
-_TOPOLOGY: str | None = None
-
-# (algo, topology, CP group ranks) already announced: one line per process, not one per layer.
-_LOGGED: set[tuple[str, str, tuple[int, ...]]] = set()
-
-
-def set_topology(topology: str | None) -> None:
-    """Set the CP topology used by every :class:`CharmDotProductAttention` built afterwards.
-
-    ``topology`` is a string accepted by :func:`charm_megatron.cp_attention` (``auto``, ``node``,
-    ``numa``, ``flat``, ``2x8``, ``0-7,8-15`` ...) or ``None``: then ``CHARM_TOPOLOGY`` applies,
-    else the probe (``ring`` and ``rmplus`` treat an unset topology as flat). The launcher calls
-    this with ``--charm-topology``.
-    """
-    global _TOPOLOGY
-    if topology is not None and not str(topology).strip():
-        raise ValueError("charm-megatron: empty topology; use e.g. 'auto', 'flat' or '2x4'")
-    _TOPOLOGY = None if topology is None else str(topology).strip()
-
-
-def get_topology() -> str | None:
-    """The topology set by :func:`set_topology` (``None``: ``CHARM_TOPOLOGY``, then the probe)."""
-    return _TOPOLOGY
-
 
 def _group_ranks(group: Any) -> tuple[int, ...]:
     if group is None:
         return ()
     return tuple(torch.distributed.get_process_group_ranks(group))
+
+
+def _local_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
+    """Attention over one rank's whole sequence (no CP): ``[s, b, h, d]`` in and out."""
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qb, kb, vb, is_causal=causal, scale=scale, enable_gqa=kb.shape[1] != qb.shape[1]
+    )
+    return out.permute(2, 0, 1, 3)
 
 
 def _unsupported(option: str, why: str) -> NotImplementedError:
@@ -92,9 +76,17 @@ class CharmDotProductAttention(MegatronModule):
     layout (``get_batch_on_this_cp_rank``); the result is ``[s/cp, b, heads/tp * d]``.
 
     * ``cp_comm_type``: ``charm`` (topology-aware CHARM+), ``rmplus``, ``ring`` or ``auto``
-      (performance model picks); ``None`` means :data:`DEFAULT_COMM_TYPE`.
+      (performance model picks); ``None`` means :data:`DEFAULT_COMM_TYPE`. When
+      ``config.cp_comm_type`` is a per-layer list, this layer's entry is read from it
+      (entry ``layer_number - 1``, :func:`charm_megatron.megatron.comm_types.layer_comm_type`),
+      whatever megatron-core passed (0.16.1 passes the next layer's entry).
+    * ``topology``: a topology string (``auto``, ``node``, ``numa``, ``flat``, ``2x8``,
+      ``0-7,8-15`` ...) or ``None`` (``CHARM_TOPOLOGY``, else the probe; ``ring`` / ``rmplus``:
+      flat).
     * CP group: ``pg_collection.cp``, else ``parallel_state.get_context_parallel_group()``;
       its size must equal ``config.context_parallel_size``. CP size 1 is local attention.
+      Dynamic CP: ``packed_seq_params.cp_group`` / ``local_cp_size`` replace it for one call
+      (:func:`call_group`).
     * Causal from ``attn_mask_type`` (``causal``; ``no_mask`` is full attention). The
       ``attention_mask`` tensor is not read for these types (as Transformer Engine does).
     * GQA: key/value carry ``num_query_groups / tp`` heads and are not repeated.
@@ -115,6 +107,7 @@ class CharmDotProductAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
+        topology: str | None = None,
         **unsupported: Any,
     ) -> None:
         super().__init__(config=config)
@@ -135,7 +128,10 @@ class CharmDotProductAttention(MegatronModule):
                 f"attention_type={attention_type!r}", "is not supported: CHARM+ serves causal "
                 "self-attention over a CP-split sequence (use_charm leaves cross-attention alone)"
             )
-        self.algo = self._check_comm_type(cp_comm_type)
+        self.algo = self._check_comm_type(
+            layer_comm_type(getattr(config, "cp_comm_type", None), self.layer_number, cp_comm_type),
+            self.layer_number,
+        )
         self._check_config(config, attn_mask_type)
         if getattr(config, "window_size", None) is not None and is_layer_window_attention(
             config.window_size, getattr(config, "window_attn_skip_freq", None), self.layer_number
@@ -195,24 +191,33 @@ class CharmDotProductAttention(MegatronModule):
         )
         self.softmax_scale = float(softmax_scale)
 
-        # Topology: resolved now so that a CP group / topology mismatch fails at model build on
-        # every rank, not in the first collective of the first step.
-        # resolve_topology is the operator's own rule (explicit, CHARM_TOPOLOGY, probe); the
-        # probe is one cached all-gather over the CP group, which every CP rank reaches here.
-        self.topology = resolve_topology(get_topology(), self.cp_group, self.algo, self.cp_size)
-        self._log_once()
+        if topology is not None and not str(topology).strip():
+            raise ValueError("CharmDotProductAttention: empty topology; use e.g. 'auto', 'flat' "
+                             "or '2x4' (or None: CHARM_TOPOLOGY, else the probe)")
+        self.topology_spec: str | None = None if topology is None else str(topology).strip()
+        # Topologies resolved so far, per CP group (keyed by its global ranks: the topology is a
+        # property of which processes take part, so a re-created group with the same ranks
+        # rightly shares it; no id(), which a new object can reuse).
+        self._topologies: dict[tuple[int, ...], Topology] = {}
+        # Resolved now so that a CP group / topology mismatch fails at model build on every
+        # rank, not in the first collective of the first step. resolve_topology is the
+        # operator's own rule (explicit, CHARM_TOPOLOGY, probe); the probe is one all-gather
+        # over the CP group, which every CP rank reaches here.
+        self.topology = self._topology_for(self.cp_group, self.cp_size)
 
     # ------------------------------------------------------------------ checks
     @staticmethod
-    def _check_comm_type(cp_comm_type: str | None) -> str:
+    def _check_comm_type(cp_comm_type: str | None, layer_number: int) -> str:
         if cp_comm_type is None:
             return DEFAULT_COMM_TYPE
-        if not isinstance(cp_comm_type, str) or cp_comm_type not in CHARM_COMM_TYPES:
+        if not isinstance(cp_comm_type, str) or not is_ours(cp_comm_type):
             raise ValueError(
-                f"CharmDotProductAttention: unknown cp_comm_type {cp_comm_type!r}; CHARM+ "
-                f"serves {', '.join(CHARM_COMM_TYPES)} (--cp-comm-type charm). Megatron's own "
-                "p2p / a2a / allgather / a2a+p2p belong to TEDotProductAttention: build the spec "
-                "without use_charm for those"
+                f"CharmDotProductAttention: layer {layer_number} has cp_comm_type "
+                f"{cp_comm_type!r}, which CHARM+ does not serve (unknown cp_comm_type; ours: "
+                f"{', '.join(our_comm_types())}). Megatron's own p2p / a2a / allgather / a2a+p2p "
+                "belong to TEDotProductAttention: build the spec with "
+                "charm_megatron.megatron.use_charm, which keeps the spec's own core attention for "
+                "such layers"
             )
         return cp_comm_type
 
@@ -255,11 +260,6 @@ class CharmDotProductAttention(MegatronModule):
                     "are not supported: CP communication runs outside graph capture; "
                     "capture only mlp / moe scopes",
                 )
-        if getattr(config, "hybrid_context_parallel", False):
-            raise _unsupported(
-                "hybrid_context_parallel (--hybrid-context-parallel)",
-                "is not supported (it uses packed THD sequences)",
-            )
 
     def _check_cp_group(self) -> None:
         if self.cp_group is None:
@@ -284,23 +284,36 @@ class CharmDotProductAttention(MegatronModule):
                     "sequence is split by the CP group size)"
                 )
 
-    def _log_once(self) -> None:
-        ranks = _group_ranks(self.cp_group)
-        key = (self.algo, str(self.topology), ranks)
-        if key in _LOGGED:
-            return
-        _LOGGED.add(key)
-        # Compact ("[[0,1],[2,3]]") so the line stays one grep-able token per field.
-        groups = "[" + ",".join("[" + ",".join(map(str, g)) + "]" for g in self.topology.groups)
-        line = (
-            f"charm-megatron: cp_comm_type={self.algo} cp_size={self.cp_size} "
-            f"topology={self.topology} groups={groups}]"
-        )
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            # One line from global rank 0, like Megatron's print_rank_0 (its CP group stands for
-            # all: every CP group has the same size). Not logging.info: Megatron-LM sets the
-            # root logger to INFO, which would repeat the line on every rank.
-            print(f"{line} cp_ranks={','.join(map(str, ranks)) or '0'}", flush=True)
+    def _topology_for(self, group: Any, cp_size: int) -> Topology:
+        """The topology of ``group`` (``cp_size`` ranks), resolved once per group and kept."""
+        key = _group_ranks(group) or (0,)
+        topo = self._topologies.get(key)
+        if topo is None:
+            try:
+                topo = resolve_topology(self.topology_spec, group, self.algo, cp_size)
+            except ValueError as exc:
+                if group is self.cp_group:
+                    raise
+                raise ValueError(
+                    f"CharmDotProductAttention (layer {self.layer_number}): dynamic CP group "
+                    f"{list(key)} ({cp_size} ranks): {exc}. With dynamic context parallelism "
+                    "give a size-free topology (--charm-topology auto, node, numa or flat)"
+                ) from None
+            self._topologies[key] = topo
+        return topo
+
+    def describe(self) -> dict[str, Any]:
+        """What this layer runs: layer number, algo, CP size, topology, its CP-local groups and
+        the global ranks of its CP group (for start-up logs; see
+        :func:`charm_megatron.megatron.describe_model`)."""
+        return {
+            "layer": self.layer_number,
+            "cp_comm_type": self.algo,
+            "cp_size": self.cp_size,
+            "topology": str(self.topology),
+            "groups": tuple(tuple(g) for g in self.topology.groups),
+            "cp_ranks": _group_ranks(self.cp_group),
+        }
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -320,12 +333,6 @@ class CharmDotProductAttention(MegatronModule):
         """
         from charm_megatron import cp_attention
 
-        if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) != "thd":
-            raise _unsupported(
-                f"packed_seq_params with qkv_format="
-                f"{getattr(packed_seq_params, 'qkv_format', None)!r}",
-                "is not supported; packed sequences must use qkv_format='thd'",
-            )
         if attention_bias is not None:
             raise _unsupported("attention_bias", "is not supported")
         if self.training and self.attention_dropout_p > 0.0:
@@ -337,8 +344,9 @@ class CharmDotProductAttention(MegatronModule):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise _unsupported(f"attn_mask_type={mask_type.name}", "is not supported")
-        if packed_seq_params is not None:
+        if getattr(packed_seq_params, "qkv_format", None) == "thd":
             return self._forward_thd(query, key, value, packed_seq_params, mask_type)
+        group, cp_size = self.call_group(packed_seq_params)
         if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
             raise ValueError(
                 "CharmDotProductAttention expects sbhd tensors [s, b, heads, d], got "
@@ -356,18 +364,68 @@ class CharmDotProductAttention(MegatronModule):
                 f"{self.num_attention_heads_per_partition} (num_attention_heads / tp)"
             )
 
-        out = cp_attention(
-            query,
-            key,
-            value,
-            group=self.cp_group,
-            algo=self.algo,
-            topology=self.topology,
-            causal=mask_type == AttnMaskType.causal,
-            softmax_scale=self.softmax_scale,
-        )
+        causal = mask_type == AttnMaskType.causal
+        if group is None and cp_size == 1:
+            # Dynamic CP switched off for this micro-batch (local_cp_size=1, no group).
+            out = _local_attention(query, key, value, causal, self.softmax_scale)
+        else:
+            out = cp_attention(
+                query,
+                key,
+                value,
+                group=group,
+                algo=self.algo,
+                topology=self._topology_for(group, cp_size),
+                causal=causal,
+                softmax_scale=self.softmax_scale,
+            )
         # [s, b, h, d] -> [s, b, h*d]: the layout linear_proj consumes.
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    # ------------------------------------------------------------------ packed_seq_params
+    def call_group(self, packed_seq_params: Any) -> tuple[Any, int]:
+        """The CP group and its size for one forward call, from ``packed_seq_params``.
+
+        All of the module's ``packed_seq_params`` handling lives here.
+
+        * ``None``: the module's CP group.
+        * Dynamic / hybrid CP (megatron-core sets these per micro-batch, e.g.
+          ``get_batch_on_this_hybrid_cp_rank``): ``cp_group`` replaces the module's group for
+          this call (the sequence is split over it in the same load-balanced layout);
+          ``local_cp_size`` without ``cp_group`` must be 1 and means no CP for this call (local
+          attention), as for TransformerEngine's attention. ``local_cp_size`` with ``cp_group``
+          must equal the group's size.
+        * ``qkv_format`` ``sbhd`` (or unset): one unpadded sequence per batch entry, so
+          ``cu_seqlens_*`` and ``max_seqlen_*`` are not read. Packed ``thd`` sequences go to
+          :meth:`_forward_thd` before this; any other format raises ``NotImplementedError``.
+        """
+        if packed_seq_params is None:
+            return self.cp_group, self.cp_size
+        qkv_format = getattr(packed_seq_params, "qkv_format", None)
+        if qkv_format not in (None, "sbhd"):
+            raise _unsupported(
+                f"packed_seq_params with qkv_format={qkv_format!r}",
+                "is not supported; use 'sbhd' (dynamic CP) or 'thd' (packed sequences)",
+            )
+        group = getattr(packed_seq_params, "cp_group", None)
+        local = getattr(packed_seq_params, "local_cp_size", None)
+        if group is None:
+            if local is None:
+                return self.cp_group, self.cp_size
+            if int(local) != 1:
+                raise ValueError(
+                    f"CharmDotProductAttention: packed_seq_params.local_cp_size={local} without "
+                    "a cp_group; dynamic CP needs packed_seq_params.cp_group for a CP size > 1 "
+                    "(local_cp_size 1 alone turns CP off for the micro-batch)"
+                )
+            return None, 1
+        size = group.size()
+        if local is not None and int(local) != size:
+            raise ValueError(
+                f"CharmDotProductAttention: packed_seq_params.local_cp_size={local} but its "
+                f"cp_group has {size} ranks; they must agree"
+            )
+        return group, size
 
     def _forward_thd(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params: Any,
                      mask_type: AttnMaskType) -> Tensor:

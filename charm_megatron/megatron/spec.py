@@ -6,8 +6,10 @@ whose ``submodules.self_attention`` is a ``ModuleSpec(SelfAttention)`` whose
 (``DotProductAttention`` in the local spec, ``TEDotProductAttention`` in the Transformer Engine
 spec). Block specs (``TransformerBlockSubmodules``, used for MoE and heterogeneous models) and
 multi-token-prediction specs hold lists of such layer specs. :func:`use_charm` walks any of
-these and swaps that one slot, so every other module (linear layers, norms, MLP/MoE, the
-TE/local choice) stays exactly what the caller built.
+these and fills that one slot with :class:`~charm_megatron.megatron.selector.PerLayerCoreAttention`,
+which builds CHARM+ in layers whose ``--cp-comm-type`` entry is ours and the slot's original
+core attention in the others; every other module (linear layers, norms, MLP/MoE, the TE/local
+choice) stays exactly what the caller built.
 """
 
 from __future__ import annotations
@@ -21,14 +23,25 @@ from megatron.core.transformer.multi_latent_attention import MultiLatentAttentio
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 
 from charm_megatron.megatron.attention import CharmDotProductAttention
+from charm_megatron.megatron.selector import PerLayerCoreAttention
 
 SpecT = TypeVar("SpecT")
 
-__all__ = ["use_charm", "count_charm_attention"]
+__all__ = ["use_charm", "count_charm_attention", "is_charm_slot"]
 
 
-def use_charm(spec: SpecT) -> SpecT:
-    """A copy of ``spec`` with every self-attention core attention replaced by CHARM+.
+def use_charm(spec: SpecT, topology: str | None = None) -> SpecT:
+    """A copy of ``spec`` whose self-attention core attentions run CHARM+ where the layer's
+    ``cp_comm_type`` is ours.
+
+    Each ``SelfAttention``'s ``submodules.core_attention`` becomes
+    ``ModuleSpec(PerLayerCoreAttention, params={"original": <what it was>, "topology":
+    topology})``: layers whose comm type (entry ``layer_number - 1`` of a per-layer list, see
+    :mod:`charm_megatron.megatron.comm_types`) is one of ours, or unset, get
+    :class:`CharmDotProductAttention`; the others get the original (e.g.
+    ``TEDotProductAttention`` for ``a2a``), with their comm type passed through unchanged.
+    ``topology`` (``--charm-topology``: ``auto``, ``flat``, ``2x4`` ...; ``None``:
+    ``CHARM_TOPOLOGY``, else the probe) goes to every CHARM+ layer.
 
     ``spec`` may be a layer spec (``ModuleSpec`` of ``TransformerLayer``, e.g. from
     ``get_gpt_layer_local_spec`` / ``get_gpt_layer_with_transformer_engine_spec``), a block spec
@@ -41,20 +54,24 @@ def use_charm(spec: SpecT) -> SpecT:
       leaves (module classes, functions, other objects) are shared, as ``copy.deepcopy`` does
       for classes - unlike ``deepcopy`` this also works for leaves that cannot be copied
       (e.g. Transformer Engine placeholders when TE is absent).
-    * Idempotent: a core attention that already is :class:`CharmDotProductAttention` (or a
-      subclass of it) is left as it is, so ``use_charm(use_charm(s))`` equals ``use_charm(s)``.
+    * Idempotent: a slot that already holds ``PerLayerCoreAttention`` or
+      :class:`CharmDotProductAttention` (or a subclass) keeps it, so ``use_charm(use_charm(s))``
+      equals ``use_charm(s)``; a ``topology`` given again replaces the earlier one.
     * Cross-attention (``CrossAttention``) is left alone: CHARM+ is for causal self-attention
       over a context-parallel-split sequence.
     * Multi-latent attention (``MLASelfAttention``) raises ``ValueError``: its query/key and
       value head dimensions differ, which the CHARM+ operator does not support.
     """
+    if topology is not None and not str(topology).strip():
+        raise ValueError("use_charm: empty topology; use e.g. 'auto', 'flat' or '2x4'")
     result = _copy_structure(spec, memo={})
-    _rewrite(result, seen=set())
+    _rewrite(result, seen=set(), topology=None if topology is None else str(topology).strip())
     return result
 
 
 def count_charm_attention(spec: Any) -> int:
-    """How many self-attention slots of ``spec`` hold :class:`CharmDotProductAttention`.
+    """How many self-attention slots of ``spec`` hold CHARM+ (``PerLayerCoreAttention`` or
+    :class:`CharmDotProductAttention`).
 
     Distinct spec objects are counted once (a block spec reuses one layer spec object for many
     layers), so this is a check ("does this spec carry CHARM+?"), not a layer count.
@@ -62,7 +79,7 @@ def count_charm_attention(spec: Any) -> int:
     found: list[Any] = []
 
     def record(submodules: Any) -> None:
-        if _is_charm(submodules.core_attention):
+        if is_charm_slot(submodules.core_attention):
             found.append(submodules)
 
     _visit(spec, seen=set(), on_self_attention=record)
@@ -97,10 +114,22 @@ def _copy_structure(obj: Any, memo: dict[int, Any]) -> Any:
     return obj  # a leaf: class, function, enum, string, placeholder ...
 
 
-def _rewrite(obj: Any, seen: set[int]) -> None:
+def _rewrite(obj: Any, seen: set[int], topology: str | None) -> None:
     def replace(submodules: Any) -> None:
-        if not _is_charm(submodules.core_attention):
-            submodules.core_attention = CharmDotProductAttention
+        slot = submodules.core_attention
+        if is_charm_slot(slot):
+            if topology is not None:
+                if not isinstance(slot, ModuleSpec):
+                    slot = ModuleSpec(module=slot)
+                # A fresh spec: the input's (possibly shared) one stays as it was.
+                submodules.core_attention = ModuleSpec(
+                    module=slot.module, params={**slot.params, "topology": topology},
+                    submodules=slot.submodules,
+                )
+            return
+        submodules.core_attention = ModuleSpec(
+            module=PerLayerCoreAttention, params={"original": slot, "topology": topology}
+        )
 
     _visit(obj, seen, on_self_attention=replace)
 
@@ -161,7 +190,11 @@ def _resolve(module: Any) -> Any:
     return module
 
 
-def _is_charm(core_attention: Any) -> bool:
+def is_charm_slot(core_attention: Any) -> bool:
+    """True when a spec's ``core_attention`` slot is CHARM+'s (``PerLayerCoreAttention`` or
+    :class:`CharmDotProductAttention`, as a class or a ``ModuleSpec``)."""
     target = core_attention.module if isinstance(core_attention, ModuleSpec) else core_attention
     target = _resolve(target)
-    return isinstance(target, type) and issubclass(target, CharmDotProductAttention)
+    return isinstance(target, type) and issubclass(
+        target, (CharmDotProductAttention, PerLayerCoreAttention)
+    )

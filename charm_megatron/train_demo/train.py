@@ -87,7 +87,7 @@ def _transformer_config(v: dict[str, Any], comm: str) -> Any:
     )
 
 
-def _build_model(v: dict[str, Any], comm: str, vocab: int) -> Any:
+def _build_model(v: dict[str, Any], comm: str, vocab: int, topology: str | None = None) -> Any:
     """GPTModel with CHARM+'s core attention (``comm`` picks ring / rmplus / charm inside it),
     wrapped in megatron-core's DDP; built from the config's seed so every comm type starts from
     the same weights."""
@@ -99,6 +99,7 @@ def _build_model(v: dict[str, Any], comm: str, vocab: int) -> Any:
     from megatron.core.tensor_parallel import random as mrandom
 
     from charm_megatron.megatron import use_charm
+    from charm_megatron.megatron.build import print_model_description
 
     mrandom.model_parallel_cuda_manual_seed(v["seed"], force_reset_rng=True)
     torch.manual_seed(v["seed"])
@@ -108,13 +109,14 @@ def _build_model(v: dict[str, Any], comm: str, vocab: int) -> Any:
     model = GPTModel(
         config=config,
         transformer_layer_spec=use_charm(get_gpt_layer_local_spec(
-            normalization=v["normalization"])),
+            normalization=v["normalization"]), topology=topology),
         vocab_size=vocab,
         max_sequence_length=v["max_position_embeddings"] or v["seq_length"],
         position_embedding_type=v["position_embedding_type"],
         rotary_base=v["rotary_base"] or 10000,
         share_embeddings_and_output_weights=not v["untie_embeddings_and_output_weights"],
     )
+    print_model_description(model)  # the "charm-megatron: cp_comm_type=..." start-up line
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False)
     return DistributedDataParallel(config, ddp_config, model)
@@ -264,14 +266,11 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, list[dict]]:
     quiet_megatron()
     from megatron.core import parallel_state as ps
 
-    from charm_megatron.megatron import set_topology
-
     v = dict(spec.values)
     tp, cp = v["tensor_model_parallel_size"], v["context_parallel_size"]
     if v["pipeline_model_parallel_size"] != 1:
         raise ValueError("the CPU demo runs pipeline_model_parallel_size 1")
     init_parallel(tp=tp, cp=cp, seed=v["seed"])
-    set_topology(spec.topology)
     dp = ps.get_data_parallel_world_size()
     dp_rank = ps.get_data_parallel_rank()
     mbs, gbs, iters = v["micro_batch_size"], v["global_batch_size"], v["train_iters"]
@@ -285,7 +284,7 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, list[dict]]:
 
     jobs = []
     for comm in spec.comm_types:
-        model = _build_model(v, comm, vocab)
+        model = _build_model(v, comm, vocab, spec.topology)
         opt, sched = _optimizer(model, v)
         jobs.append(_Job(comm, model, opt, sched, _batches(dataset, mbs, dp_rank, dp)))
     if rank == 0:

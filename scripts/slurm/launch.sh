@@ -15,7 +15,9 @@
 #   --time T, --partition P, --account A, --sbatch-arg ARG (repeatable): passed to sbatch
 #   --dry-run           print the sbatch command and the job step; write and submit nothing
 # Environment: CHARM_MEGATRON (the charm-megatron executable; default: charm-megatron on PATH,
-# else "$PYTHON -m charm_megatron.cli" with PYTHON defaulting to python3), TORCHRUN.
+# else "$PYTHON -m charm_megatron.cli" with PYTHON defaulting to python3), TORCHRUN,
+# MEGATRON_LM_PATH (the Megatron-LM checkout the job runs; checked before sbatch, unless the
+# current directory is one).
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -102,6 +104,9 @@ submit=(
 if ((dry_run)); then
     printf '# run directory: %s\n' "$run_dir"
     printf '# would write there: meta.json megatron-args.txt sbatch.sh jobs.txt; the job: command.sh train-<job id>.log\n'
+    if ! why=$(check_megatron_lm); then
+        printf 'launch.sh: note: a real submission would stop here: %s\n' "$why" >&2
+    fi
     printf '# submit:\n'
     quote_cmd "${submit[@]}"
     printf '# job step (on the allocation; <head> = its first node):\n'
@@ -111,6 +116,7 @@ if ((dry_run)); then
 fi
 
 command -v sbatch > /dev/null 2>&1 || die "sbatch not found: run on a SLURM login node, or use --dry-run"
+why=$(check_megatron_lm) || die "$why"
 mkdir -p "$run_dir"
 printf '%s\n' "${margs[@]}" > "$run_dir/megatron-args.txt"
 "${cm[@]}" "${query[@]}" --format json > "$run_dir/meta.json"

@@ -7,7 +7,7 @@
 # Options: --config C [CHARM_CONFIG]; --comm T1,T2,... [CHARM_SWEEP_COMMS, p2p,charm];
 # --runs R1,R2,... (default: all runs of the config, in file order); --dry-run. These are
 # passed on to launch.sh for every submission: --nodes --gpus-per-node --set --runs-dir --port
-# --time --partition --account --sbatch-arg.
+# --time --partition --account --sbatch-arg. A real sweep checks MEGATRON_LM_PATH once first.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -52,6 +52,8 @@ done
 
 if ((dry_run)); then
     pass+=(--dry-run)
+elif ! why=$(check_megatron_lm); then
+    die "$why"  # once, before submitting anything
 fi
 total=$((${#runs[@]} * ${#comms[@]}))
 n=0
