@@ -111,10 +111,16 @@ def test_link_model_threads_share():
         t.start()
     for t in ts:
         t.join(timeout=5)
+    t1 = time.monotonic()  # every wrap() was called between t0 and t1
     for w in works:
         w.wait()
     assert time.monotonic() - t0 >= 0.1 - 0.005
-    assert max(w.deadline for w in works) == pytest.approx(t0 + 0.1, abs=0.02)
+    # Shared: the five 20 ms messages queue behind each other, so the last one is due 100 ms
+    # after the first was posted (a private link per thread would make it ~20 ms). Bounded by
+    # when the posts happened rather than by wall-clock slack, so a loaded machine that starts
+    # the threads late cannot fail it.
+    last = max(w.deadline for w in works)
+    assert t0 + 0.1 - 0.005 <= last <= t1 + 0.1 + 0.005
 
 
 def test_software_links_choose_link():
@@ -256,7 +262,10 @@ def test_two_node_probe(netns_ok, nic):
     for _host, ifname, groups, level, times in out:
         assert ifname == "eth0" and level == "node"
         assert groups == ((0, 1), (2, 3))
-        assert times["cross"] > 2 * times["intra"]  # 4 MB over 50 MB/s >= 80 ms
+        # The cross link is throttled: 2 MB each way over 50 MB/s takes ~80 ms, less the
+        # shaper's burst (measured 60-70 ms). A lower bound set by the shaper, so a loaded
+        # machine cannot fail it; an unshaped veth moves the 4 MB in a few ms.
+        assert times["cross"] >= 0.03, times
     assert ours(c) == []
 
 
