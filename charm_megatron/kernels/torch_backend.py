@@ -1,6 +1,7 @@
 """Attention through PyTorch's fused aten kernels (no extra dependency).
 
-* CPU: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward. GQA is native (kv with
+* CPU: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (fp16/bf16/fp32 and
+  float64; float64 blocks keep a float64 lse). GQA is native (kv with
   fewer heads; backward returns group-summed dk/dv), strided ``[b, h, s, d]`` views are accepted,
   so sbhd tensors go in as permuted views without copies.
 * CUDA: ``_scaled_dot_product_flash_attention`` (fp16/bf16) or
@@ -80,6 +81,9 @@ class TorchBackend:
         check_block_shapes(q, k, v, causal)
         if q.device.type == "cuda":
             return self._backward_cuda(dout, q, k, v, out, lse, causal, scale)
+        # The CPU kernel wants lse in the inputs' dtype when that is float64 (its forward
+        # returns it so), fp32 otherwise; the CP merge keeps lse in its accumulator dtype.
+        lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, causal, scale=scale
         )
