@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 # Status codes of the after-call exchange.
 OK, RAISED, BROKEN = 0, 1, 2
-_MSG_BYTES = 240
+_MSG_BYTES = 1000  # error path only
 MAX_FIELDS = 48
 
 
@@ -86,16 +86,16 @@ def _all_gather(t: torch.Tensor, group: dist.ProcessGroup, size: int,
 
 def _pack_message(text: str) -> torch.Tensor:
     raw = text.encode("utf-8", "replace")[:_MSG_BYTES]
-    buf = torch.zeros(_MSG_BYTES + 1, dtype=torch.uint8)
-    buf[0] = len(raw)
+    buf = torch.zeros(_MSG_BYTES + 2, dtype=torch.uint8)
+    buf[:2] = torch.tensor([len(raw) // 256, len(raw) % 256], dtype=torch.uint8)
     if raw:
-        buf[1:1 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
+        buf[2:2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     return buf
 
 
 def _unpack_message(buf: torch.Tensor) -> str:
-    n = int(buf[0])
-    return bytes(buf[1:1 + n].tolist()).decode("utf-8", "replace")
+    n = int(buf[0]) * 256 + int(buf[1])
+    return bytes(buf[2:2 + n].tolist()).decode("utf-8", "replace")
 
 
 def _messages(text: str, group, size: int, timeout_s: float) -> list[str]:
@@ -127,7 +127,8 @@ def agree(sig: Signature, group: dist.ProcessGroup, size: int, timeout_s: float,
     diffs = _differences(rows, names)
     if diffs:
         # The field values (not just their codes) are exchanged only now, to name them.
-        texts = _messages(repr([(n, v) for n, v in sig.fields]), group, size, timeout_s)
+        mine = dict(sig.fields)
+        texts = _messages(repr([(n, mine.get(n)) for n, _ in diffs]), group, size, timeout_s)
         raise CPMismatchError(_mismatch_text(diffs, texts, names))
 
 

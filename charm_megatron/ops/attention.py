@@ -16,7 +16,7 @@ from charm_megatron.ops.agreement import CPAttentionError, Signature
 from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent
 from charm_megatron.ops.failsafe import GuardedBackend
 from charm_megatron.ops.options import CPOptions, kernel_backend, resolve
-from charm_megatron.ops.streams import StreamGroups, rebuild, stream_groups
+from charm_megatron.ops.streams import StreamGroups, control_timeout_s, rebuild, stream_groups
 from charm_megatron.plan.builders import ALGOS as PLAN_ALGOS
 from charm_megatron.plan.builders import build_plan
 from charm_megatron.plan.core import Plan
@@ -269,8 +269,10 @@ def _run(call: _Call, sg: StreamGroups, ex: Executor, ops, direction: str) -> No
         return
     message = f"{type(exc).__name__}: {exc}" if exc is not None else ""
     try:
+        # Bounded by the control group's longer timeout: a peer may first have to wait out
+        # a transfer of its own before it gets here.
         codes, texts = agreement.exchange_status(code, message, sg.control, sg.size,
-                                                 call.options.timeout_s)
+                                                 control_timeout_s(call.options.timeout_s))
     except CPAttentionError:
         sg.parent = None  # even the control group failed: rebuild all from the CP group
         raise

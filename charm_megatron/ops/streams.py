@@ -75,7 +75,7 @@ _CACHE: dict[tuple[str, tuple[int, ...]], StreamGroups] = {}
 def _registered(group: dist.ProcessGroup) -> bool:
     try:
         dist.get_process_group_ranks(group)
-    except (ValueError, RuntimeError):
+    except (ValueError, RuntimeError, KeyError):
         return False
     return True
 
@@ -110,13 +110,24 @@ def _new_group(name: str, ranks: list[int], backend: str, timeout_s: float,
     return pg
 
 
-def _agree_uid(group: dist.ProcessGroup, ranks: list[int], backend: str) -> str:
+def _agree_uid(group: dist.ProcessGroup, ranks: list[int], backend: str,
+               timeout_s: float) -> str:
     """A random id chosen by the CP group's first rank, broadcast over the CP group."""
     device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
               else torch.device("cpu"))
     raw = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8, device=device)
-    dist.broadcast(raw, src=ranks[0], group=group)
-    return bytes(raw.cpu().tolist()).hex()
+    try:
+        work = dist.broadcast(raw, src=ranks[0], group=group, async_op=True)
+        work.wait(_timeout(timeout_s))
+        uid = bytes(raw.cpu().tolist()).hex()
+    except Exception as exc:  # noqa: BLE001 - re-raised with what it means
+        raise RuntimeError(
+            f"cp_attention: creating the communicators of CP group {ranks} (a broadcast over "
+            f"that group) did not complete within {timeout_s:g} s ({type(exc).__name__}: "
+            f"{exc}). Likely causes: not every rank of the CP group called cp_attention (or "
+            "create_stream_groups) with this group, a rank died, or ranks passed different CP "
+            "groups; the bound is CHARM_COMM_TIMEOUT_S / CPOptions.timeout_s") from exc
+    return uid
 
 
 def _build(group: dist.ProcessGroup, ranks: list[int], timeout_s: float, uid: str,
@@ -177,7 +188,7 @@ def stream_groups(group: dist.ProcessGroup | None, timeout_s: float = 600.0) -> 
     if len(ranks) == 1:
         sg = StreamGroups(ranks, {}, None, "", 0, timeout_s, weakref.ref(group))
     else:
-        uid = _agree_uid(group, ranks, str(dist.get_backend(group)).lower())
+        uid = _agree_uid(group, ranks, str(dist.get_backend(group)).lower(), timeout_s)
         sg = _build(group, ranks, timeout_s, uid, 0)
     _CACHE[key] = sg
     return sg
