@@ -251,3 +251,25 @@ def missing_peer_message(rank: int, world: int, stage: str):
     except Exception as exc:  # noqa: BLE001
         return type(exc).__name__, str(exc), time.monotonic() - t0
     return "no error", "", time.monotonic() - t0
+
+
+def options_in_ctx(rank: int, world: int):
+    """The environment is read once per call: a backward runs with its forward's options even
+    when the variables changed in between; explicit options never read the environment."""
+    import os
+
+    from charm_megatron.ops.executor import ablate
+
+    x = torch.randn(16, 1, 2, 8)
+    q = x.clone().requires_grad_()
+    os.environ["CHARM_PASS_ORDER"] = "joint"
+    out = cp_attention(q, x, x, algo="auto", topology="2x2")
+    os.environ["CHARM_PASS_ORDER"] = "bogus"  # would raise if backward read it
+    out.sum().backward()
+    fwd_order = out.grad_fn.call.options.pass_order
+    explicit = cp_attention(x, x, x, algo="charm", topology="2x2",
+                            options=CPOptions(pass_order="split"))
+    del os.environ["CHARM_PASS_ORDER"]
+    with ablate(comm=False):
+        ablated = cp_attention(x.clone().requires_grad_(), x, x, algo="ring", return_lse=True)
+    return fwd_order, explicit.shape, ablated[0].grad_fn.call.options.ablation

@@ -9,9 +9,9 @@ communication bound passed explicitly in the call's options.
 
 import re
 
+import dist_failure_cases as cases
 import pytest
 
-import dist_failure_cases as cases
 from charm_megatron.testing import run_ranks
 
 JOB_S = 90  # process-level bound of one job (a case that hangs fails here)
