@@ -273,3 +273,26 @@ def options_in_ctx(rank: int, world: int):
     with ablate(comm=False):
         ablated = cp_attention(x.clone().requires_grad_(), x, x, algo="ring", return_lse=True)
     return fwd_order, explicit.shape, ablated[0].grad_fn.call.options.ablation
+
+
+def exchange_cost(rank: int, world: int, reps: int):
+    """Median seconds of one agreement exchange and one status exchange on the control group."""
+    from charm_megatron.ops import agreement, streams
+
+    sg = streams.stream_groups(None)
+    x = torch.randn(4, 1, 2, 8)
+    from charm_megatron.ops.attention import _signature
+
+    sig = _signature("forward", 0, x, x, x, "ring", None, True, 0.35, opts(), None)
+    res = {}
+    for name, fn in (("agree", lambda: agreement.agree(sig, sg.control, world, 30.0)),
+                     ("status", lambda: agreement.exchange_status(0, "", sg.control, world,
+                                                                  30.0))):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        res[name] = times[len(times) // 2]
+    return res

@@ -7,7 +7,8 @@
 * CUDA: ``_scaled_dot_product_flash_attention`` (fp16/bf16) or
   ``_scaled_dot_product_efficient_attention`` (fp32, or head dims flash does not take). These
   need equal head counts, so GQA kv is expanded there (``expand`` + ``reshape``: one copy of the
-  block, summed back in backward).
+  block, summed back in backward). float64 goes to the plain-math reference kernels (exact,
+  slower): no fused CUDA kernel takes it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from charm_megatron.kernels.base import check_block_shapes
+from charm_megatron.kernels.reference import ReferenceBackend
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -40,6 +42,9 @@ def _fold_kv_grad(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.reshape(b, hq // groups, groups, s, d).sum(2)
 
 
+_FLOAT64_MATH = ReferenceBackend(torch.float64)
+
+
 class TorchBackend:
     """aten fused attention; the CPU or CUDA kernel pair is picked per call from q's device."""
 
@@ -59,6 +64,8 @@ class TorchBackend:
         return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
     def _forward_cuda(self, q, k, v, causal, scale):
+        if q.dtype == torch.float64:  # no fused CUDA kernel takes float64: exact plain math
+            return _FLOAT64_MATH.forward(q, k, v, causal, scale)
         groups = q.shape[2] // k.shape[2]
         qb = _bhsd(q)
         kb, vb = _expand_kv(_bhsd(k), groups), _expand_kv(_bhsd(v), groups)
@@ -90,6 +97,8 @@ class TorchBackend:
         return _sbhd(dq), _sbhd(dk), _sbhd(dv)
 
     def _backward_cuda(self, dout, q, k, v, out, lse, causal, scale):
+        if q.dtype == torch.float64:
+            return _FLOAT64_MATH.backward(dout, q, k, v, out, lse, causal, scale)
         groups = q.shape[2] // k.shape[2]
         sq, sk = q.shape[0], k.shape[0]
         qb = _bhsd(q)
