@@ -110,6 +110,8 @@ def test_float64_end_to_end():
 @pytest.mark.parametrize("dtype,tol,scales", [
     ("fp32", 1e-5, [1e30, 1e-30, 1e-36]),
     ("bf16", 2e-2, [1e30, 1e-30]),
+    # Denormal dout: plain fused SDPA on one rank is itself only good to ~6e-5 here.
+    ("fp32", 1e-3, [1e-40]),
 ])
 def test_extreme_dout_is_exact(dtype, tol, scales):
     for res in run_ranks(cases.extreme_dout, 4, scales, dtype, timeout_s=JOB_S):

@@ -110,7 +110,9 @@ def _out_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """
     e = delta_exponent(dout).unsqueeze(-1)
     wide = torch.float64 if dout.dtype == torch.float64 else torch.float32
-    u = torch.ldexp(dout.to(wide), -e.to(wide))
+    # Two half steps: 2**-e alone overflows fp32 for denormal rows (e down to -149).
+    half = torch.trunc(e / 2)
+    u = torch.ldexp(torch.ldexp(dout.to(wide), -half.to(wide)), (half - e).to(wide))
     norm = u.square().sum(-1, keepdim=True)
     coef = torch.where(norm > 0, delta.to(wide).unsqueeze(-1) / norm, torch.zeros_like(norm))
     return (u * coef).to(dout.dtype)
