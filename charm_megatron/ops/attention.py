@@ -22,8 +22,8 @@ from charm_megatron.plan.builders import build_plan
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.validate import validate
+from charm_megatron.topology.resolve import _FLAT_ALGOS as FLAT_ALGOS
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # What ``algo`` accepts: the plan algorithms, and ``auto`` (the performance model picks one).
 ALGOS = (*PLAN_ALGOS, "auto")
 
@@ -212,7 +212,9 @@ def cp_attention(
         agreement.agree(sig, sg.control, cp_size, timeout_s, error)
     elif error is not None:
         raise error
-    if topology is None and algo not in ("ring", "rmplus"):
+    if topology is None and algo not in FLAT_ALGOS:
+        # The options' default (CHARM_TOPOLOGY) or the probe, passed explicitly so that the
+        # topology code never reads the environment behind the options' back.
         topology = opts.topology or "auto"
     algo, groups = _resolve(algo, topology, group, cp_size, q, k, causal)
     call = _Call(group, algo, groups, causal, scale, opts, seq)
