@@ -100,8 +100,14 @@ def _new_group(name: str, ranks: list[int], backend: str, timeout_s: float,
     call and no dependence on this process's group count). Uses torch's own group factory
     (``_new_process_group_helper``, the one ``new_group`` calls) with the name given."""
     c10d = dist.distributed_c10d
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    if helper is None or not hasattr(c10d, "_get_default_store"):  # a torch without them
+        log.warning("cp_attention: this torch lacks _new_process_group_helper; stream groups "
+                    "come from new_group and depend on each process's group history")
+        return dist.new_group(ranks=list(ranks), timeout=_timeout(timeout_s), backend=backend,
+                              use_local_synchronization=True, group_desc=desc)
     me = dist.get_rank()
-    pg, _ = c10d._new_process_group_helper(
+    pg, _ = helper(
         len(ranks), ranks.index(me), list(ranks), backend, c10d._get_default_store(),
         c10d.GroupName(name) if hasattr(c10d, "GroupName") else name,
         timeout=_timeout(timeout_s), group_desc=desc,
@@ -113,7 +119,7 @@ def _new_group(name: str, ranks: list[int], backend: str, timeout_s: float,
 def _agree_uid(group: dist.ProcessGroup, ranks: list[int], backend: str,
                timeout_s: float) -> str:
     """A random id chosen by the CP group's first rank, broadcast over the CP group."""
-    device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+    device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
               else torch.device("cpu"))
     raw = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8, device=device)
     try:
@@ -139,7 +145,7 @@ def _build(group: dist.ProcessGroup, ranks: list[int], timeout_s: float, uid: st
                                   timeout_s, f"charm_cp_{name}")
     control = _new_group(f"charm_cp/{uid}/{generation}/{CONTROL}", ranks, "gloo",
                          control_timeout_s(timeout_s), "charm_cp_control")
-    if backend == "nccl":
+    if "nccl" in backend:
         # NCCL creates communicators lazily, and a batched P2P call as a communicator's first
         # operation must involve every rank; one tiny all-reduce per stream group creates them
         # up front, collectively.
@@ -222,7 +228,7 @@ def rebuild(group: dist.ProcessGroup | None, sg: StreamGroups) -> StreamGroups:
                 dist.destroy_process_group(g)
             except Exception as exc:  # noqa: BLE001
                 log.warning("cp_attention: could not destroy a failed stream group: %s", exc)
-    if backend == "nccl":
+    if "nccl" in backend:
         probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
         for g in sg.groups.values():
             dist.all_reduce(probe, group=g)
