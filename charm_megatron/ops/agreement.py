@@ -14,6 +14,7 @@ in :func:`signature_fields`; values are hashed to int64 when they are not ints.
 
 from __future__ import annotations
 
+import ast
 import datetime
 import hashlib
 import struct
@@ -131,7 +132,8 @@ def agree(sig: Signature, group: dist.ProcessGroup, size: int, timeout_s: float,
     if diffs:
         # The field values (not just their codes) are exchanged only now, to name them.
         mine = dict(sig.fields)
-        texts = _messages(repr([(n, mine.get(n)) for n, _ in diffs]), group, size, timeout_s)
+        texts = _messages(repr([(n, repr(mine.get(n))) for n, _ in diffs]), group, size,
+                          timeout_s)
         raise CPMismatchError(_mismatch_text(diffs, texts, names))
 
 
@@ -149,8 +151,6 @@ def _differences(rows: Sequence[torch.Tensor], names: list[str]) -> list[tuple[s
 
 
 def _mismatch_text(diffs: list[tuple[str, int]], texts: list[str], names: list[str]) -> str:
-    import ast
-
     values = []
     for t in texts:
         try:
@@ -159,10 +159,10 @@ def _mismatch_text(diffs: list[tuple[str, int]], texts: list[str], names: list[s
             values.append({})
     parts = []
     for name, _ in diffs:
-        per_rank = [v.get(name, "?") for v in values]
+        per_rank = [v.get(name, "?") for v in values]  # each value's repr, as sent
         groups: dict[str, list[int]] = {}
         for r, val in enumerate(per_rank):
-            groups.setdefault(repr(val), []).append(r)
+            groups.setdefault(val, []).append(r)
         shown = ", ".join(f"{_ranks(rs)}: {val}" for val, rs in groups.items())
         parts.append(f"{name} ({shown})")
     return ("cp_attention: the ranks of the CP group disagree on " + "; ".join(parts)
