@@ -20,7 +20,8 @@ lazily on the first ``cp_attention`` call (all ranks of a CP group make that cal
 reference to the group object; an entry is used only while that same object and all its groups
 are still registered, so ``destroy_process_group`` and a new ``init_process_group`` (which
 reuse names and ``id``\\ s) never see stale groups. Entries whose CP group is gone are destroyed
-at the next lookup, or explicitly with :func:`release_stream_groups`.
+when the group object is collected, at the next lookup, or explicitly with
+:func:`release_stream_groups`.
 """
 
 from __future__ import annotations
@@ -197,7 +198,20 @@ def stream_groups(group: dist.ProcessGroup | None, timeout_s: float = 600.0) -> 
         uid = _agree_uid(group, ranks, str(dist.get_backend(group)).lower(), timeout_s)
         sg = _build(group, ranks, timeout_s, uid, 0)
     _CACHE[key] = sg
+    # When the CP group object itself goes away, its communicators go with it (destroying a
+    # process group is local: no peer is involved).
+    weakref.finalize(group, _release_entry, key, sg).atexit = False  # not at shutdown
     return sg
+
+
+def _release_entry(key: tuple[str, tuple[int, ...]], sg: StreamGroups) -> None:
+    if _CACHE.get(key) is sg:
+        del _CACHE[key]
+    try:
+        if dist.is_available() and dist.is_initialized():
+            _destroy(sg)
+    except Exception:  # noqa: BLE001 - best effort, possibly at interpreter shutdown
+        pass
 
 
 def create_stream_groups(group: dist.ProcessGroup | None = None,
