@@ -10,9 +10,9 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["charm_megatron", "charm_megatron.*"]),
-    package_data={"charm_megatron": ["configs/*.yaml"]},
+    package_data={"charm_megatron": ["configs/*.yaml", "model/profile_data/*.json"]},
     # torch: lower bound only; CI pins the CPU build torch==2.13.0 in the Makefile.
-    install_requires=["torch>=2.3", "numpy", "pyyaml"],
+    install_requires=["torch>=2.3", "numpy", "pyyaml", "pydantic>=2"],
     extras_require={
         # Tested with megatron-core 0.16.1 (the newest release for Python 3.11).
         "megatron": ["megatron-core>=0.16"],

@@ -19,7 +19,17 @@ import statistics
 import sys
 import time
 
-ALGOS = ("ring", "rmplus", "charm")
+import torch
+
+from charm_megatron.kernels.reference import ReferenceBackend
+from charm_megatron.layout import shard, unshard
+from charm_megatron.local_ranks import run_ranks
+from charm_megatron.ops.attention import cp_attention
+from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
+from charm_megatron.plan.registry import uses_topology
+from charm_megatron.train_demo.runner import add_arguments
+from charm_megatron.train_demo.runner import main as train_demo_main
+
 #: The operator demo's sizes when not given.
 OPERATOR_DEFAULTS: dict[str, object] = {"ranks": 4, "topology": "2x2", "seq": 2048, "batch": 1,
                                         "heads": 8, "kv_heads": 4, "head_dim": 64, "iters": 5}
@@ -27,8 +37,6 @@ OPERATOR_DEFAULTS: dict[str, object] = {"ranks": 4, "topology": "2x2", "seq": 20
 
 def register(parser: argparse.ArgumentParser) -> None:
     """Add the options of both demos (the operator demo's apply with ``--operator``)."""
-    from charm_megatron.train_demo.runner import add_arguments
-
     parser.add_argument("--operator", action="store_true",
                         help="run the operator demo (ring vs RM+ vs CHARM+ attention calls, "
                         "errors against float64) instead of the training demo")
@@ -67,17 +75,11 @@ def run(args: argparse.Namespace) -> int:
                         ("topology", "charm_topology")):
         if getattr(args, option) is not None:
             args.overrides.append(f"{key}={getattr(args, option)}")
-    from charm_megatron.train_demo.runner import main
 
-    return main(args)
+    return train_demo_main(args)
 
 
 def _rank_main(rank: int, world: int, cfg: dict) -> dict:
-    import torch
-
-    from charm_megatron import cp_attention
-    from charm_megatron.layout import shard
-
     g = torch.Generator().manual_seed(0)
     s, b, hq, hkv, d = cfg["seq"], cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     q, k, v, dout = (torch.randn(s, b, h, d, generator=g) for h in (hq, hkv, hkv, hq))
@@ -87,7 +89,7 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
     for it in range(cfg["iters"] + 1):  # iteration 0 warms up (process groups, plans)
         for algo in ALGOS:
             qa, ka, va = (t.clone().requires_grad_() for t in (ql, kl, vl))
-            topo = cfg["topology"] if algo == "charm" else None
+            topo = cfg["topology"] if uses_topology(algo) else None
             torch.distributed.barrier()
             t0 = time.perf_counter()
             out = cp_attention(qa, ka, va, algo=algo, topology=topo, causal=True)
@@ -104,12 +106,6 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
 
 def run_operator(args: argparse.Namespace) -> int:
     """The operator demo (``charm-megatron demo --operator``)."""
-    import torch
-
-    from charm_megatron.kernels.reference import ReferenceBackend
-    from charm_megatron.layout import unshard
-    from charm_megatron.testing import run_ranks
-
     cfg = {"seq": args.seq, "batch": args.batch, "heads": args.heads,
            "kv_heads": args.kv_heads, "head_dim": args.head_dim, "iters": args.iters,
            "topology": args.topology}

@@ -227,7 +227,7 @@ def test_software_links_throttle_gloo_p2p():
 
     from charm_megatron.bench.links import SoftwareLinkSetup
     from charm_megatron.emulate import SoftwareLinks
-    from charm_megatron.testing import run_ranks
+    from charm_megatron.local_ranks import run_ranks
 
     nbytes = 1 << 20
     with tempfile.TemporaryDirectory() as state:

@@ -265,6 +265,13 @@ def test_not_yaml_and_not_a_mapping(tmp_path: Path) -> None:
     ({"parallel__nodes": 0}, "parallel.nodes: must be >= 1, got 0"),
     ({"tokenizer__vocab_file": 3}, "tokenizer.vocab_file: expected a string, got int 3"),
     ({"data__data_path": {"a": 1}}, "data.data_path: expected a string or a list of strings"),
+    ({"data__data_path": []}, "data.data_path: expected a string or a non-empty list of strings"),
+    # a run's values are checked by the same schema, under the run's path
+    ({"runs__r__nodes": 0}, "runs.r.nodes: must be >= 1, got 0"),
+    ({"runs__r__precision": "fp8"}, "runs.r.precision: 'fp8' is not one of bf16, fp16, fp32"),
+    ({"runs__r__lr": "inf"}, "runs.r.lr: expected a finite number, got 'inf'"),
+    ({"model__num_layers": None}, "model.num_layers: must not be null (expected int; it is required)"),
+    ({"variables": {"X": [1]}}, "variables.X: expected a string or null, got list [1]"),
 ])
 def test_type_errors(tmp_path: Path, changes: dict[str, Any], expected: str) -> None:
     assert error(tmp_path, mutate(**changes)).startswith(expected)
@@ -293,6 +300,13 @@ def test_override_errors(tmp_path: Path) -> None:
         load_config(path, "r", {"model.seq_length": "4096"})
     with pytest.raises(ConfigError, match=r"^--set seq_length: expected an integer"):
         load_config(path, "r", {"seq_length": "long"})
+    with pytest.raises(ConfigError, match=r"^--set parallel.nodes: must be >= 1, got 0"):
+        load_config(path, "r", {"parallel.nodes": "0"})
+
+
+def test_empty_section_is_allowed(tmp_path: Path) -> None:
+    data = mutate(system=None)
+    assert load_config(write(tmp_path, data), "r")["transformer_impl"] == "transformer_engine"
 
 
 # --------------------------------------------------------------------------- cross-key checks

@@ -9,7 +9,7 @@ import itertools
 import pytest
 
 import dist_cases
-from charm_megatron.testing import run_ranks
+from charm_megatron.local_ranks import run_ranks
 
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
 

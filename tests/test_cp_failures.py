@@ -12,7 +12,7 @@ import re
 import dist_failure_cases as cases
 import pytest
 
-from charm_megatron.testing import run_ranks
+from charm_megatron.local_ranks import run_ranks
 
 JOB_S = 90  # process-level bound of one job (a case that hangs fails here)
 

@@ -4,9 +4,9 @@ at the API edge and kept in the autograd context (issue 10 item 5)."""
 import dist_failure_cases as cases
 import pytest
 
+from charm_megatron.local_ranks import run_ranks
 from charm_megatron.ops import executor
 from charm_megatron.ops.options import ENV_VARS, CPOptions
-from charm_megatron.testing import run_ranks
 
 
 def test_from_env_reads_every_listed_variable():

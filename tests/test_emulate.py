@@ -25,7 +25,7 @@ from charm_megatron.emulate import (
     parse_size,
     run_ranks_in_cluster,
 )
-from charm_megatron.testing import run_ranks
+from charm_megatron.local_ranks import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from charm_megatron.testing import run_ranks
+from charm_megatron.local_ranks import run_ranks
 from charm_megatron.train_demo.cpu_megatron import (
     cpu_config_kwargs,
     init_parallel,

@@ -205,7 +205,7 @@ def test_add_charm_args_and_chain():
 
 
 def test_charm_comm_type_rules():
-    assert CHARM_COMM_TYPES == ("charm", "rmplus", "ring", "auto")
+    assert CHARM_COMM_TYPES == ("ring", "rmplus", "charm", "auto")  # the registry's choices
     assert charm_comm_type(["charm"]) == "charm"
     assert charm_comm_type("rmplus") == "rmplus"
     assert charm_comm_type(["ring", "ring", "ring"]) == "ring"

@@ -21,9 +21,9 @@ from charm_megatron.model import (
     simulate,
     tile_flops,
 )
-from charm_megatron.plan.builders import build_plan
 from charm_megatron.plan.core import Comm, Half, Plan, Wait, Xfer, tile_spec
 from charm_megatron.plan.cost import Problem, traffic
+from charm_megatron.plan.registry import build_plan
 
 # One head of 64, bf16, s=2048 over 2 ranks: a kv block is 1024 rows * 2 * 64 * 2 B = 256 KiB.
 P2 = Problem(b=1, s=2048, hq=1, hkv=1, d=64, elem=2)

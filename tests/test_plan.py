@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from charm_megatron.plan.builders import build_plan
 from charm_megatron.plan.core import Comm, Half, Tile, TileBwd, tile_spec
 from charm_megatron.plan.pairing import group_rounds, rmplus_rounds
+from charm_megatron.plan.registry import build_plan
 from charm_megatron.plan.validate import PlanError, validate
 
 

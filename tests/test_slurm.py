@@ -258,3 +258,23 @@ def test_sweep_submits_with_fake_sbatch(tmp_path: Path) -> None:
                   for p in (tmp_path / "runs").glob("*/*/*"))
     assert dirs == [f"gpt-tiny-cpu/{r}/{c}" for r in sorted(list_runs("gpt-tiny-cpu"))
                     for c in ("charm", "p2p")]
+
+
+# --------------------------------------------------------------------------- comm types
+def test_launch_accepts_auto(tmp_path: Path) -> None:
+    """``--comm auto`` (docs/megatron.md) reaches Megatron's command line with the topology."""
+    proc = sh(tmp_path, "launch.sh", "--config", "gpt-tiny-cpu", "--run", "demo-s512-gb1",
+              "--comm", "auto", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].endswith("/gpt-tiny-cpu/demo-s512-gb1/auto")
+    assert "--cp-comm-type auto --charm-topology" in proc.stdout
+
+
+def test_sweep_checks_every_comm_type_before_submitting(tmp_path: Path) -> None:
+    fake = tmp_path / "bin"
+    recorder(fake, "sbatch", stdout="7\n")
+    proc = sh(tmp_path, "sweep.sh", "--config", "gpt-tiny-cpu", "--comm", "p2p,bogus",
+              fake_bin=fake)
+    assert proc.returncode == 2
+    assert "--comm: 'bogus' is not one of p2p,a2a,allgather,ring,rmplus,charm,auto" in proc.stderr
+    assert not (fake / "sbatch.args").exists() and not (tmp_path / "runs").exists()

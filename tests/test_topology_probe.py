@@ -7,7 +7,7 @@ import contextlib
 import io
 import warnings
 
-from charm_megatron.testing import run_ranks
+from charm_megatron.local_ranks import run_ranks
 
 HOSTS_2X2 = ["hostA", "hostA", "hostB", "hostB"]
 
@@ -42,10 +42,10 @@ def _count_gathers():
 
 
 def _probe_default(rank, world):
-    from charm_megatron.topology import Topology, probe
+    from charm_megatron.topology import probe
 
     r = probe()
-    return str(r.topology), r.level, [f.host for f in r.facts], Topology.probe() == r.topology
+    return str(r.topology), r.level, [f.host for f in r.facts], probe().topology == r.topology
 
 
 def test_probe_real_ranks_agree():

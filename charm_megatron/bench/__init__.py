@@ -9,7 +9,7 @@ One module per job:
   contenders, ablated runs for the CCR and the bound, peak memory);
 * :mod:`~charm_megatron.bench.links` - the software link model wired into gloo P2P (the
   fallback when network namespaces are unavailable);
-* :mod:`~charm_megatron.bench.launch` - where the ranks run: torchrun, local CPU processes, an
+* :mod:`~charm_megatron.bench.runners` - where the ranks run: torchrun, local CPU processes, an
   emulated cluster (namespaces + tc) or the software link model;
 * :mod:`~charm_megatron.bench.analysis` - medians, spreads, speedups, CCR, the lower bound;
 * :mod:`~charm_megatron.bench.report` - CSV, JSON, the text table and the PNG plots;

@@ -28,6 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from charm_megatron.bench.config import PASSES, BenchConfig, Point, element_size
+from charm_megatron.plan.core import Comm
+from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.registry import build_plan, uses_topology
 
 COLUMNS = [
     "point", "batch", "seq", "heads", "kv_heads", "head_dim", "dtype", "causal", "world",
@@ -37,7 +40,10 @@ COLUMNS = [
     "ring_ccr", "ring_compute_ms", "ring_comm_ms",
     "compute_only_ms", "cpu_work_ms", "run_cpu_ms",
     "cross_link_mb", "cross_rate_mbps", "bound_ms", "bound_by", "vs_bound",
-    "peak_mem_mb", "note",
+    "peak_mem_mb",
+    # What `charm-megatron model --calibrate` needs beyond the above (older files lack them).
+    "cores", "intra_rate_mbps", "cross_burst_kb",
+    "note",
 ]
 
 
@@ -93,10 +99,6 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
     :meth:`charm_megatron.plan.cost.Problem.block_bytes`, counted as
     :func:`charm_megatron.plan.cost.traffic` counts the sender's side, plus the receiver's.
     """
-    from charm_megatron.plan.builders import build_plan
-    from charm_megatron.plan.core import Comm
-    from charm_megatron.plan.cost import Problem
-
     plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal)
     problem = Problem(point.batch, point.seq, point.heads, point.kv_heads, point.head_dim,
                       elem=element_size(dtype))
@@ -155,7 +157,7 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
         base = {"point": point.index, "batch": point.batch, "seq": point.seq,
                 "heads": point.heads, "kv_heads": point.kv_heads, "head_dim": point.head_dim,
                 "dtype": cfg.dtype, "causal": cfg.causal, "world": world, "topology": topology,
-                "mode": info.mode, "nic": info.nic or ""}
+                "mode": info.mode, "nic": info.nic or "", **_link_columns(info)}
         ccr: dict[str, tuple[float, float, float]] = {}
         if "ring/compute" in wall and "ring/comm" in wall:
             for p in passes:
@@ -171,7 +173,7 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
             key = f"{algo}/full"
             bytes_by_pass = None
             if algo != "torch" and info.hw_groups and len(info.hw_groups) > 1:
-                plan_groups = charm_groups if algo == "charm" else flat
+                plan_groups = charm_groups if uses_topology(algo) else flat
                 bytes_by_pass = busiest_link_bytes(algo, plan_groups, info.hw_groups,
                                                    cfg.causal, point, cfg.dtype, info.nic or "node")
             for p in passes:
@@ -189,6 +191,15 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                     row["peak_mem_mb"] = max(m[which] for m in mem) / 2**20
                 rows.append(row)
     return rows, raw
+
+
+def _link_columns(info: RunInfo) -> dict:
+    """Cores the ranks shared, the intra rate (measured one pair, else configured) and the
+    cross links' token bucket: the calibration's inputs (docs/model.md)."""
+    intra = info.rates.get("intra_one_pair") or info.rates.get("configured_intra")
+    return {"cores": info.cores if info.device != "cuda" else "",
+            "intra_rate_mbps": intra / 1e6 if intra else "",
+            "cross_burst_kb": info.cross_burst / 1024 if info.cross_burst else ""}
 
 
 def _timing(wall: dict, cpu: dict, key: str, p: str) -> dict:

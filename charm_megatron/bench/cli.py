@@ -16,6 +16,8 @@ import platform
 import sys
 import time
 
+from charm_megatron.bench import runners
+from charm_megatron.bench.analysis import analyse
 from charm_megatron.bench.config import (
     ALGOS,
     DTYPES,
@@ -27,6 +29,9 @@ from charm_megatron.bench.config import (
     parse_grid_shape,
     parse_list,
 )
+from charm_megatron.bench.measure import Job
+from charm_megatron.bench.report import format_table, plot, write_csv, write_json
+from charm_megatron.emulate import available, parse_rate
 
 _DEFAULT_COMM_TIMEOUT_S = 300
 
@@ -48,6 +53,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                    help="causal mask, Megatron's load-balanced layout (default)")
     g.add_argument("--no-causal", dest="causal", action="store_false", help="full attention")
     g.add_argument("--max-tokens", type=int, help="skip points with B*S above this (0: none)")
+    g.add_argument("--packed", metavar="MEAN", type=parse_count, default=0,
+                   help="packed documents (THD): B*S tokens of documents whose lengths are "
+                        "LogNormal(sigma=1) with mean MEAN tokens (seeded), each padded to a "
+                        "multiple of 2*cp; torch is left out (it cannot pack)")
 
     a = parser.add_argument_group("what is timed")
     a.add_argument("--algos", default=",".join(ALGOS),
@@ -118,6 +127,7 @@ def _config(args: argparse.Namespace, cuda: bool) -> BenchConfig:
         max_tokens=int(pick("max_tokens")),
         threads=args.threads,
         torch_rotate=args.torch_rotate,
+        packed_mean=args.packed,
     )
 
 
@@ -129,9 +139,7 @@ def _cuda_available() -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark; 0 on success, 2 on a usage error."""
-    from charm_megatron.bench.launch import in_torchrun
-
-    torchrun = args.launcher == "torchrun" or (args.launcher == "auto" and in_torchrun()
+    torchrun = args.launcher == "torchrun" or (args.launcher == "auto" and runners.in_torchrun()
                                                and not args.emulate)
     cuda = torchrun and args.device != "cpu" and _cuda_available()
     try:
@@ -163,8 +171,6 @@ def _topology(args: argparse.Namespace, world: int, emulate) -> str:
 
 
 def _job(args, cfg: BenchConfig, world: int, topology: str, device: str, progress: bool):
-    from charm_megatron.bench.measure import Job
-
     points, dropped = cfg.points(world)
     env = {"CHARM_COMM_TIMEOUT_S": str(args.comm_timeout_s)}
     return Job(cfg, points, topology, device, progress, env), dropped
@@ -177,13 +183,15 @@ def _header(cfg: BenchConfig, world: int, topology: str, where: str, points, dro
         f"{'causal' if cfg.causal else 'full attention'}, "
         f"{'forward + backward' if cfg.backward else 'forward only'}, CHARM+ topology {topology}; "
         f"{cfg.warmup} warm-up + {cfg.iters} timed rounds per point")
+    if cfg.packed_mean:
+        from charm_megatron.bench.packing import describe
+
+        log(f"  {describe(cfg.packed_mean)}")
     for d in dropped:
         log(f"  left out: {d}")
 
 
 def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:
-    from charm_megatron.bench import launch
-
     topology = _topology(args, world, emulate)
     job, dropped = _job(args, cfg, world, topology, "cpu", not args.quiet)
     if not job.points:
@@ -195,8 +203,6 @@ def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:
     if emulate:
         mode = args.emulate_backend
         if mode == "auto":
-            from charm_megatron.emulate import available
-
             ok, why = available()
             mode = "netns" if ok else "software"
             if not ok:
@@ -210,21 +216,18 @@ def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:
     t0 = time.monotonic()
     kw = {"timeout_s": args.timeout_s, "pg_timeout_s": args.comm_timeout_s}
     if mode == "local":
-        results, info = launch.run_local(job, world, **kw)
+        results, info = runners.run_local(job, world, **kw)
     elif mode == "netns":
-        results, info = launch.run_netns(job, emulate[0], emulate[1], args.cross_rate,
+        results, info = runners.run_netns(job, emulate[0], emulate[1], args.cross_rate,
                                          args.intra_rate, args.nic, **kw)
     else:
-        results, info = launch.run_software(job, emulate[0], emulate[1], args.cross_rate,
+        results, info = runners.run_software(job, emulate[0], emulate[1], args.cross_rate,
                                             args.intra_rate, args.nic, **kw)
     return _finish(args, cfg, job, dropped, results, info, time.monotonic() - t0)
 
 
 def _run_torchrun(args, cfg: BenchConfig, cuda: bool) -> int:
     import torch.distributed  # noqa: F401 - fail early if torch lacks distributed
-
-    from charm_megatron.bench import launch
-    from charm_megatron.emulate import parse_rate
 
     world = int(os.environ["WORLD_SIZE"])
     rank = int(os.environ["RANK"])
@@ -239,7 +242,7 @@ def _run_torchrun(args, cfg: BenchConfig, cuda: bool) -> int:
         _header(cfg, world, topology, f"under torchrun ({'NCCL' if cuda else 'gloo'})",
                 job.points, dropped, print)
     t0 = time.monotonic()
-    results, info = launch.run_torchrun(
+    results, info = runners.run_torchrun(
         job, pg_timeout_s=args.comm_timeout_s, nic=args.nic,
         cross_rate=parse_rate(args.cross_rate) if args.cross_rate else None)
     if results is None or info is None:
@@ -248,9 +251,6 @@ def _run_torchrun(args, cfg: BenchConfig, cuda: bool) -> int:
 
 
 def _finish(args, cfg: BenchConfig, job, dropped, results, info, elapsed: float) -> int:
-    from charm_megatron.bench.analysis import analyse
-    from charm_megatron.bench.report import format_table, plot, write_csv, write_json
-
     rows, raw = analyse(cfg, job.points, results, info)
     out = args.out or os.path.join("runs", time.strftime("bench-%Y%m%d-%H%M%S"))
     os.makedirs(out, exist_ok=True)

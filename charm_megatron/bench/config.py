@@ -7,7 +7,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-ALGOS = ("ring", "rmplus", "charm", "torch")
+from charm_megatron.plan.registry import NameView, names
+
+#: The contenders: the registered algorithms, and ``torch`` (PyTorch's own CP ring).
+ALGOS = NameView(lambda: (*names(), "torch"))
 PASSES = ("fwd", "bwd", "fwdbwd")
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -104,12 +107,15 @@ class BenchConfig:
     threads: int = 1  # intra-op threads per CPU rank
     torch_rotate: str = "alltoall"
     seed: int = 0
+    packed_mean: int = 0  # > 0: packed documents (THD) of this mean length (bench/packing.py)
 
     def points(self, world: int) -> tuple[list[Point], list[str]]:
         """The grid for a CP group of ``world`` ranks, and a line per point left out (why)."""
         points: list[Point] = []
         dropped: list[str] = []
         div = 2 * world if self.causal else world
+        if self.packed_mean:
+            div = 2 * world  # THD: every document in 2*cp chunks, causal or not
         for b, s, h in itertools.product(self.batches, self.seqs, self.heads):
             kv = self.kv_heads or h.heads
             label = f"B={b} S={s} H={h}"
@@ -117,7 +123,11 @@ class BenchConfig:
                 dropped.append(f"{label}: {h.heads} query heads are not a multiple of "
                                f"--kv-heads {kv}")
                 continue
-            if s % div:
+            if self.packed_mean and (b * s) % div:
+                dropped.append(f"{label}: B*S={b * s} is not divisible by 2 x {world} ranks "
+                               "(packed)")
+                continue
+            if not self.packed_mean and s % div:
                 dropped.append(f"{label}: S={s} is not divisible by {div} "
                                f"({'2 x ' if self.causal else ''}{world} ranks)")
                 continue

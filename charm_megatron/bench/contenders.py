@@ -27,12 +27,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+
+from charm_megatron.bench import links
+from charm_megatron.bench.config import BenchConfig, Point
+from charm_megatron.ops.attention import cp_attention
+from charm_megatron.plan.registry import uses_topology
 
 aten = torch.ops.aten
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Contender:
@@ -54,19 +63,16 @@ class PlanContender(Contender):
 
     ablatable = True
 
-    def __init__(self, algo: str, topology: str | None, causal: bool) -> None:
+    def __init__(self, algo: str, topology: str | None, causal: bool,
+                 packed: dict | None = None) -> None:
         self.name = algo
-        self._fn = functools.partial(_cp_attention(), algo=algo, causal=causal,
-                                     topology=topology if algo == "charm" else None)
+        # packed: cu_seqlens / cu_seqlens_padded for THD inputs (the benchmark's packed mode).
+        self._fn = functools.partial(cp_attention, algo=algo, causal=causal,
+                                     topology=topology if uses_topology(algo) else None,
+                                     **(packed or {}))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self._fn(q, k, v)
-
-
-def _cp_attention() -> Callable:
-    from charm_megatron import cp_attention
-
-    return cp_attention
 
 
 # ----------------------------------------------------------------------------- torch CP
@@ -162,8 +168,6 @@ class TorchContender(Contender):
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # sbhd -> bhsd views
         if self.mode == "api":
-            import torch.nn.functional as F
-
             kw = {"enable_gqa": True} if self.gqa else {}
             out = F.scaled_dot_product_attention(qb, kb, vb, is_causal=self.causal,
                                                  scale=self.scale, **kw)
@@ -206,3 +210,48 @@ def probe_torch(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: 
             return mode, note
         tried.append(f"{mode}: {bad[0]}")
     return None, "PyTorch context-parallel attention does not run here: " + "; ".join(tried)
+
+
+# ----------------------------------------------------------------------------- the line-up
+@dataclass
+class Lineup:
+    """The contenders of one grid point, and why any of ``cfg.algos`` is missing."""
+
+    contenders: dict[str, Contender]
+    skipped: dict[str, str]  # algo -> why it does not run here
+    notes: dict[str, str]  # algo -> how it runs (torch: api or core)
+
+
+def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
+            torch_probe: dict, packed: dict | None = None) -> Lineup:
+    """Every algorithm of ``cfg.algos`` that runs here at ``point``. ``torch_probe`` caches
+    :func:`probe_torch` per head shape (a collective: every rank calls this alike); ``packed``
+    holds the point's ``cu_seqlens`` in packed mode."""
+    lineup = Lineup({}, {}, {})
+    for algo in cfg.algos:
+        if algo != "torch":
+            lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed)
+            continue
+        if packed is not None:
+            lineup.skipped[algo] = ("PyTorch's context-parallel attention cannot run packed "
+                                    "sequences")
+            continue
+        if os.environ.get(links.ENV_FLAG) == "software":
+            lineup.skipped[algo] = (
+                "the software link model throttles only this package's P2P calls, not torch's "
+                "collectives; a torch timing would not see the slow link")
+            continue
+        key = (point.heads, point.kv_heads, point.head_dim)
+        if key not in torch_probe:
+            torch_probe[key] = probe_torch(device, DTYPES[cfg.dtype], point.heads,
+                                           point.kv_heads, point.head_dim, cfg.causal,
+                                           cfg.torch_rotate)
+        mode, note = torch_probe[key]
+        if mode is None:
+            lineup.skipped[algo] = note
+            continue
+        lineup.notes[algo] = note
+        lineup.contenders[algo] = TorchContender(mode, cfg.causal, point.head_dim ** -0.5,
+                                                 cfg.torch_rotate, device,
+                                                 point.heads != point.kv_heads)
+    return lineup

@@ -23,18 +23,19 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from charm_megatron.bench import links
 from charm_megatron.bench.config import BenchConfig, Point
-from charm_megatron.bench.contenders import Contender, PlanContender, TorchContender, probe_torch
+from charm_megatron.bench.contenders import DTYPES, Contender, Lineup, line_up
 from charm_megatron.bench.memory import PeakMeter
+from charm_megatron.bench.packing import cumulative, doc_lengths
 from charm_megatron.bench.progress import Progress
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from charm_megatron.ops.executor import ablate
+from charm_megatron.topology import resolve_topology
 
 
 @dataclass
@@ -61,14 +62,21 @@ def _sync(device: torch.device) -> None:
 def _ablation(mode: str):
     if mode == "full":
         return contextlib.nullcontext()
-    from charm_megatron.ops.executor import ablate
-
     return ablate(comm=False) if mode == "compute" else ablate(compute=False)
 
 
+class Timing(NamedTuple):
+    """Seconds of one call on this rank: wall and CPU time, forward and backward."""
+
+    fwd: float
+    bwd: float
+    fwd_cpu: float
+    bwd_cpu: float
+
+
 def _run_once(c: Contender, mode: str, inputs: tuple[torch.Tensor, ...], backward: bool,
-              device: torch.device) -> tuple[float, float, float, float]:
-    """(fwd wall, bwd wall, fwd cpu, bwd cpu) seconds of one call on this rank."""
+              device: torch.device) -> Timing:
+    """One timed call of ``c`` in ``mode`` (``full``, ``compute`` or ``comm``)."""
     q, k, v, dout = inputs
     # Fresh leaves sharing the inputs' storage (detach() copies nothing).
     qa, ka, va = (t.detach().requires_grad_(backward) for t in (q, k, v))
@@ -87,7 +95,7 @@ def _run_once(c: Contender, mode: str, inputs: tuple[torch.Tensor, ...], backwar
             out.backward(dout)
             _sync(device)
             bwd, bcpu = time.perf_counter() - t0, time.process_time() - c0
-    return fwd, bwd, fcpu, bcpu
+    return Timing(fwd, bwd, fcpu, bcpu)
 
 
 def _memory(c: Contender, inputs: tuple[torch.Tensor, ...], backward: bool,
@@ -109,50 +117,59 @@ def _memory(c: Contender, inputs: tuple[torch.Tensor, ...], backward: bool,
     return {"fwd": peaks["fwd"], "fwdbwd": peaks.get("fwdbwd", peaks["fwd"])}
 
 
+def _packed(point: Point, cfg: BenchConfig, world: int, device: torch.device) -> dict | None:
+    """Packed mode: the point's cu_seqlens (same on every rank: seeded by point, not rank)."""
+    if not cfg.packed_mean:
+        return None
+    real, padded = doc_lengths(point.batch * point.seq, world, cfg.packed_mean,
+                               cfg.seed * 1_000_003 + point.index)
+    return {"cu_seqlens": cumulative(real, device), "cu_seqlens_padded": cumulative(padded, device)}
+
+
 def _inputs(point: Point, cfg: BenchConfig, rank: int, world: int,
             device: torch.device) -> tuple[torch.Tensor, ...]:
-    """This rank's q, k, v, dout: ``[S/n, B, H, D]`` (values do not matter for timing)."""
+    """This rank's q, k, v, dout: ``[S/n, B, H, D]`` (values do not matter for timing); in
+    packed mode THD ``[B*S/n, H, D]``."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + point.index * 1009 + rank)
+    if cfg.packed_mean:
+        t = point.batch * point.seq // world
+        dt = DTYPES[cfg.dtype]
+        return tuple(torch.randn(t, h, point.head_dim, generator=g).to(device=device, dtype=dt)
+                     for h in (point.heads, point.kv_heads, point.kv_heads, point.heads))
     s = point.seq // world
-    dt = _DTYPES[cfg.dtype]
+    dt = DTYPES[cfg.dtype]
     return tuple(torch.randn(s, point.batch, h, point.head_dim, generator=g)
                  .to(device=device, dtype=dt)
                  for h in (point.heads, point.kv_heads, point.kv_heads, point.heads))
 
 
-def _contenders(job: Job, point: Point, device: torch.device, torch_probe: dict,
-                ) -> tuple[dict[str, Contender], dict[str, str], dict[str, str]]:
+def _measure_point(job: Job, point: Point, lineup: Lineup, rank: int, world: int,
+                   device: torch.device, progress: Progress) -> dict[str, Any]:
+    """Warm-up and timed rounds of every variant at ``point`` (rotated order), then memory."""
     cfg = job.cfg
-    got: dict[str, Contender] = {}
-    skipped: dict[str, str] = {}
-    notes: dict[str, str] = {}
-    for algo in cfg.algos:
-        if algo != "torch":
-            got[algo] = PlanContender(algo, job.topology, cfg.causal)
-            continue
-        if os.environ.get(links.ENV_FLAG) == "software":
-            skipped[algo] = ("the software link model throttles only this package's P2P calls, "
-                             "not torch's collectives; a torch timing would not see the slow link")
-            continue
-        key = (point.heads, point.kv_heads, point.head_dim)
-        if key not in torch_probe:
-            torch_probe[key] = probe_torch(device, _DTYPES[cfg.dtype], point.heads,
-                                           point.kv_heads, point.head_dim, cfg.causal,
-                                           cfg.torch_rotate)
-        mode, note = torch_probe[key]
-        if mode is None:
-            skipped[algo] = note
-            continue
-        notes[algo] = note
-        got[algo] = TorchContender(mode, cfg.causal, point.head_dim ** -0.5, cfg.torch_rotate,
-                                   device, point.heads != point.kv_heads)
-    return got, skipped, notes
+    inputs = _inputs(point, cfg, rank, world, device)
+    todo = [(a, m) for a, m in cfg.variants() if a in lineup.contenders
+            and (m == "full" or lineup.contenders[a].ablatable)]
+    times: dict[str, dict[str, list[float]]] = {
+        variant_key(a, m): {name: [] for name in Timing._fields} for a, m in todo}
+    rounds = cfg.warmup + cfg.iters
+    for it in range(rounds):
+        shift = it % len(todo)
+        for algo, mode in todo[shift:] + todo[:shift]:
+            timing = _run_once(lineup.contenders[algo], mode, inputs, cfg.backward, device)
+            if it >= cfg.warmup:
+                for name, seconds in timing._asdict().items():
+                    times[variant_key(algo, mode)][name].append(seconds)
+        progress.update(1, f"{point.label}  round {it + 1}/{rounds}"
+                        + (" (warm-up)" if it < cfg.warmup else ""))
+    memory = ({algo: _memory(c, inputs, cfg.backward, device)
+               for algo, c in lineup.contenders.items()} if cfg.memory else {})
+    return {"point": point.index, "times": times, "memory": memory,
+            "skipped": lineup.skipped, "notes": lineup.notes}
 
 
 def _resolve_topology(job: Job, world: int) -> tuple[str, list[list[int]]]:
     """The CHARM+ topology every rank uses, and its groups (a probe is a collective)."""
-    from charm_megatron.topology import resolve_topology
-
     topo = resolve_topology(job.topology, None, "charm", world)
     return str(topo), [list(g) for g in topo.groups]
 
@@ -171,38 +188,15 @@ def rank_main(rank: int, world: int, job: Job) -> dict[str, Any]:
         torch.set_flush_denormal(True)
     topo_text, topo_groups = _resolve_topology(job, world)
     job.topology = topo_text
-    variants = cfg.variants()
-    rounds = cfg.warmup + cfg.iters
-    progress = Progress(len(job.points) * rounds, enabled=job.progress and rank == 0)
-    torch_probe: dict = {}
-    points_out = []
+    progress = Progress(len(job.points) * (cfg.warmup + cfg.iters),
+                        enabled=job.progress and rank == 0)
+    torch_probe: dict = {}  # PyTorch CP's way of running, per head shape (a collective probe)
     try:
-        for point in job.points:
-            inputs = _inputs(point, cfg, rank, world, device)
-            contenders, skipped, notes = _contenders(job, point, device, torch_probe)
-            todo = [(a, m) for a, m in variants if a in contenders
-                    and (m == "full" or contenders[a].ablatable)]
-            times = {variant_key(a, m): {"fwd": [], "bwd": [], "fwd_cpu": [], "bwd_cpu": []}
-                     for a, m in todo}
-            for it in range(rounds):
-                shift = it % len(todo)
-                for algo, mode in todo[shift:] + todo[:shift]:
-                    f, b, fc, bc = _run_once(contenders[algo], mode, inputs, cfg.backward, device)
-                    if it >= cfg.warmup:
-                        rec = times[variant_key(algo, mode)]
-                        rec["fwd"].append(f)
-                        rec["bwd"].append(b)
-                        rec["fwd_cpu"].append(fc)
-                        rec["bwd_cpu"].append(bc)
-                progress.update(1, f"{point.label}  round {it + 1}/{rounds}"
-                                + (" (warm-up)" if it < cfg.warmup else ""))
-            memory: dict[str, dict[str, int]] = {}
-            if cfg.memory:
-                for algo, c in contenders.items():
-                    memory[algo] = _memory(c, inputs, cfg.backward, device)
-            points_out.append({"point": point.index, "times": times, "memory": memory,
-                               "skipped": skipped, "notes": notes})
-            del inputs
+        points_out = [
+            _measure_point(job, point, line_up(cfg, job.topology, point, device, torch_probe,
+                                   _packed(point, cfg, world, device)),
+                           rank, world, device, progress)
+            for point in job.points]
     finally:
         progress.close()
     return {
@@ -215,7 +209,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict[str, Any]:
         "topology_groups": topo_groups,
         "memory_method": _memory_method(cfg, device),
         "points": points_out,
-        "links_booked_cross_bytes": _booked(),
+        "links_booked_cross_bytes": links.booked_cross_bytes(),
     }
 
 
@@ -227,10 +221,6 @@ def _memory_method(cfg: BenchConfig, device: torch.device) -> str:
                 "(max over ranks shown)")
     return ("peak growth of the bytes held by torch's CPU allocator over one call (profiler "
             "memory events), per rank (max over ranks shown)")
-
-
-def _booked() -> int | None:
-    return links.booked_cross_bytes()
 
 
 def _cores() -> int:

@@ -11,7 +11,7 @@ Importing this package does not import torch.
 """
 
 from charm_megatron.emulate.cluster import EmulatedCluster, RankPlace, RateReport, enter
-from charm_megatron.emulate.launch import run_ranks_in_cluster
+from charm_megatron.emulate.cluster_ranks import run_ranks_in_cluster
 from charm_megatron.emulate.linkmodel import LinkModel, RankLinks, SoftwareLinks, ThrottledWork
 from charm_megatron.emulate.netns import available, cleanup_stale, list_netns
 from charm_megatron.emulate.rates import format_rate, parse_rate, parse_size

@@ -15,6 +15,9 @@ import os
 import socket
 import sys
 
+from charm_megatron.emulate import netns
+from charm_megatron.emulate.cluster import EmulatedCluster
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m charm_megatron.emulate", description=__doc__.splitlines()[0])
@@ -34,8 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--env", action="append", default=[], metavar="K=V")
     ex.add_argument("argv", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-
-    from charm_megatron.emulate import netns
 
     if args.cmd == "exec":
         cmd = args.argv[1:] if args.argv[:1] == ["--"] else args.argv
@@ -62,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"network-namespace emulation not available: {why}")
         return 1
-    from charm_megatron.emulate.cluster import EmulatedCluster
 
     with EmulatedCluster(args.groups, args.ranks, args.cross_rate, args.intra_rate, args.nic) as c:
         print(c.describe())

@@ -8,7 +8,8 @@
 Every generated option is an option of Megatron-LM's ``pretrain_gpt.py`` (checked in the tests
 against the option list of Megatron-LM ``core_v0.16.1``), except ``--charm-topology``, which
 ``charm_megatron.pretrain_gpt`` adds. ``--cp-comm-type p2p`` is Megatron's own ring (and
-``a2a``, ``allgather`` its other CP algorithms); ``ring``, ``rmplus`` and ``charm`` are served by
+``a2a``, ``allgather`` its other CP algorithms); the algorithm registry's choices (``ring``,
+``rmplus``, ``charm``, ``auto``: :mod:`charm_megatron.plan.registry`) are served by
 charm-megatron and also get ``--charm-topology``.
 
 Python API: :func:`build_argv` (Megatron arguments of a :class:`ResolvedRun`), :func:`command`
@@ -34,6 +35,7 @@ from charm_megatron.launch.config import (
     load_config,
     parse_set,
 )
+from charm_megatron.plan.registry import CHOICES, NameView, choices, describe_choices
 
 __all__ = [
     "CHARM_COMM_TYPES",
@@ -49,9 +51,9 @@ __all__ = [
 
 #: Megatron-LM's own context-parallel algorithms (``p2p`` is its ring; they need TE).
 MEGATRON_COMM_TYPES: tuple[str, ...] = ("p2p", "a2a", "allgather")
-#: Served by charm-megatron's attention; these get ``--charm-topology``.
-CHARM_COMM_TYPES: tuple[str, ...] = ("ring", "rmplus", "charm")
-COMM_TYPES: tuple[str, ...] = MEGATRON_COMM_TYPES + CHARM_COMM_TYPES
+#: Served by charm-megatron's attention (the registry's choices); these get ``--charm-topology``.
+CHARM_COMM_TYPES = CHOICES
+COMM_TYPES = NameView(lambda: MEGATRON_COMM_TYPES + choices())
 #: The training entry point the command runs (``python -m ENTRY_MODULE``).
 ENTRY_MODULE = "charm_megatron.pretrain_gpt"
 
@@ -142,12 +144,12 @@ def megatron_argv(
 # --------------------------------------------------------------------------- CLI
 def register(parser: argparse.ArgumentParser) -> None:
     """Add the ``args`` subcommand's arguments."""
-    parser.add_argument("config", help="config file, or a packaged config name (gpt-350m, "
-                        "gpt-1.3b, gpt-tiny-cpu)")
+    parser.add_argument("config", nargs="?", help="config file, or a packaged config name "
+                        "(gpt-350m, gpt-1.3b, gpt-tiny-cpu)")
     parser.add_argument("--run", help="run name under runs: (optional if there is only one)")
     parser.add_argument("--cp-comm-type", choices=COMM_TYPES,
-                        help="p2p (Megatron's ring), a2a, allgather, or charm-megatron's ring, "
-                        "rmplus, charm")
+                        help="Megatron's own p2p (its ring), a2a, allgather; or charm-megatron's "
+                        f"{describe_choices()}")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="override a key (seq_length=4096, "
                         "parallel.nodes=4) or set a variable (DATA_PATH=/data/x); repeatable")
@@ -159,6 +161,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="interpreter in the shell/json command (default: python)")
     parser.add_argument("--list-runs", action="store_true",
                         help="print the config's run names, one per line, and exit")
+    parser.add_argument("--list-comm-types", action="store_true",
+                        help="print the accepted --cp-comm-type values, one per line, and exit "
+                        "(no config needed; the SLURM scripts check --comm with it)")
 
 
 def _env_lines(cfg: ResolvedRun, comm_type: str) -> list[str]:
@@ -173,6 +178,11 @@ def _env_lines(cfg: ResolvedRun, comm_type: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     """Print the command line (or the run list); 2 with a message on a config error."""
     try:
+        if args.list_comm_types:
+            print("\n".join(COMM_TYPES))
+            return 0
+        if args.config is None:
+            raise ConfigError("the config (a file or a packaged name) is required")
         if args.list_runs:
             print("\n".join(list_runs(args.config)))
             return 0

@@ -40,6 +40,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from charm_megatron.launch.args_cli import MEGATRON_COMM_TYPES
+from charm_megatron.plan.registry import NameView, choices
+
 __all__ = [
     "CompareRow",
     "IterationEntry",
@@ -57,7 +60,7 @@ __all__ = [
 ]
 
 #: Comm types in table order; the first present of BASELINES is the speedup reference.
-COMM_ORDER: tuple[str, ...] = ("p2p", "a2a", "allgather", "ring", "rmplus", "charm")
+COMM_ORDER = NameView(lambda: (*MEGATRON_COMM_TYPES, *choices()))
 #: Megatron's own ring first, then charm-megatron's ring.
 BASELINES: tuple[str, ...] = ("p2p", "ring")
 #: File suffixes read when a directory is given.

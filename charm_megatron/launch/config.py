@@ -7,20 +7,24 @@ that override some of its settings with *flat* leaf keys (``seq_length: 8192``):
     cfg = load_config("gpt-350m", run="scale-s4096-gb8", overrides={"DATA_PATH": "/d/x"})
     cfg["seq_length"], cfg.world_size, cfg.data_parallel_size
 
+The schema is a set of pydantic v2 models (:mod:`charm_megatron.launch.schema`: one per section,
+:class:`RunSettings`, :class:`ConfigFile` for the whole file). This module adds what
+pydantic does not know: the key path of a value that a run or ``--set`` overrode (provenance),
+"did you mean" for unknown keys, ``${VARIABLE}`` substitution, and the cross-key checks a job
+would otherwise only fail at Megatron start-up, after waiting in the SLURM queue.
+
 Every leaf key has one home section, so a leaf name is unique in the whole schema; ``--set``
 accepts ``seq_length=4096`` and ``training.seq_length=4096`` alike, and an UPPER_CASE name
 (``--set DATA_PATH=...``) sets a ``${VARIABLE}``. Precedence, lowest first: schema default,
 section value, run value, override. Every error is a :class:`ConfigError` whose message starts
 with the path of the key responsible (``runs.scale-s2048-gb16.seq_length: ...``).
 
-Pure Python plus PyYAML: the ``args`` subcommand and the SLURM scripts use it on login nodes
-without torch or Megatron.
+No torch or Megatron: the ``args`` subcommand and the SLURM scripts use it on login nodes.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -30,13 +34,30 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ValidationError
+
+from charm_megatron.launch.schema import (
+    RUN_KEYS,
+    SCHEMA,
+    SECTION_MODELS,
+    SECTIONS,
+    TOKENIZER_KEYS,
+    TOP_KEYS,
+    ConfigFile,
+    Leaf,
+    RunSettings,
+    describe,
+)
+from charm_megatron.topology.core import Topology
 
 __all__ = [
     "SCHEMA",
     "SECTIONS",
     "ConfigError",
-    "Field",
+    "ConfigFile",
+    "Leaf",
     "ResolvedRun",
+    "RunSettings",
     "config_path",
     "list_runs",
     "load_config",
@@ -44,212 +65,198 @@ __all__ = [
     "parse_set",
 ]
 
+_BY_NAME: dict[str, Leaf] = {f.name: f for f in SCHEMA}
+_TOPOLOGY_LEVELS = ("auto", "node", "numa", "flat")
+
 
 class ConfigError(ValueError):
     """A config file, run or override is invalid; the message starts with the key's path."""
 
 
-@dataclass(frozen=True)
-class Field:
-    """One leaf key of the schema.
+# --------------------------------------------------------------------------- pydantic errors
+def _path(loc: Sequence[Any]) -> str:
+    return ".".join(str(p) for p in loc if p != "[key]")
 
-    ``kind`` is one of ``int``, ``float``, ``str``, ``bool``, ``strs`` (a string or a list of
-    strings). ``flag`` is the Megatron-LM option the key maps to one-to-one (``None`` when the
-    argv builder treats the key specially). ``minimum`` bounds numbers from below.
+
+def _unknown(path: str, key: str, known: Sequence[str], hint: str = "") -> ConfigError:
+    near = [] if hint else difflib.get_close_matches(key, list(known), n=1)
+    did = f"; did you mean '{near[0]}'?" if near else ""
+    return ConfigError(f"{path}: unknown key{did}{hint}")
+
+
+def _unknown_key(loc: tuple[Any, ...]) -> ConfigError:
+    key, path = str(loc[-1]), _path(loc)
+    home = _BY_NAME.get(key)
+    if len(loc) == 1:
+        hint = f" ('{key}' belongs in section '{home.section}')" if home else ""
+        return _unknown(path, key, [*TOP_KEYS, *SECTIONS], hint)
+    if loc[0] == "runs":
+        hint = (" (run settings are flat leaf keys, e.g. 'seq_length: 4096', not sections)"
+                if key in SECTIONS else "")
+        return _unknown(path, key, [*_BY_NAME, *RUN_KEYS], hint)
+    hint = f" ('{key}' belongs in section '{home.section}')" if home else ""
+    return _unknown(path, key, list(SECTION_MODELS[loc[0]].model_fields), hint)
+
+
+def _explain(err: Mapping[str, Any], path: str | None = None) -> ConfigError:
+    """One pydantic error as a :class:`ConfigError` in this module's words."""
+    loc, kind, value = tuple(err["loc"]), err["type"], err.get("input")
+    where = path or _path(loc)
+    if kind == "extra_forbidden":
+        return _unknown_key(loc) if path is None else _unknown(where, str(loc[-1]), list(_BY_NAME))
+    if "[key]" in loc:
+        if loc[0] == "variables":
+            return ConfigError(f"{where}: variable names are UPPER_CASE (letters, digits, '_')")
+        return ConfigError(f"{where}: a run name must start with a letter or digit and hold only "
+                           "letters, digits, '.', '_' and '-' (it names a directory)")
+    if loc == ("name",) and kind == "string_pattern_mismatch":
+        return ConfigError("name: must start with a letter or digit and hold only letters, "
+                           "digits, '.', '_' and '-' (it names a directory)")
+    if loc == ("runs",):
+        if kind == "missing":
+            return ConfigError("runs: missing required key (a mapping of run name -> settings)")
+        return ConfigError(f"runs: expected a non-empty mapping of run name -> settings, "
+                           f"got {describe(value)}")
+    if kind == "model_type":
+        what = "settings" if loc[0] == "runs" else "keys"
+        return ConfigError(f"{where}: expected a mapping of {what}, got {describe(value)}")
+    if kind in ("strs_type", "args_type", "variable_type"):  # ours: the message says it all
+        return ConfigError(f"{where}: {err['msg']}")
+    f = _BY_NAME.get(str(loc[-1])) if loc else None
+    if value is None and f is not None and not f.nullable:
+        use = ("it is required" if f.required else
+               f"omit the key to use the default {f.default!r}")
+        return ConfigError(f"{where}: must not be null (expected {f.kind}; {use})")
+    ctx = err.get("ctx") or {}
+    text = {
+        "int_type": "expected an integer", "bool_type": "expected true or false",
+        "float_type": "expected a number", "string_type": "expected a string",
+        "dict_type": "expected a mapping",
+    }.get(kind)
+    if text is not None:
+        return ConfigError(f"{where}: {text}, got {describe(value)}")
+    if kind == "finite_number":
+        return ConfigError(f"{where}: expected a finite number, got {value!r}")
+    if kind == "literal_error" and f is not None and f.choices:
+        return ConfigError(f"{where}: {value!r} is not one of {', '.join(map(str, f.choices))}")
+    if kind == "greater_than_equal":
+        return ConfigError(f"{where}: must be >= {ctx['ge']:g}, got {value!r}")
+    return ConfigError(f"{where}: {err['msg']}")
+
+
+def _validate(model: Any, data: Any, path: str | None = None) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _explain(exc.errors()[0], path) from None
+
+
+# --------------------------------------------------------------------------- file lookup
+def packaged_configs() -> dict[str, Path]:
+    """The configs shipped in ``charm_megatron/configs``: name (file stem) -> path."""
+    root = resources.files("charm_megatron") / "configs"
+    out: dict[str, Path] = {}
+    if root.is_dir():
+        for entry in root.iterdir():
+            if entry.name.endswith(".yaml"):
+                out[entry.name[: -len(".yaml")]] = Path(str(entry))
+    return dict(sorted(out.items()))
+
+
+def config_path(config: str | os.PathLike[str]) -> Path:
+    """A config file's path: an existing file, else a packaged config by name (``gpt-350m``)."""
+    p = Path(config)
+    if p.is_file():
+        return p
+    shipped = packaged_configs()
+    name = p.name[: -len(".yaml")] if p.name.endswith(".yaml") else p.name
+    if p.parent == Path(".") and name in shipped:
+        return shipped[name]
+    raise ConfigError(
+        f"{config}: no such config file, and not a packaged config "
+        f"(packaged: {', '.join(shipped) or 'none'})"
+    )
+
+
+def _read(path: Path) -> tuple[dict[str, Any], ConfigFile]:
+    """The file's raw mapping (for provenance) and its validated model."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    return data, _validate(ConfigFile, data)
+
+
+def list_runs(config: str | os.PathLike[str]) -> list[str]:
+    """The run names of a config, in file order (the file is validated, not a run's values)."""
+    return list(_read(config_path(config))[1].runs)
+
+
+def parse_set(items: Sequence[str]) -> dict[str, str]:
+    """``["seq_length=4096", "DATA_PATH=/d/x"]`` -> a dict for ``load_config(overrides=...)``.
+
+    Values stay text here; :func:`load_config` parses them per key type.
     """
-
-    name: str
-    section: str
-    kind: str
-    default: Any = None
-    required: bool = False
-    nullable: bool = True
-    choices: tuple[Any, ...] | None = None
-    minimum: float | None = None
-    flag: str | None = None
-    help: str = ""
-
-    @property
-    def path(self) -> str:
-        """``section.name``, the key's path in a config file."""
-        return f"{self.section}.{self.name}"
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item}: expected KEY=VALUE (e.g. seq_length=4096 or "
+                              "DATA_PATH=/data/pile_text_document)")
+        out[key.strip()] = value
+    return out
 
 
-def _f(section: str, name: str, kind: str, **kw: Any) -> Field:
-    # Optional keys (not required, default None) may be null; keys with a real default may not,
-    # so a stray ``key:`` with no value in YAML is reported instead of silently dropping a flag.
-    if "nullable" not in kw:
-        kw["nullable"] = kw.get("default") is None and not kw.get("required", False)
-    return Field(name=name, section=section, kind=kind, **kw)
-
-
-# Megatron-LM's tokenizer choices (megatron/training/arguments.py, --tokenizer-type).
-_TOKENIZERS = (
-    "GPT2BPETokenizer", "NullTokenizer", "HuggingFaceTokenizer", "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer", "Llama2Tokenizer", "TikTokenizer",
-)
-
-#: Schema order is also the order of the generated Megatron arguments.
-SCHEMA: tuple[Field, ...] = (
-    # ---- model: the GPT shape
-    _f("model", "num_layers", "int", required=True, minimum=1, flag="--num-layers",
-       help="transformer layers"),
-    _f("model", "hidden_size", "int", required=True, minimum=1, flag="--hidden-size",
-       help="model width"),
-    _f("model", "ffn_hidden_size", "int", minimum=1, flag="--ffn-hidden-size",
-       help="MLP width; default 4 x hidden_size"),
-    _f("model", "num_attention_heads", "int", required=True, minimum=1,
-       flag="--num-attention-heads", help="query heads"),
-    _f("model", "num_query_groups", "int", minimum=1,
-       help="key/value heads (grouped-query attention); null = multi-head attention"),
-    _f("model", "max_position_embeddings", "int", minimum=1, flag="--max-position-embeddings",
-       help="default seq_length"),
-    _f("model", "position_embedding_type", "str", default="rope",
-       choices=("rope", "learned_absolute"), flag="--position-embedding-type",
-       help="position embedding"),
-    _f("model", "rotary_base", "int", minimum=1, flag="--rotary-base",
-       help="RoPE base; null = Megatron's default"),
-    _f("model", "normalization", "str", default="LayerNorm", choices=("LayerNorm", "RMSNorm"),
-       flag="--normalization", help="layer norm kind"),
-    _f("model", "swiglu", "bool", default=False, flag="--swiglu", help="SwiGLU MLP"),
-    _f("model", "untie_embeddings_and_output_weights", "bool", default=False,
-       flag="--untie-embeddings-and-output-weights", help="separate output layer"),
-    _f("model", "disable_bias_linear", "bool", default=False, flag="--disable-bias-linear",
-       help="no biases in linear layers"),
-    # Dropout defaults to 0: the CHARM+ attention has no dropout (it refuses to train with
-    # attention dropout), and ring vs CHARM+ comparisons need identical models.
-    _f("model", "attention_dropout", "float", default=0.0, minimum=0.0,
-       flag="--attention-dropout", help="attention-probability dropout"),
-    _f("model", "hidden_dropout", "float", default=0.0, minimum=0.0, flag="--hidden-dropout",
-       help="residual dropout"),
-    _f("model", "init_method_std", "float", default=0.02, minimum=0.0, flag="--init-method-std",
-       help="weight init standard deviation"),
-    # ---- parallel: the world and how it splits
-    _f("parallel", "nodes", "int", default=1, minimum=1, help="nodes (SLURM --nodes)"),
-    _f("parallel", "gpus_per_node", "int", default=8, minimum=1,
-       help="ranks per node (GPUs; CPU processes for the CPU demo)"),
-    _f("parallel", "tensor_model_parallel_size", "int", default=1, minimum=1,
-       flag="--tensor-model-parallel-size", help="TP"),
-    _f("parallel", "pipeline_model_parallel_size", "int", default=1, minimum=1,
-       flag="--pipeline-model-parallel-size", help="PP"),
-    _f("parallel", "context_parallel_size", "int", required=True, minimum=1,
-       flag="--context-parallel-size", help="CP"),
-    _f("parallel", "charm_topology", "str", default="auto",
-       help="--charm-topology for ring/rmplus/charm: auto|node|numa|flat|GxM|0-7,8-15"),
-    _f("parallel", "sequence_parallel", "bool", default=False, flag="--sequence-parallel",
-       help="Megatron sequence parallelism (with TP > 1)"),
-    _f("parallel", "use_distributed_optimizer", "bool", default=False,
-       flag="--use-distributed-optimizer", help="ZeRO-1 style optimizer sharding"),
-    # ---- training
-    _f("training", "micro_batch_size", "int", default=1, minimum=1, flag="--micro-batch-size",
-       help="sequences per micro batch"),
-    _f("training", "global_batch_size", "int", required=True, minimum=1,
-       flag="--global-batch-size", help="sequences per iteration"),
-    _f("training", "seq_length", "int", required=True, minimum=1, flag="--seq-length",
-       help="tokens per sequence"),
-    _f("training", "train_iters", "int", required=True, minimum=1, flag="--train-iters",
-       help="iterations"),
-    _f("training", "precision", "str", default="bf16", choices=("bf16", "fp16", "fp32"),
-       help="--bf16, --fp16 or neither"),
-    _f("training", "seed", "int", minimum=0, flag="--seed", help="random seed"),
-    _f("training", "eval_interval", "int", minimum=1, flag="--eval-interval",
-       help="iterations between evaluations"),
-    _f("training", "eval_iters", "int", minimum=0, flag="--eval-iters",
-       help="evaluation iterations (0 = no evaluation)"),
-    # ---- optimizer (Adam) and learning-rate schedule
-    _f("optimizer", "lr", "float", required=True, minimum=0.0, flag="--lr", help="peak LR"),
-    _f("optimizer", "min_lr", "float", default=0.0, minimum=0.0, flag="--min-lr",
-       help="final LR"),
-    _f("optimizer", "lr_decay_style", "str", default="cosine",
-       choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
-       flag="--lr-decay-style", help="LR decay"),
-    _f("optimizer", "lr_warmup_fraction", "float", minimum=0.0, flag="--lr-warmup-fraction",
-       help="warm-up as a fraction of the decay iterations"),
-    _f("optimizer", "lr_warmup_iters", "int", minimum=0, flag="--lr-warmup-iters",
-       help="warm-up iterations"),
-    _f("optimizer", "lr_decay_iters", "int", minimum=1, flag="--lr-decay-iters",
-       help="decay iterations; null = train_iters"),
-    _f("optimizer", "weight_decay", "float", default=0.1, minimum=0.0, flag="--weight-decay",
-       help="AdamW weight decay"),
-    _f("optimizer", "adam_beta1", "float", default=0.9, minimum=0.0, flag="--adam-beta1",
-       help="Adam beta1"),
-    _f("optimizer", "adam_beta2", "float", default=0.95, minimum=0.0, flag="--adam-beta2",
-       help="Adam beta2"),
-    _f("optimizer", "adam_eps", "float", default=1e-8, minimum=0.0, flag="--adam-eps",
-       help="Adam epsilon"),
-    _f("optimizer", "clip_grad", "float", default=1.0, minimum=0.0, flag="--clip-grad",
-       help="gradient-norm clipping"),
-    # ---- data
-    _f("data", "mock_data", "bool", default=False,
-       help="Megatron's --mock-data (synthetic tokens); data_path is then not used"),
-    _f("data", "data_path", "strs",
-       help="--data-path: a prefix, or a list (weights and prefixes, as Megatron blends)"),
-    _f("data", "split", "str", default="949,50,1", flag="--split",
-       help="train,valid,test split"),
-    _f("data", "num_workers", "int", minimum=0, flag="--num-workers",
-       help="data-loader workers"),
-    # ---- tokenizer
-    _f("tokenizer", "tokenizer_type", "str", required=True, choices=_TOKENIZERS,
-       flag="--tokenizer-type", help="Megatron tokenizer"),
-    _f("tokenizer", "vocab_file", "str", flag="--vocab-file", help="GPT-2 vocab.json"),
-    _f("tokenizer", "merge_file", "str", flag="--merge-file", help="GPT-2 merges.txt"),
-    _f("tokenizer", "tokenizer_model", "str", flag="--tokenizer-model",
-       help="model path/name for HuggingFace / SentencePiece / TikToken tokenizers"),
-    _f("tokenizer", "vocab_size", "int", minimum=1, flag="--vocab-size",
-       help="vocabulary size (needed by NullTokenizer)"),
-    # ---- system: implementation choices
-    _f("system", "transformer_impl", "str", default="transformer_engine",
-       choices=("transformer_engine", "local"), flag="--transformer-impl",
-       help="Megatron layer implementation"),
-    _f("system", "attention_backend", "str", default="auto",
-       choices=("auto", "flash", "fused", "unfused"), flag="--attention-backend",
-       help="attention kernels of Megatron / Transformer Engine (p2p, a2a, allgather)"),
-    _f("system", "use_flash_attn", "bool", default=False, flag="--use-flash-attn",
-       help="legacy flash-attention switch"),
-    _f("system", "distributed_backend", "str", default="nccl", choices=("nccl", "gloo"),
-       flag="--distributed-backend", help="torch.distributed backend"),
-    _f("system", "fused_kernels", "bool", default=True,
-       help="false adds Megatron's --no-*-fusion flags (CPU runs have no fused CUDA kernels)"),
-    _f("system", "use_cpu_initialization", "bool", default=False,
-       flag="--use-cpu-initialization", help="initialise weights on the CPU"),
-    # ---- logging
-    _f("logging", "log_interval", "int", default=1, minimum=1, flag="--log-interval",
-       help="iterations per log line (1: every iteration, what `compare` wants)"),
-    _f("logging", "log_throughput", "bool", default=True, flag="--log-throughput",
-       help="TFLOP/s/GPU in the log lines"),
-    _f("logging", "timing_log_level", "int", choices=(0, 1, 2), flag="--timing-log-level",
-       help="Megatron timer detail"),
-    _f("logging", "tensorboard_dir", "str", flag="--tensorboard-dir", help="TensorBoard output"),
-)
-
-SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(f.section for f in SCHEMA))
-_BY_NAME: dict[str, Field] = {f.name: f for f in SCHEMA}
-assert len(_BY_NAME) == len(SCHEMA), "leaf names must be unique across sections"
-
-#: Keys allowed at the top level besides the sections.
-_TOP_KEYS = ("name", "description", "variables", "extra_args", "runs")
-#: Keys allowed inside a run besides the leaf keys.
-_RUN_KEYS = ("description", "extra_args")
-
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-_VAR_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
-# ${NAME} or ${NAME:-default}; $${ is a literal "${".
+# --------------------------------------------------------------------------- variables
+# ${NAME} or ${NAME:-default}; $${ is a literal "${". Our own ~20 lines rather than OmegaConf:
+# the configs need env/--set/variables: precedence, an error naming every unset variable with
+# its key, and only values the command uses resolved - and no new dependency.
 _VAR_REF = re.compile(r"\$\$\{|\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-_TOPOLOGY_LEVELS = ("auto", "node", "numa", "flat")
-# Tokenizer keys each tokenizer type reads; the others are dropped (neither resolved nor
-# emitted), so e.g. --set tokenizer_type=NullTokenizer needs no vocabulary files.
-_TOKENIZER_KEYS = {
-    "GPT2BPETokenizer": ("vocab_file", "merge_file"),
-    "NullTokenizer": ("vocab_size",),
-    "HuggingFaceTokenizer": ("tokenizer_model", "vocab_file", "merge_file"),
-    "SentencePieceTokenizer": ("tokenizer_model",),
-    "GPTSentencePieceTokenizer": ("tokenizer_model",),
-    "Llama2Tokenizer": ("tokenizer_model",),
-    "TikTokenizer": ("tokenizer_model", "vocab_size"),
-}
-assert set(_TOKENIZER_KEYS) == set(_TOKENIZERS)
+_VAR_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 
+def _substitute(text: str, path: str, variables: Mapping[str, str | None],
+                missing: list[tuple[str, str]]) -> str:
+    """Fill ``${NAME}`` / ``${NAME:-default}``; unset names are appended to ``missing``."""
+
+    def one(m: re.Match[str]) -> str:
+        if m.group(0) == "$${":
+            return "${"
+        value = variables.get(m.group(1))
+        if value is None or value == "":
+            if m.group(2) is not None:
+                return m.group(2)
+            missing.append((path, m.group(1)))
+            return m.group(0)
+        return value
+
+    return _VAR_REF.sub(one, text)
+
+
+def _missing_error(missing: Sequence[tuple[str, str]]) -> ConfigError:
+    path, name = missing[0]
+    names = list(dict.fromkeys(n for _, n in missing))
+    also = "".join(f"; also ${{{n}}} ({p})" for p, n in missing[1:])
+    how = " ".join(f"--set {n}=..." for n in names)
+    return ConfigError(f"{path}: variable ${{{name}}} is not set{also}; export it or pass "
+                       f"{how} (or give it a default under 'variables:')")
+
+
+def _variables(cfg: ConfigFile, overrides: Mapping[str, Any]) -> dict[str, str | None]:
+    # Lowest first: the config's defaults, the environment, --set.
+    out: dict[str, str | None] = {
+        name: None if value is None else str(value) for name, value in (cfg.variables or {}).items()
+    }
+    out.update(os.environ)
+    for name, value in overrides.items():
+        if _VAR_NAME.match(name) and name not in _BY_NAME:
+            out[name] = None if value is None else str(value)
+    return out
+
+
+# --------------------------------------------------------------------------- resolved run
 @dataclass(frozen=True)
 class ResolvedRun:
     """One run of a config with every key merged, variables substituted and checks passed.
@@ -307,271 +314,7 @@ class ResolvedRun:
         }
 
 
-# --------------------------------------------------------------------------- file lookup
-def packaged_configs() -> dict[str, Path]:
-    """The configs shipped in ``charm_megatron/configs``: name (file stem) -> path."""
-    root = resources.files("charm_megatron") / "configs"
-    out: dict[str, Path] = {}
-    if root.is_dir():
-        for entry in root.iterdir():
-            if entry.name.endswith(".yaml"):
-                out[entry.name[: -len(".yaml")]] = Path(str(entry))
-    return dict(sorted(out.items()))
-
-
-def config_path(config: str | os.PathLike[str]) -> Path:
-    """A config file's path: an existing file, else a packaged config by name (``gpt-350m``)."""
-    p = Path(config)
-    if p.is_file():
-        return p
-    shipped = packaged_configs()
-    name = p.name[: -len(".yaml")] if p.name.endswith(".yaml") else p.name
-    if p.parent == Path(".") and name in shipped:
-        return shipped[name]
-    raise ConfigError(
-        f"{config}: no such config file, and not a packaged config "
-        f"(packaged: {', '.join(shipped) or 'none'})"
-    )
-
-
-# --------------------------------------------------------------------------- loading
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-    return data
-
-
-def _unknown(path: str, key: Any, known: Sequence[str], hint: str = "") -> ConfigError:
-    near = [] if hint else difflib.get_close_matches(str(key), list(known), n=1)
-    did = f"; did you mean '{near[0]}'?" if near else ""
-    return ConfigError(f"{path}: unknown key{did}{hint}")
-
-
-def _join(prefix: str, key: str) -> str:
-    return f"{prefix}.{key}" if prefix else key
-
-
-def _check_extra_args(value: Any, path: str) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not all(isinstance(a, str | int | float) for a in value):
-        raise ConfigError(f"{path}: expected a list of strings (Megatron arguments), "
-                          f"got {_describe(value)}")
-    return tuple(str(a) for a in value)
-
-
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
-
-
-def _coerce(f: Field, value: Any, path: str, *, from_text: bool = False) -> Any:
-    """Check ``value`` against ``f``; return it normalised (ints as int, floats as float).
-
-    ``from_text``: the value came from ``--set`` as text; parse it as YAML first unless the
-    key is a string key (so ``--set split=98,2,0`` stays the string it looks like).
-    """
-    if from_text and isinstance(value, str) and f.kind != "str":
-        try:
-            value = yaml.safe_load(value) if value.strip() else None
-        except yaml.YAMLError:
-            pass  # reported below as the wrong type
-    if value is None:
-        if f.nullable:
-            return None
-        raise ConfigError(f"{path}: must not be null (expected {f.kind}; omit the key to use "
-                          f"the default {f.default!r})")
-    if f.kind == "bool":
-        if not isinstance(value, bool):
-            raise ConfigError(f"{path}: expected true or false, got {_describe(value)}")
-    elif f.kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {_describe(value)}")
-    elif f.kind == "float":
-        # PyYAML reads 1e-4 (no dot) as a string; accept any text float() reads as finite.
-        if isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                raise ConfigError(f"{path}: expected a number, got {_describe(value)}") from None
-            value = number
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{path}: expected a number, got {_describe(value)}")
-        value = float(value)
-        if not math.isfinite(value):
-            raise ConfigError(f"{path}: expected a finite number, got {value!r}")
-    elif f.kind == "str":
-        if not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string, got {_describe(value)}")
-    elif f.kind == "strs":
-        if isinstance(value, list):
-            if not value or not all(isinstance(v, str | int | float) and not isinstance(v, bool)
-                                    for v in value):
-                raise ConfigError(f"{path}: expected a string or a non-empty list of strings, "
-                                  f"got {_describe(value)}")
-            value = [str(v) for v in value]
-        elif not isinstance(value, str):
-            raise ConfigError(f"{path}: expected a string or a list of strings, "
-                              f"got {_describe(value)}")
-    if f.choices is not None and value not in f.choices:
-        raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(str, f.choices))}")
-    if f.minimum is not None and value < f.minimum:
-        raise ConfigError(f"{path}: must be >= {f.minimum:g}, got {value!r}")
-    return value
-
-
-def _section_values(data: Mapping[str, Any]) -> dict[str, tuple[Any, str]]:
-    """Leaf values of the top-level sections: name -> (value, path)."""
-    out: dict[str, tuple[Any, str]] = {}
-    for section in SECTIONS:
-        body = data.get(section)
-        if body is None:
-            continue
-        if not isinstance(body, dict):
-            raise ConfigError(f"{section}: expected a mapping of keys, got {_describe(body)}")
-        for key, value in body.items():
-            path = _join(section, str(key))
-            f = _BY_NAME.get(str(key))
-            if f is None or f.section != section:
-                hint = f" ('{key}' belongs in section '{f.section}')" if f else ""
-                raise _unknown(path, key, [x.name for x in SCHEMA if x.section == section], hint)
-            out[f.name] = (_coerce(f, value, path), path)
-    return out
-
-
-def _run_values(runs: Mapping[str, Any], name: str) -> tuple[dict[str, tuple[Any, str]], dict[str, Any]]:
-    body = runs[name]
-    prefix = f"runs.{name}"
-    if body is None:
-        body = {}
-    if not isinstance(body, dict):
-        raise ConfigError(f"{prefix}: expected a mapping of settings, got {_describe(body)}")
-    values: dict[str, tuple[Any, str]] = {}
-    meta: dict[str, Any] = {}
-    for key, value in body.items():
-        path = _join(prefix, str(key))
-        if key in _RUN_KEYS:
-            meta[key] = value
-            continue
-        f = _BY_NAME.get(str(key))
-        if f is None:
-            hint = (" (run settings are flat leaf keys, e.g. 'seq_length: 4096', not sections)"
-                    if key in SECTIONS else "")
-            raise _unknown(path, key, [x.name for x in SCHEMA] + list(_RUN_KEYS), hint)
-        values[f.name] = (_coerce(f, value, path), path)
-    if "description" in meta and not isinstance(meta["description"], str):
-        raise ConfigError(f"{prefix}.description: expected a string, "
-                          f"got {_describe(meta['description'])}")
-    meta["extra_args"] = _check_extra_args(meta.get("extra_args"), f"{prefix}.extra_args")
-    return values, meta
-
-
-def _check_top(data: Mapping[str, Any]) -> None:
-    for key in data:
-        if key not in _TOP_KEYS and key not in SECTIONS:
-            hint = ""
-            if str(key) in _BY_NAME:
-                hint = f" ('{key}' belongs in section '{_BY_NAME[str(key)].section}')"
-            raise _unknown(str(key), key, list(_TOP_KEYS) + list(SECTIONS), hint)
-    for key in ("name", "description"):
-        if key in data and not isinstance(data[key], str):
-            raise ConfigError(f"{key}: expected a string, got {_describe(data[key])}")
-    if "name" in data and not _RUN_NAME.match(data["name"]):
-        raise ConfigError("name: must start with a letter or digit and hold only letters, "
-                          "digits, '.', '_' and '-' (it names a directory)")
-    runs = data.get("runs")
-    if runs is None:
-        raise ConfigError("runs: missing required key (a mapping of run name -> settings)")
-    if not isinstance(runs, dict) or not runs:
-        raise ConfigError(f"runs: expected a non-empty mapping of run name -> settings, "
-                          f"got {_describe(runs)}")
-    for name in runs:
-        if not isinstance(name, str) or not _RUN_NAME.match(name):
-            raise ConfigError(f"runs.{name}: a run name must start with a letter or digit and "
-                              "hold only letters, digits, '.', '_' and '-' (it names a directory)")
-    variables = data.get("variables")
-    if variables is not None:
-        if not isinstance(variables, dict):
-            raise ConfigError(f"variables: expected a mapping NAME -> default, "
-                              f"got {_describe(variables)}")
-        for name, value in variables.items():
-            if not isinstance(name, str) or not _VAR_NAME.match(name):
-                raise ConfigError(f"variables.{name}: variable names are UPPER_CASE "
-                                  "(letters, digits, '_')")
-            if value is not None and not isinstance(value, str | int | float):
-                raise ConfigError(f"variables.{name}: expected a string or null, "
-                                  f"got {_describe(value)}")
-
-
-def list_runs(config: str | os.PathLike[str]) -> list[str]:
-    """The run names of a config, in file order (checks the file's structure, not the values)."""
-    data = _read_yaml(config_path(config))
-    _check_top(data)
-    return list(data["runs"])
-
-
-def parse_set(items: Sequence[str]) -> dict[str, str]:
-    """``["seq_length=4096", "DATA_PATH=/d/x"]`` -> a dict for ``load_config(overrides=...)``.
-
-    Values stay text here; :func:`load_config` parses them per key type.
-    """
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {item}: expected KEY=VALUE (e.g. seq_length=4096 or "
-                              "DATA_PATH=/data/pile_text_document)")
-        out[key.strip()] = value
-    return out
-
-
-# --------------------------------------------------------------------------- variables
-def _substitute(text: str, path: str, variables: Mapping[str, str | None],
-                missing: list[tuple[str, str]]) -> str:
-    """Fill ``${NAME}`` / ``${NAME:-default}``; unset names are appended to ``missing``."""
-
-    def one(m: re.Match[str]) -> str:
-        if m.group(0) == "$${":
-            return "${"
-        name, default = m.group(1), m.group(2)
-        value = variables.get(name)
-        if value is None or value == "":
-            if default is not None:
-                return default
-            missing.append((path, name))
-            return m.group(0)
-        return value
-
-    return _VAR_REF.sub(one, text)
-
-
-def _missing_error(missing: Sequence[tuple[str, str]]) -> ConfigError:
-    path, name = missing[0]
-    names = list(dict.fromkeys(n for _, n in missing))
-    also = "".join(f"; also ${{{n}}} ({p})" for p, n in missing[1:])
-    how = " ".join(f"--set {n}=..." for n in names)
-    return ConfigError(f"{path}: variable ${{{name}}} is not set{also}; export it or pass "
-                       f"{how} (or give it a default under 'variables:')")
-
-
-def _variables(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, str | None]:
-    # Lowest first: the config's defaults, the environment, --set.
-    out: dict[str, str | None] = {
-        name: None if value is None else str(value)
-        for name, value in (data.get("variables") or {}).items()
-    }
-    out.update(os.environ)
-    for name, value in overrides.items():
-        if _VAR_NAME.match(name) and name not in _BY_NAME:
-            out[name] = None if value is None else str(value)
-    return out
-
-
-# --------------------------------------------------------------------------- checks
+# --------------------------------------------------------------------------- cross-key checks
 def _rank(source: str) -> int:
     """How specific a value's source is: --set 3, a run 2, a section 1, the default 0."""
     if source.startswith("--set"):
@@ -582,113 +325,117 @@ def _rank(source: str) -> int:
 
 
 def _check_values(v: Mapping[str, Any], src: Mapping[str, str], run: str) -> None:
-    """Cross-key checks; each error names the key most likely to be at fault."""
-
-    def where(key: str) -> str:
-        s = src[key]
-        return _BY_NAME[key].path if s == "default" else s
+    """What must fail before a job is queued: required keys, the world / parallel-size /
+    batch / head divisibility that Megatron would only reject at start-up, the data and
+    tokenizer files, and the CP topology. Each error names the key most likely at fault."""
 
     def at(key: str) -> str:
         s = src[key]
         return _BY_NAME[key].path + " (default)" if s == "default" else s
 
-    def fail(key: str, msg: str) -> ConfigError:
-        return ConfigError(f"{at(key)}: {msg}")
+    def where(key: str) -> str:
+        return _BY_NAME[key].path if src[key] == "default" else src[key]
+
+    def blame(*keys: str) -> str:  # the most specifically set of keys (ties: the first)
+        return max(keys, key=lambda k: _rank(src[k]))
 
     for f in SCHEMA:
         if f.required and v[f.name] is None:
             raise ConfigError(f"{f.path}: missing required key ({f.help}); set it under "
                               f"'{f.section}:' or in runs.{run}")
-
     tp, pp, cp = (v["tensor_model_parallel_size"], v["pipeline_model_parallel_size"],
                   v["context_parallel_size"])
     nodes, per_node = v["nodes"], v["gpus_per_node"]
     world = nodes * per_node
-    seq, heads = v["seq_length"], v["num_attention_heads"]
-
-    if seq % (2 * cp):
-        raise fail("seq_length", f"{seq} is not divisible by 2·CP = {2 * cp} "
-                   f"(context_parallel_size {cp} from {where('context_parallel_size')}): each CP "
-                   "rank holds two sequence chunks, Megatron's causal load balancing")
-    if world % cp:
-        # Blame the most specifically set of CP / nodes / gpus_per_node (ties: CP).
-        key = max(("context_parallel_size", "nodes", "gpus_per_node"), key=lambda k: _rank(src[k]))
-        raise fail(key, f"CP {cp} does not divide the GPU count "
-                   f"nodes × gpus_per_node = {nodes} × {per_node} = {world}")
-    if world % (tp * pp * cp):
-        # Blame the most specifically set of TP/PP/CP (--set, then a run, then a section).
-        key = max(("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                   "context_parallel_size"), key=lambda k: _rank(src[k]))
-        raise fail(key, f"TP·PP·CP = {tp}·{pp}·{cp} = {tp * pp * cp} does not divide the world "
-                   f"size nodes × gpus_per_node = {world}")
-    dp = world // (tp * pp * cp)
+    seq, heads, groups = v["seq_length"], v["num_attention_heads"], v["num_query_groups"]
     mbs, gbs = v["micro_batch_size"], v["global_batch_size"]
-    if gbs % (mbs * dp):
-        raise fail("global_batch_size", f"{gbs} is not divisible by micro_batch_size × DP = "
-                   f"{mbs} × {dp} = {mbs * dp} (DP = world {world} / (TP·PP·CP {tp * pp * cp}))")
-    if heads % tp:
-        raise fail("num_attention_heads", f"{heads} heads are not divisible by "
-                   f"tensor_model_parallel_size {tp}")
-    groups = v["num_query_groups"]
-    if groups is not None:
-        if heads % groups:
-            raise fail("num_query_groups", f"num_attention_heads {heads} is not divisible by "
-                       f"num_query_groups {groups}")
-        if groups % tp:
-            raise fail("num_query_groups", f"{groups} query groups are not divisible by "
-                       f"tensor_model_parallel_size {tp}")
-    if v["hidden_size"] % heads:
-        raise fail("hidden_size", f"{v['hidden_size']} is not divisible by "
-                   f"num_attention_heads {heads}")
-    if v["num_layers"] % pp:
-        raise fail("num_layers", f"{v['num_layers']} layers are not divisible by "
-                   f"pipeline_model_parallel_size {pp}")
-    if v["max_position_embeddings"] is not None and v["max_position_embeddings"] < seq:
-        raise fail("max_position_embeddings", f"{v['max_position_embeddings']} is less than "
-                   f"seq_length {seq}")
-    if v["min_lr"] > v["lr"]:
-        raise fail("min_lr", f"{v['min_lr']!r} is greater than lr {v['lr']!r}")
-    if v["lr_warmup_fraction"] is not None and v["lr_warmup_iters"] not in (None, 0):
-        raise fail("lr_warmup_iters", "set lr_warmup_fraction or lr_warmup_iters, not both")
-    if v["sequence_parallel"] and tp > 1 and seq % tp:
-        raise fail("seq_length", f"{seq} is not divisible by tensor_model_parallel_size {tp} "
-                   "(needed by sequence_parallel)")
+    dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else 0
+    maxpos = v["max_position_embeddings"]
+    # (failed?, key to blame, message), checked in order; later rules may assume earlier ones.
+    rules: list[tuple[Any, str, Any]] = [
+        (seq % (2 * cp), "seq_length", lambda: (
+            f"{seq} is not divisible by 2·CP = {2 * cp} (context_parallel_size {cp} from "
+            f"{where('context_parallel_size')}): each CP rank holds two sequence chunks, "
+            "Megatron's causal load balancing")),
+        (world % cp, blame("context_parallel_size", "nodes", "gpus_per_node"), lambda: (
+            f"CP {cp} does not divide the GPU count nodes × gpus_per_node = {nodes} × "
+            f"{per_node} = {world}")),
+        (world % (tp * pp * cp), blame("tensor_model_parallel_size",
+                                       "pipeline_model_parallel_size", "context_parallel_size"),
+         lambda: (f"TP·PP·CP = {tp}·{pp}·{cp} = {tp * pp * cp} does not divide the world size "
+                  f"nodes × gpus_per_node = {world}")),
+        (dp and gbs % (mbs * dp), "global_batch_size", lambda: (
+            f"{gbs} is not divisible by micro_batch_size × DP = {mbs} × {dp} = {mbs * dp} "
+            f"(DP = world {world} / (TP·PP·CP {tp * pp * cp}))")),
+        (heads % tp, "num_attention_heads", lambda: (
+            f"{heads} heads are not divisible by tensor_model_parallel_size {tp}")),
+        (groups is not None and heads % groups, "num_query_groups", lambda: (
+            f"num_attention_heads {heads} is not divisible by num_query_groups {groups}")),
+        (groups is not None and groups % tp, "num_query_groups", lambda: (
+            f"{groups} query groups are not divisible by tensor_model_parallel_size {tp}")),
+        (v["hidden_size"] % heads, "hidden_size", lambda: (
+            f"{v['hidden_size']} is not divisible by num_attention_heads {heads}")),
+        (v["num_layers"] % pp, "num_layers", lambda: (
+            f"{v['num_layers']} layers are not divisible by pipeline_model_parallel_size {pp}")),
+        (maxpos is not None and maxpos < seq, "max_position_embeddings", lambda: (
+            f"{maxpos} is less than seq_length {seq}")),
+        (v["min_lr"] > v["lr"], "min_lr", lambda: (
+            f"{v['min_lr']!r} is greater than lr {v['lr']!r}")),
+        (v["lr_warmup_fraction"] is not None and v["lr_warmup_iters"] not in (None, 0),
+         "lr_warmup_iters", lambda: "set lr_warmup_fraction or lr_warmup_iters, not both"),
+        (v["sequence_parallel"] and tp > 1 and seq % tp, "seq_length", lambda: (
+            f"{seq} is not divisible by tensor_model_parallel_size {tp} (needed by "
+            "sequence_parallel)")),
+    ]
+    for failed, key, message in rules:
+        if failed:
+            raise ConfigError(f"{at(key)}: {message()}")
     if not v["mock_data"] and v["data_path"] is None:
         raise ConfigError("data.data_path: missing; give a data prefix (e.g. '${DATA_PATH}') "
                           "or set mock_data: true")
     tok = v["tokenizer_type"]
-    if tok == "GPT2BPETokenizer":
-        for key in ("vocab_file", "merge_file"):
-            if v[key] is None:
-                raise ConfigError(f"{_BY_NAME[key].path}: required with tokenizer_type "
-                                  "GPT2BPETokenizer (e.g. '${VOCAB_FILE}')")
-    elif tok == "NullTokenizer" and v["vocab_size"] is None:
-        raise ConfigError("tokenizer.vocab_size: required with tokenizer_type NullTokenizer")
-    elif tok in ("HuggingFaceTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                 "Llama2Tokenizer", "TikTokenizer") and v["tokenizer_model"] is None:
-        raise ConfigError(f"tokenizer.tokenizer_model: required with tokenizer_type {tok}")
-    _check_topology(v["charm_topology"], cp, at("charm_topology"))
-
-
-def _check_topology(text: str, cp: int, path: str) -> None:
-    low = text.strip().lower()
-    if low in _TOPOLOGY_LEVELS:
-        return
-    try:
-        # The runtime's own parser, so a config never passes here and fails at start-up.
-        from charm_megatron.topology.core import Topology
-    except ImportError:  # pragma: no cover - the topology layer ships with the package
-        if re.fullmatch(r"\s*\d+\s*[xX×]\s*\d+\s*|[\d\s,;/-]+", text):
-            return
-        raise ConfigError(f"{path}: cannot read topology {text!r}; use auto, node, numa, flat, "
-                          "GxM (e.g. 2x8) or rank ranges (e.g. 0-7,8-15)") from None
-    try:
-        Topology.parse(text, cp_size=cp)
-    except ValueError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+    needs = {"GPT2BPETokenizer": ("vocab_file", "merge_file"),
+             "NullTokenizer": ("vocab_size",)}.get(tok, ("tokenizer_model",))
+    for key in needs:
+        if v[key] is None:
+            example = " (e.g. '${VOCAB_FILE}')" if tok == "GPT2BPETokenizer" else ""
+            raise ConfigError(f"{_BY_NAME[key].path}: required with tokenizer_type {tok}"
+                              f"{example}")
+    topology = v["charm_topology"]
+    if topology.strip().lower() not in _TOPOLOGY_LEVELS:
+        try:  # the runtime's own parser, so a config never passes here and fails at start-up
+            Topology.parse(topology, cp_size=cp)
+        except ValueError as exc:
+            raise ConfigError(f"{at('charm_topology')}: {exc}") from None
 
 
 # --------------------------------------------------------------------------- entry point
+def _given(model: BaseModel | None) -> dict[str, Any]:
+    """The keys a section or run set explicitly (pydantic's ``model_fields_set``)."""
+    if model is None:
+        return {}
+    return {k: getattr(model, k) for k in model.model_fields_set if k in _BY_NAME}
+
+
+def _override(key: str, value: Any) -> tuple[str, Any] | None:
+    """``--set key=value`` as (leaf name, checked value); ``None`` for a ``${VARIABLE}``."""
+    section, dot, rest = key.partition(".")
+    name = rest if dot and section in SECTIONS else key
+    f = _BY_NAME.get(name)
+    if f is None or (dot and f.section != section):
+        if not dot and _VAR_NAME.match(key):
+            return None
+        raise _unknown(f"--set {key}", name, list(_BY_NAME))
+    # Text from the command line is YAML for non-string keys ("4096" -> 4096), so
+    # --set split=98,2,0 stays the string it looks like.
+    if isinstance(value, str) and f.kind not in ("str", "strs"):
+        try:
+            value = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            pass  # reported as the wrong type
+    return name, getattr(_validate(RunSettings, {name: value}, f"--set {key}"), name)
+
+
 def load_config(
     config: str | os.PathLike[str],
     run: str | None = None,
@@ -707,68 +454,61 @@ def load_config(
     Raises :class:`ConfigError` naming the key path on any problem.
     """
     path = config_path(config)
-    data = _read_yaml(path)
-    _check_top(data)
+    _, cfg = _read(path)
     overrides = dict(overrides or {})
-    name = data.get("name") or path.name.removesuffix(".yaml")
-    runs: dict[str, Any] = data["runs"]
+    name = cfg.name or path.name.removesuffix(".yaml")
     if run is None:
-        if len(runs) != 1:
-            raise ConfigError(f"runs: {path.name} has {len(runs)} runs; choose one with --run "
-                              f"({', '.join(runs)})")
-        run = next(iter(runs))
-    if run not in runs:
-        near = difflib.get_close_matches(run, list(runs), n=1)
+        if len(cfg.runs) != 1:
+            raise ConfigError(f"runs: {path.name} has {len(cfg.runs)} runs; choose one with "
+                              f"--run ({', '.join(cfg.runs)})")
+        run = next(iter(cfg.runs))
+    if run not in cfg.runs:
+        near = difflib.get_close_matches(run, list(cfg.runs), n=1)
         did = f" (did you mean '{near[0]}'?)" if near else ""
-        raise ConfigError(f"runs.{run}: no such run in {path.name}{did}; runs: {', '.join(runs)}")
+        raise ConfigError(f"runs.{run}: no such run in {path.name}{did}; runs: "
+                          f"{', '.join(cfg.runs)}")
+    body = cfg.runs[run]
 
-    merged: dict[str, tuple[Any, str]] = {f.name: (f.default, "default") for f in SCHEMA}
-    merged.update(_section_values(data))
-    run_values, run_meta = _run_values(runs, run)
-    merged.update(run_values)
+    values: dict[str, Any] = {f.name: None if f.required else f.default for f in SCHEMA}
+    sources = {f.name: "default" for f in SCHEMA}
+    for section in SECTIONS:
+        for key, value in _given(getattr(cfg, section)).items():
+            values[key], sources[key] = value, f"{section}.{key}"
+    for key, value in _given(body).items():
+        values[key], sources[key] = value, f"runs.{run}.{key}"
     for key, value in overrides.items():
-        section, dot, rest = key.partition(".")
-        leaf = rest if dot and section in SECTIONS else key
-        f = _BY_NAME.get(leaf)
-        if f is None or (dot and f.section != section):
-            if not dot and _VAR_NAME.match(key):
-                continue  # a ${VARIABLE}; see _variables
-            raise _unknown(f"--set {key}", leaf, [x.name for x in SCHEMA])
-        merged[f.name] = (_coerce(f, value, f"--set {key}", from_text=True), f"--set {key}")
+        checked = _override(key, value)
+        if checked is not None:
+            values[checked[0]], sources[checked[0]] = checked[1], f"--set {key}"
+    extra = [*(cfg.extra_args or ()), *((body.extra_args if body else None) or ())]
 
-    values = {k: val for k, (val, _) in merged.items()}
-    sources = {k: s for k, (_, s) in merged.items()}
-    extra = _check_extra_args(data.get("extra_args"), "extra_args") + run_meta["extra_args"]
-
-    # Variables: resolve only what the command will use.
-    variables = _variables(data, overrides)
     # Drop what the command will not use, so its ${VARIABLES} need not be set.
     unused = {"data_path"} if values["mock_data"] else set()
     if values["tokenizer_type"] is not None:
-        used = _TOKENIZER_KEYS[values["tokenizer_type"]]
+        used = TOKENIZER_KEYS[values["tokenizer_type"]]
         unused |= {f.name for f in SCHEMA if f.section == "tokenizer"} - {"tokenizer_type", *used}
     for key in unused:
         values[key] = None
+    variables = _variables(cfg, overrides)
     missing: list[tuple[str, str]] = []
     for key, value in values.items():
-        if value is None:
-            continue
         p = sources[key] if sources[key] != "default" else _BY_NAME[key].path
         if isinstance(value, str):
             values[key] = _substitute(value, p, variables, missing)
         elif isinstance(value, list):
             values[key] = [_substitute(x, f"{p}[{i}]", variables, missing)
                            for i, x in enumerate(value)]
-    extra = tuple(_substitute(a, "extra_args", variables, missing) for a in extra)
+    extra_args = tuple(_substitute(str(a), "extra_args", variables, missing) for a in extra)
     if missing:
         raise _missing_error(missing)
 
-    if values["ffn_hidden_size"] is None:
-        values["ffn_hidden_size"] = 4 * values["hidden_size"] if values["hidden_size"] else None
+    if values["ffn_hidden_size"] is None and values["hidden_size"]:
+        values["ffn_hidden_size"] = 4 * values["hidden_size"]
     _check_values(values, sources, run)
     if values["max_position_embeddings"] is None:
         values["max_position_embeddings"] = values["seq_length"]
-    desc = run_meta.get("description") or data.get("description") or ""
+    desc = (body.description if body else None) or cfg.description or ""
     return ResolvedRun(config_name=str(name), run_name=run, path=path, values=values,
-                       sources=sources, extra_args=extra, description=str(desc),
-                       run_names=tuple(runs))
+                       sources=sources, extra_args=extra_args, description=str(desc),
+                       run_names=tuple(cfg.runs))
+

@@ -16,6 +16,8 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from charm_megatron.plan.registry import CHOICES
+
 __all__ = [
     "CHARM_COMM_TYPES",
     "add_charm_args",
@@ -24,9 +26,9 @@ __all__ = [
     "uses_charm",
 ]
 
-#: ``--cp-comm-type`` values that select :class:`CharmDotProductAttention` (same tuple as
-#: ``charm_megatron.megatron.attention.CHARM_COMM_TYPES``; kept here so this file is import-light).
-CHARM_COMM_TYPES: tuple[str, ...] = ("charm", "rmplus", "ring", "auto")
+#: ``--cp-comm-type`` values that select :class:`CharmDotProductAttention`: the algorithm
+#: registry's choices (``charm_megatron.plan.registry``, no torch), ``auto`` included.
+CHARM_COMM_TYPES = CHOICES
 
 TOPOLOGY_HELP = (
     "CP topology for --cp-comm-type charm/rmplus/ring/auto: 'auto' (probe hosts and NUMA nodes "

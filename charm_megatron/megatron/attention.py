@@ -78,13 +78,6 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
     return tuple(torch.distributed.get_process_group_ranks(group))
 
 
-def _operator_algos() -> tuple[str, ...]:
-    """The ``algo`` values :func:`charm_megatron.cp_attention` accepts (the list it checks)."""
-    from charm_megatron.ops import attention as ops_attention
-
-    return tuple(ops_attention.ALGOS)
-
-
 def _unsupported(option: str, why: str) -> NotImplementedError:
     return NotImplementedError(f"CharmDotProductAttention (CHARM+ CP attention): {option} {why}")
 
@@ -221,14 +214,6 @@ class CharmDotProductAttention(MegatronModule):
                 "p2p / a2a / allgather / a2a+p2p belong to TEDotProductAttention: build the spec "
                 "without use_charm for those"
             )
-        operator_algos = _operator_algos()
-        if cp_comm_type not in operator_algos:
-            # Fail at model build, not in the first training step.
-            raise _unsupported(
-                f"cp_comm_type={cp_comm_type!r}",
-                "is not available in this version of charm_megatron.cp_attention (it accepts "
-                f"{', '.join(operator_algos)}); use --cp-comm-type charm, rmplus or ring",
-            )
         return cp_comm_type
 
     @staticmethod
@@ -335,11 +320,11 @@ class CharmDotProductAttention(MegatronModule):
         """
         from charm_megatron import cp_attention
 
-        if packed_seq_params is not None:
+        if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) != "thd":
             raise _unsupported(
-                "packed sequences (packed_seq_params, THD format, --reset-position-ids / "
-                "--reset-attention-mask / SFT packing)",
-                "are not supported",
+                f"packed_seq_params with qkv_format="
+                f"{getattr(packed_seq_params, 'qkv_format', None)!r}",
+                "is not supported; packed sequences must use qkv_format='thd'",
             )
         if attention_bias is not None:
             raise _unsupported("attention_bias", "is not supported")
@@ -352,6 +337,8 @@ class CharmDotProductAttention(MegatronModule):
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         if mask_type not in (AttnMaskType.causal, AttnMaskType.no_mask):
             raise _unsupported(f"attn_mask_type={mask_type.name}", "is not supported")
+        if packed_seq_params is not None:
+            return self._forward_thd(query, key, value, packed_seq_params, mask_type)
         if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
             raise ValueError(
                 "CharmDotProductAttention expects sbhd tensors [s, b, heads, d], got "
@@ -381,6 +368,62 @@ class CharmDotProductAttention(MegatronModule):
         )
         # [s, b, h, d] -> [s, b, h*d]: the layout linear_proj consumes.
         return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _forward_thd(self, query: Tensor, key: Tensor, value: Tensor, packed_seq_params: Any,
+                     mask_type: AttnMaskType) -> Tensor:
+        """Packed documents (``qkv_format="thd"``): ``query [t/cp, heads/tp, d]``, ``key, value
+        [t/cp, groups/tp, d]`` in Megatron's THD CP layout; returns ``[t/cp, heads/tp * d]``.
+
+        Reads ``cu_seqlens_q`` and ``cu_seqlens_q_padded`` (the kv ones must be the same:
+        self-attention over one packed sequence); ``max_seqlen_*`` are not needed.
+        """
+        from charm_megatron import cp_attention
+
+        psp = packed_seq_params
+
+        def same(a: Any, b: Any) -> bool:
+            if a is None or b is None:
+                return a is None and b is None
+            return a.shape == b.shape and bool(torch.equal(a.to(b.device), b))
+
+        for q_name, kv_name in (("cu_seqlens_q", "cu_seqlens_kv"),
+                                ("cu_seqlens_q_padded", "cu_seqlens_kv_padded")):
+            if not same(getattr(psp, q_name, None), getattr(psp, kv_name, None)):
+                raise _unsupported(
+                    f"packed_seq_params.{q_name} != packed_seq_params.{kv_name}",
+                    "is not supported: CHARM+ serves self-attention within each packed "
+                    "document, so q and kv must have the same (padded) cumulative lengths",
+                )
+        if psp.cu_seqlens_q is None:
+            raise ValueError("CharmDotProductAttention: packed_seq_params.cu_seqlens_q is None; "
+                             "qkv_format='thd' needs the cumulative document lengths")
+        if getattr(psp, "local_cp_size", None) not in (None, self.cp_size):
+            raise _unsupported(
+                f"packed_seq_params.local_cp_size={psp.local_cp_size} (hybrid context "
+                "parallelism)", f"is not supported; the CP size is {self.cp_size}",
+            )
+        psp_group = getattr(psp, "cp_group", None)
+        if psp_group is not None and _group_ranks(psp_group) != _group_ranks(self.cp_group):
+            raise _unsupported(
+                "packed_seq_params.cp_group differing from the layer's CP group (hybrid "
+                "context parallelism)", "is not supported",
+            )
+        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
+            raise ValueError(
+                "CharmDotProductAttention with qkv_format='thd' expects [t, heads, d] tensors, "
+                f"got query {tuple(query.shape)}, key {tuple(key.shape)}"
+            )
+        if query.shape[1] != self.num_attention_heads_per_partition:
+            raise ValueError(
+                f"CharmDotProductAttention: query has {query.shape[1]} heads, expected "
+                f"{self.num_attention_heads_per_partition} (num_attention_heads / tp)"
+            )
+        out = cp_attention(
+            query, key, value, group=self.cp_group, algo=self.algo, topology=self.topology,
+            causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
+            cu_seqlens=psp.cu_seqlens_q, cu_seqlens_padded=psp.cu_seqlens_q_padded,
+        )
+        return out.reshape(out.shape[0], -1)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None

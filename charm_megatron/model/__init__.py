@@ -9,11 +9,19 @@ Pure Python (no torch). Entry points:
   :func:`ring_ccr` - the paper's computation-to-communication ratio;
 * :func:`choose_algo` (and :func:`choose_algo_cached`) - the fastest of ring / rmplus / charm,
   for ``algo="auto"``;
+* :func:`auto_cluster` - the cluster ``auto`` predicts with (an argument, else
+  ``CHARM_MODEL_PROFILE``, else the generic default);
+* :func:`calibrate` - fit a profile to bench output; :func:`load_profile` / :func:`save_profile`
+  read and write profile files; :mod:`~charm_megatron.model.effects` the second-order effects,
+  :mod:`~charm_megatron.model.accuracy` the comparison with measurements;
 * ``charm-megatron model`` - the command line (:mod:`charm_megatron.model.cli`).
 
 See docs/model.md for what is modelled and what is not.
 """
 
+from charm_megatron.model.auto import ENV as PROFILE_ENV
+from charm_megatron.model.auto import auto_cluster
+from charm_megatron.model.calibrate import calibrate
 from charm_megatron.model.cluster import (
     PROFILES,
     Cluster,
@@ -30,24 +38,30 @@ from charm_megatron.model.predict import (
     predict_all,
     ring_ccr,
 )
+from charm_megatron.model.profile_io import load_profile, save_profile
 from charm_megatron.model.sim import ModelError, RankStats, SimResult, simulate, tile_flops
 
 __all__ = [
     "CCR",
     "PROFILES",
+    "PROFILE_ENV",
     "Cluster",
     "ModelError",
     "Prediction",
     "Profile",
     "RankStats",
     "SimResult",
+    "auto_cluster",
+    "calibrate",
     "choose_algo",
     "choose_algo_cached",
     "default_cluster_for",
     "get_profile",
+    "load_profile",
     "predict",
     "predict_all",
     "ring_ccr",
+    "save_profile",
     "simulate",
     "tile_flops",
 ]

@@ -2,18 +2,24 @@
 
 Describe the cluster with a profile (``--profile h100 [--topology 4x8]``) or by hand
 (``--topology 2x8 --intra-gbps 300 --cross-gbps 40 --tflops 300 --nic rank``); any field given
-on the command line overrides the profile's. With neither, a generic cluster is assumed
-(:func:`~charm_megatron.model.cluster.default_cluster_for`).
+on the command line overrides the profile's. Without ``--profile`` the profile named by
+``CHARM_MODEL_PROFILE`` is used if set (as ``algo="auto"`` does); with neither, a generic
+cluster is assumed
+(:func:`~charm_megatron.model.cluster.default_cluster_for`). ``--profile`` also takes a profile
+file, which ``--calibrate BENCH_CSV... -o FILE`` writes (:mod:`.calibrate`); ``--accuracy``
+compares a profile with measurements (:mod:`.accuracy`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
+from charm_megatron.model.auto import ENV
 from charm_megatron.model.cluster import PROFILES, Cluster, default_cluster_for, get_profile
 from charm_megatron.model.predict import Prediction, predict_all, ring_ccr
-from charm_megatron.plan.builders import ALGOS
 from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args
+from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
 
 # (flag, Cluster field, type, help)
 _CLUSTER_FLAGS: tuple[tuple[str, str, type, str], ...] = (
@@ -32,13 +38,23 @@ _CLUSTER_FLAGS: tuple[tuple[str, str, type, str], ...] = (
      "pool time per byte moved (CPU testbeds; needs --cores)"),
     ("--intra-bus-gbps", "intra_bus_gbps", float,
      "capacity shared by all intra messages of a group (PCIe root complex)"),
+    ("--kernel-q-rows", "kernel_q_rows", float,
+     "kernel rate vs tile size: rows of fixed cost per q side (rate / (1 + q/sq + k/sk))"),
+    ("--kernel-k-rows", "kernel_k_rows", float, "same, per kv side"),
+    ("--comm-slowdown", "comm_slowdown", float,
+     "compute runs 1+X times slower while the rank's messages move (e.g. 0.19)"),
+    ("--concurrency-penalty", "concurrency_penalty", float,
+     "a link with k messages delivers 1/(1+X(k-1)) of its capacity"),
+    ("--cross-burst-kb", "cross_burst_kb", float, "token bucket per cross link, KiB per call"),
+    ("--intra-burst-kb", "intra_burst_kb", float, "token bucket per intra link, KiB per call"),
 )
 _DEFAULT_GRID = (8192, 16384, 32768, 65536, 131072, 262144)
 
 
 def register(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--profile", choices=sorted(PROFILES), default=None,
-                        help="named cluster (bandwidths of the CHARM+ paper's Table 2)")
+    parser.add_argument("--profile", default=None, metavar="NAME|FILE",
+                        help=f"named cluster ({', '.join(PROFILES)}) or a profile file "
+                             "(.json, from --calibrate)")
     parser.add_argument("--list-profiles", action="store_true", help="print the profiles")
     parser.add_argument("--topology", default=None,
                         help="hardware groups, e.g. 2x8, 4x8, 0-3,4-7 (default: the profile's)")
@@ -55,6 +71,20 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="sweep sequence lengths (comma list, k suffix allowed; "
                              "default 8k..256k) and print a table")
     parser.add_argument("--ranks", action="store_true", help="per-rank busy / idle detail")
+    cal = parser.add_argument_group("calibration and accuracy")
+    cal.add_argument("--calibrate", nargs="+", metavar="BENCH_CSV", default=None,
+                     help="fit a profile to charm-megatron bench results.csv files (ring rows; "
+                          "--cores, --intra-gbps, --cross-gbps, --*-burst-kb fill in what old "
+                          "files lack) and write it with -o")
+    cal.add_argument("-o", "--output", default=None, metavar="FILE",
+                     help="profile file --calibrate writes (default: print it)")
+    cal.add_argument("--name", default="calibrated", help="name of the calibrated profile")
+    cal.add_argument("--fit-algos", default="ring",
+                     help="algorithms whose rows the fit uses (comma list; default ring: "
+                          "CHARM+ and RM+ rows stay unseen, so --accuracy can judge them)")
+    cal.add_argument("--accuracy", nargs="*", metavar="BENCH_CSV", default=None,
+                     help="compare --profile with measurements: bench CSVs, or none for the "
+                          "paper's Table 5")
 
 
 def _parse_seqs(text: str) -> list[int]:
@@ -76,14 +106,17 @@ def resolve(args: argparse.Namespace) -> tuple[str, list[list[int]], Cluster, st
                                     for flag, field, _, _ in _CLUSTER_FLAGS}
     overrides["nic"] = args.nic
     overrides["cross_via_intra"] = args.cross_via_intra
-    if args.profile:
-        prof = get_profile(args.profile)
+    name, origin = args.profile, ""
+    if not name and os.environ.get(ENV):
+        name, origin = os.environ[ENV], f" (from {ENV})"
+    if name:
+        prof = get_profile(name)  # a name or a file; ValueError says which exist
         topo = Topology.parse(args.topology or prof.topology)
         cluster = prof.cluster.with_(**overrides)
-        how = f"profile {prof.name}"
+        how = f"profile {prof.name}{origin}"
     else:
         if not args.topology:
-            raise SystemExit("charm-megatron model: give --profile or --topology")
+            raise SystemExit(f"charm-megatron model: give --profile or --topology (or set {ENV})")
         topo = Topology.parse(args.topology)
         groups = [list(g) for g in topo.groups]
         needed = ("intra_gbps", "cross_gbps", "tflops")
@@ -122,10 +155,62 @@ def _print_profiles() -> None:
         print(f"{'':12} {prof.source}")
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from charm_megatron.model.calibrate import calibrate
+    from charm_megatron.model.profile_io import dumps, save_profile
+
+    try:
+        prof = calibrate(args.calibrate, name=args.name, cores=args.cores,
+                         intra_gbps=args.intra_gbps, cross_gbps=args.cross_gbps,
+                         cross_burst_kb=args.cross_burst_kb,
+                         intra_burst_kb=args.intra_burst_kb or 0.0,
+                         fit_algos=tuple(a.strip() for a in args.fit_algos.split(",")),
+                         log=lambda m: print(f"# {m}"))
+    except ValueError as exc:
+        raise SystemExit(f"charm-megatron model --calibrate: {exc}") from None
+    print(f"# {prof.cluster.describe()}")
+    if args.output:
+        save_profile(prof, args.output)
+        print(f"# wrote {args.output}: use it with --profile {args.output}, or for "
+              f"algo='auto' with CHARM_MODEL_PROFILE={args.output}")
+    else:
+        print(dumps(prof), end="")
+    return 0
+
+
+def _accuracy(args: argparse.Namespace) -> int:
+    from charm_megatron.model import accuracy
+    from charm_megatron.model.measured import load_points
+
+    name = args.profile or ("cpu-testbed" if args.accuracy else "h100")
+    try:
+        prof = get_profile(name)
+        if args.accuracy:
+            settings = accuracy.bench_settings(load_points(args.accuracy), prof)
+        else:
+            settings = accuracy.table5_settings(prof)
+    except ValueError as exc:
+        raise SystemExit(f"charm-megatron model --accuracy: {exc}") from None
+    groups: dict[str, list] = {}
+    for st in settings:
+        groups.setdefault(st.group, []).append(st)
+    groups["all"] = settings
+    print(f"# profile {prof.name}: {prof.cluster.describe()}")
+    print("# median |error| / worst error (count); '*': a time the profile was fitted on")
+    print(accuracy.summary_table(groups))
+    print()
+    print(accuracy.detail_table(settings))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if args.list_profiles:
         _print_profiles()
         return 0
+    if args.calibrate:
+        return _calibrate(args)
+    if args.accuracy is not None:
+        return _accuracy(args)
     try:
         topo, groups, cluster, how = resolve(args)
     except ValueError as exc:  # a bad topology or cluster field: say which, no traceback

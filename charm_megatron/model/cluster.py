@@ -2,8 +2,9 @@
 
 A :class:`Cluster` says how fast things are; *which* ranks share fast links is the topology
 (groups of CP ranks), passed separately, so one description serves ``2x8`` and ``4x8`` alike.
-Named :data:`PROFILES` carry the bandwidths of the CHARM+ paper's Table 2 and a default
-topology; :func:`default_cluster_for` is the generic guess used when the user describes nothing.
+Named :data:`PROFILES` (files in ``profile_data/``, written by
+:mod:`charm_megatron.model.refit`) carry a default topology and where each number comes from;
+:func:`default_cluster_for` is the generic guess used when the user describes nothing.
 
 Units: GB/s means 1e9 bytes per second, per direction (links are full duplex); TFLOP/s is the
 *sustained* attention rate of one rank (one GPU, or one CPU core), not the datasheet peak.
@@ -12,7 +13,7 @@ Units: GB/s means 1e9 bytes per second, per direction (links are full duplex); T
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 
 NICS = ("rank", "node")
 
@@ -50,6 +51,23 @@ class Cluster:
     set-up), and ``cpu_ns_per_byte`` of pool time per byte moved (a CPU testbed's network stack
     and copies; needs ``cores``; a transfer is then one thread, so it runs at most at
     ``1 / cpu_ns_per_byte`` GB/s).
+
+    Second-order effects (:mod:`charm_megatron.model.effects`; all off by default, docs/model.md
+    gives each one's source):
+
+    * kernel rate against tile size: a tile of ``sq`` q rows and ``sk`` kv rows runs at
+      ``tflops / (1 + kernel_q_rows / sq + kernel_k_rows / sk)`` (a fixed cost per q row block
+      and per kv row block; ``tflops`` is then the long-tile rate);
+    * kernel rate against head dim: ``head_dim_factors`` pairs ``(d, factor)``, interpolated
+      linearly in ``d`` (clamped at the ends); empty: no effect;
+    * ``comm_slowdown``: while a message of a rank is moving, that rank's compute runs
+      ``1 + comm_slowdown`` times slower (communication kernels take SMs and memory bandwidth);
+    * ``concurrency_penalty``: a link carrying ``k > 1`` messages at once delivers
+      ``1 / (1 + concurrency_penalty * (k - 1))`` of its capacity in total;
+    * ``cross_burst_kb`` / ``intra_burst_kb``: a token bucket per link (``tc tbf`` on the
+      emulated testbed): the first that many KiB a link carries in a call pass without
+      waiting for its rate (they still cost CPU, ``cpu_ns_per_byte``). Intra buckets sit on
+      the ports, or on the bus when ``intra_bus_gbps`` is set.
     """
 
     intra_gbps: float
@@ -66,6 +84,13 @@ class Cluster:
     cross_via_intra: bool = False
     intra_bus_gbps: float | None = None
     intra_port_gbps: float | None = None
+    kernel_q_rows: float = 0.0
+    kernel_k_rows: float = 0.0
+    head_dim_factors: tuple[tuple[float, float], ...] = ()
+    comm_slowdown: float = 0.0
+    concurrency_penalty: float = 0.0
+    cross_burst_kb: float = 0.0
+    intra_burst_kb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.nic not in NICS:
@@ -73,7 +98,9 @@ class Cluster:
         for name in ("intra_gbps", "cross_gbps", "tflops", "bwd_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        for name in ("latency_us", "op_overhead_us", "msg_cpu_us", "cpu_ns_per_byte"):
+        for name in ("latency_us", "op_overhead_us", "msg_cpu_us", "cpu_ns_per_byte",
+                     "kernel_q_rows", "kernel_k_rows", "comm_slowdown", "concurrency_penalty",
+                     "cross_burst_kb", "intra_burst_kb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("merge_gbps", "intra_bus_gbps", "intra_port_gbps"):
@@ -84,6 +111,11 @@ class Cluster:
             raise ValueError(f"cores must be >= 1 or None, got {self.cores!r}")
         if self.cpu_ns_per_byte and self.cores is None:
             raise ValueError("cpu_ns_per_byte needs a shared compute pool: set cores")
+        factors = tuple((float(d), float(f)) for d, f in self.head_dim_factors)
+        if any(f <= 0 or d <= 0 for d, f in factors) or list(factors) != sorted(factors):
+            raise ValueError("head_dim_factors must be (head_dim, factor > 0) pairs sorted by "
+                             f"head_dim, got {self.head_dim_factors!r}")
+        object.__setattr__(self, "head_dim_factors", factors)  # lists from JSON -> tuples
 
     def with_(self, **changes: object) -> Cluster:
         """A copy with some fields changed (``None`` values are ignored, for CLI overrides)."""
@@ -112,6 +144,16 @@ class Cluster:
                 parts.append(f"{getattr(self, name):g} {unit}")
         if self.bwd_factor != 2.5:
             parts.append(f"bwd x{self.bwd_factor:g}")
+        if self.kernel_q_rows or self.kernel_k_rows:
+            parts.append(f"tile rows q {self.kernel_q_rows:g} kv {self.kernel_k_rows:g}")
+        if self.head_dim_factors:
+            parts.append("head dim " + "/".join(f"{d:g}:{f:g}" for d, f in self.head_dim_factors))
+        if self.comm_slowdown:
+            parts.append(f"compute +{self.comm_slowdown:.0%} under comm")
+        if self.concurrency_penalty:
+            parts.append(f"concurrency penalty {self.concurrency_penalty:g}")
+        if self.cross_burst_kb or self.intra_burst_kb:
+            parts.append(f"burst cross {self.cross_burst_kb:g} / intra {self.intra_burst_kb:g} KiB")
         return ", ".join(parts)
 
 
@@ -120,66 +162,32 @@ CLUSTER_FIELDS = tuple(f.name for f in fields(Cluster))
 
 @dataclass(frozen=True)
 class Profile:
-    """A named cluster with its default topology and where the numbers come from."""
+    """A named cluster with its default topology and where the numbers come from.
+
+    ``fit`` is what a calibration recorded (data it was fitted on, residuals; JSON-able);
+    ``origin`` the file it was read from (``None``: built in).
+    """
 
     name: str
     cluster: Cluster
     topology: str
     source: str
-
-
-# Bandwidths: the CHARM+ paper's Table 2 (NCCL / RDMA unidirectional P2P tests). Attention
-# rates are assumptions (docs/model.md): a fraction of the bf16 dense peak that FlashAttention-2
-# class kernels sustain on long blocks; override with --tflops. Merge rates: ~1/4 of HBM
-# bandwidth (a merge reads the fp32 accumulator and the partial and writes the accumulator).
-PROFILES: dict[str, Profile] = {
-    "l20-pcie": Profile(
-        "l20-pcie",
-        Cluster(intra_gbps=24.0, cross_gbps=14.7, tflops=60.0, nic="node", latency_us=10.0,
-                cross_via_intra=True, merge_gbps=200.0, op_overhead_us=10.0),
-        "2x4",
-        "8x L20 in one dual-NUMA PCIe node (paper Table 2: 24.0 GB/s intra-NUMA, 14.7 GB/s "
-        "cross-NUMA); cross traffic shares the inter-socket path (nic=node) and each GPU's x16 "
-        "link; L20 119.5 TFLOP/s bf16 peak, assumed 50% sustained in attention",
-    ),
-    "h20": Profile(
-        "h20",
-        Cluster(intra_gbps=297.2, cross_gbps=42.6, tflops=90.0, nic="rank", latency_us=10.0,
-                merge_gbps=1000.0, op_overhead_us=10.0, intra_port_gbps=450.0),
-        "2x8",
-        "2 nodes x 8 H20, NVLink intra (297.2 GB/s per message, Table 2; 450 GB/s per port, "
-        "NVLink4's 900 GB/s bidirectional), one RDMA NIC per GPU (42.6 GB/s), paper Table 2; H20 148 TFLOP/s bf16 peak, assumed 60% sustained in attention (H20 is "
-        "compute-poor and memory-rich, so attention runs close to its peak)",
-    ),
-    "h100": Profile(
-        "h100",
-        Cluster(intra_gbps=365.1, cross_gbps=42.5, tflops=350.0, nic="rank", latency_us=10.0,
-                merge_gbps=800.0, op_overhead_us=10.0, intra_port_gbps=450.0),
-        "2x8",
-        "H100 SXM nodes of 8, NVLink intra (365.1 GB/s per message, 450 GB/s per port), one "
-        "RDMA NIC per GPU (42.5 GB/s), paper Table 2 (2x8 and 4x8 runs: pass --topology 4x8); 989 TFLOP/s bf16 peak, "
-        "assumed 350 sustained (FlashAttention-2 level; FlashAttention-3 reaches ~600+)",
-    ),
-    "cpu-testbed": Profile(
-        "cpu-testbed",
-        Cluster(intra_gbps=10.0, cross_gbps=0.12, tflops=0.07, nic="node", latency_us=50.0,
-                cores=2, cpu_ns_per_byte=0.6, msg_cpu_us=100.0, merge_gbps=2.0,
-                op_overhead_us=200.0, bwd_factor=2.5),
-        "2x4",
-        "UNCALIBRATED sketch of the 2-vCPU emulated cluster of CPU-TESTBED.md: ranks share 2 "
-        "cores; 1 Gbit tbf per node namespace (0.12 GB/s, nic=node); loopback copies cost "
-        "~0.6 ns/B of CPU (aggregate ~3.2 GB/s on 2 cores); fp32 CPU flash attention "
-        "~70 GFLOP/s per core",
-    ),
-}
+    fit: dict = field(default_factory=dict, compare=False, hash=False)
+    origin: str | None = field(default=None, compare=False, hash=False)
 
 
 def get_profile(name: str) -> Profile:
-    """The profile called ``name``; :class:`ValueError` lists the known ones."""
+    """The built-in profile called ``name``, or the profile file at path ``name`` (a ``.json``
+    written by ``charm-megatron model --calibrate``); :class:`ValueError` lists the known ones."""
+    from charm_megatron.model.profile_io import is_profile_path, load_profile
+
+    if is_profile_path(name):
+        return load_profile(name)
     try:
         return PROFILES[name]
     except KeyError:
-        raise ValueError(f"unknown profile {name!r}; choose one of {', '.join(PROFILES)}") from None
+        raise ValueError(f"unknown profile {name!r}; choose one of {', '.join(PROFILES)} or "
+                         "give the path of a profile file (.json)") from None
 
 
 # The generic guess: a modern GPU node (NVLink-class intra links, one ~200 Gb/s NIC per GPU).
@@ -201,3 +209,12 @@ def default_cluster_for(groups: Sequence[Sequence[int]]) -> Cluster:
     cross = _GENERIC_INTRA_GBPS / _GENERIC_CROSS_RATIO if num_groups > 1 else _GENERIC_INTRA_GBPS
     return Cluster(intra_gbps=_GENERIC_INTRA_GBPS, cross_gbps=cross, tflops=_GENERIC_TFLOPS,
                    nic="rank", latency_us=10.0)
+
+
+def _builtin() -> dict[str, Profile]:
+    from charm_megatron.model.profile_io import builtin_profiles
+
+    return builtin_profiles()
+
+
+PROFILES: dict[str, Profile] = _builtin()

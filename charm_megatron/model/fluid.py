@@ -20,7 +20,8 @@ class Job:
     """One activity: ``remaining`` work, its resource use per unit rate, its cap.
 
     ``rate = weight * level``; ``uses`` maps resource -> consumption per unit of *rate*;
-    ``cap`` bounds the rate (``inf``: only resources bound it).
+    ``cap`` bounds the rate (``inf``: only resources bound it). ``tag`` says what the job is
+    (``("compute", rank)`` or ``("msg", src, dst)``) for :mod:`charm_megatron.model.effects`.
     """
 
     remaining: float
@@ -28,6 +29,7 @@ class Job:
     weight: float = 1.0
     cap: float = math.inf
     rate: float = 0.0
+    tag: tuple = ()
 
 
 def allocate(jobs: Sequence[Job], capacity: Mapping[Hashable, float]) -> None:

@@ -14,9 +14,11 @@ Semantics (the executor's, on NCCL):
 * a message waits ``latency_us``, then moves its bytes over its links, sharing each link
   max-min fairly with whatever else is in flight (:mod:`charm_megatron.model.fluid`).
 
-This is a model, not the executor: no kernel/communication interference on a GPU (NCCL's SMs),
-no protocol effects (chunking, PCIe packet overheads), no memory-bandwidth contention beyond
-``merge_gbps``. docs/model.md lists what is in and out.
+Second-order effects (kernel rate against tile size and head dim, compute slowed while messages
+move, links delivering less under concurrency) live in :mod:`charm_megatron.model.effects`,
+called where a tile is priced and before each fair-share allocation. No protocol effects
+(chunking, PCIe packet overheads), no memory-bandwidth contention beyond ``merge_gbps``.
+docs/model.md lists what is in and out.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
+from charm_megatron.model import effects
 from charm_megatron.model.cluster import Cluster
 from charm_megatron.model.fluid import Job, allocate
 from charm_megatron.plan.core import Comm, Merge, Plan, Reset, Tile, TileBwd, TileSpec, Wait, Xfer
@@ -123,6 +126,7 @@ class _Engine:
         self._seq = 0
         self.ready: set[int] = set(range(self.n))
         self.capacity = self._capacities()
+        self.buckets = effects.burst_buckets(cluster, self.capacity)
         # A transfer on a CPU testbed is one thread: its level is in cores (see fluid.Job).
         c = cluster.cpu_ns_per_byte * 1e-9
         self.flow_weight = 1.0 / c if c else 1.0
@@ -180,13 +184,16 @@ class _Engine:
             return self._merge_s(self.loc_bytes[r].get(op.src, 0.0)) + over
         s = op.spec
         flops = tile_flops(s, p, n) * (cl.bwd_factor if isinstance(op, TileBwd) else 1.0)
+        rows = p.s / n
+        eff = effects.kernel_efficiency(cl, rows * s.q_half.fraction, rows * s.kv_half.fraction,
+                                        p.d)
         # The executor folds each tile's result into its accumulators: that is a merge too.
         if isinstance(op, Tile):
             folded = p.block_bytes("out", n) * s.q_half.fraction
         else:
             folded = (p.block_bytes("dq", n) * s.q_half.fraction
                       + p.block_bytes("dkv", n) * s.kv_half.fraction)
-        return flops / (cl.tflops * 1e12) + self._merge_s(folded) + over
+        return flops / (cl.tflops * 1e12 * eff) + self._merge_s(folded) + over
 
     # ---------------------------------------------------------------- jobs and timers
     def _start_compute(self, r: int, seconds: float, is_work: bool = True) -> None:
@@ -206,7 +213,8 @@ class _Engine:
             done()
             return
         res: Hashable = "pool" if self.cl.cores else ("dev", r)
-        self.jobs.append((Job(seconds, ((res, 1.0),), 1.0, 1.0), seconds, done))
+        self.jobs.append((Job(seconds, ((res, 1.0),), 1.0, 1.0, tag=("compute", r)), seconds,
+                          done))
 
     def _at(self, when: float, fn: Callable[[], None]) -> None:
         self._seq += 1
@@ -266,13 +274,31 @@ class _Engine:
         nbytes = self._bytes(x)
         uses, cap = self._flow(sb.rank, x.peer)
 
+        tag = ("msg", sb.rank, x.peer)
+
         def start() -> None:
             if nbytes <= 0:
                 arrived()
                 return
-            self.jobs.append((Job(nbytes, uses, self.flow_weight, cap), nbytes, arrived))
+            self._move(effects.split_burst(self.buckets, uses, nbytes), cap, tag, arrived)
 
         self._at(self.t + self.cl.latency_us * 1e-6, start)
+
+    def _move(self, phases: list, cap: float, tag: tuple, arrived: Callable[[], None]) -> None:
+        """Move a message's phases one after another (see effects.split_burst)."""
+        nbytes, uses = phases[0]
+        rest = phases[1:]
+
+        def done() -> None:
+            if rest:
+                self._move(rest, cap, tag, arrived)
+            else:
+                arrived()
+
+        if not uses and cap == math.inf:
+            done()  # nothing limits it (all links bucketed, no CPU cost): instant
+            return
+        self.jobs.append((Job(nbytes, uses, self.flow_weight, cap, tag=tag), nbytes, done))
 
     def _complete(self, b: _Batch) -> None:
         b.done = True
@@ -332,7 +358,9 @@ class _Engine:
                 break
             dt = math.inf
             if self.jobs:
-                allocate([j for j, _, _ in self.jobs], self.capacity)
+                jobs = [j for j, _, _ in self.jobs]
+                effects.compute_caps(self.cl, jobs)
+                allocate(jobs, effects.link_capacity(self.cl, self.capacity, jobs))
                 for j, _, _ in self.jobs:
                     if j.rate > 0:
                         dt = min(dt, j.remaining / j.rate)

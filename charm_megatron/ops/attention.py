@@ -17,15 +17,13 @@ from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent
 from charm_megatron.ops.failsafe import GuardedBackend
 from charm_megatron.ops.options import CPOptions, kernel_backend, resolve
 from charm_megatron.ops.streams import StreamGroups, control_timeout_s, rebuild, stream_groups
-from charm_megatron.plan.builders import ALGOS as PLAN_ALGOS
-from charm_megatron.plan.builders import build_plan
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.registry import CHOICES, build_plan, uses_topology
 from charm_megatron.plan.validate import validate
-from charm_megatron.topology.resolve import _FLAT_ALGOS as FLAT_ALGOS
 
-# What ``algo`` accepts: the plan algorithms, and ``auto`` (the performance model picks one).
-ALGOS = (*PLAN_ALGOS, "auto")
+# What ``algo`` accepts: the registered algorithms, and ``auto`` (the performance model picks one).
+ALGOS = CHOICES
 
 
 def _plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool,
@@ -138,7 +136,7 @@ def _resolve(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch
         problem = Problem(q.shape[1], q.shape[0] * cp_size, q.shape[2], k.shape[2], q.shape[3],
                           q.element_size())
         algo = choose_algo_cached(groups, problem, causal=causal)
-    return algo, (groups if algo == "charm" else flat)
+    return algo, (groups if uses_topology(algo) else flat)
 
 
 def cp_attention(
@@ -152,6 +150,8 @@ def cp_attention(
     causal: bool = True,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_padded: torch.Tensor | None = None,
     options: CPOptions | None = None,
 ):
     """Context-parallel attention over the CP process group ``group``.
@@ -173,6 +173,10 @@ def cp_attention(
         causal: causal mask over the full sequence.
         softmax_scale: defaults to ``1/sqrt(d)``.
         return_lse: also return the log-sum-exp.
+        cu_seqlens, cu_seqlens_padded: packed sequences (THD): q ``[t_local, h_q, d]``,
+            k, v ``[t_local, h_kv, d]``, global cumulative real / padded document lengths
+            (int32, same on every rank), Megatron's THD CP layout; out ``[t_local, h_q, d]``,
+            lse ``[h_q, t_local]``. See :mod:`charm_megatron.ops.packed` and docs/api.md.
         options: a :class:`~charm_megatron.ops.options.CPOptions` (pass order, timeout, kernel
             backend, checks, ablation); ``None`` reads them from the ``CHARM_*`` environment
             variables, once, here (docs/api.md).
@@ -191,6 +195,19 @@ def cp_attention(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cp_attention: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group (or run under torchrun) first")
+    if cu_seqlens is not None or cu_seqlens_padded is not None:
+        # Packed documents (THD): its own module, the same plans (ops/packed.py), its own
+        # agreement on the lengths (the checks of the failure model are not wired there yet).
+        from charm_megatron.ops.packed import packed_cp_attention
+
+        if algo not in ALGOS:
+            raise ValueError(f"cp_attention: unknown algo {algo!r}; choose one of "
+                             f"{', '.join(ALGOS)}")
+        return packed_cp_attention(q, k, v, cu_seqlens=cu_seqlens,
+                                   cu_seqlens_padded=cu_seqlens_padded, group=group, algo=algo,
+                                   topology=topology, causal=causal,
+                                   softmax_scale=softmax_scale, return_lse=return_lse,
+                                   options=resolve(options))
     cp_size = dist.get_world_size(group)
     opts, scale, error = None, softmax_scale, None
     try:  # this rank's own checks; the verdict is shared by the agreement check below
@@ -212,7 +229,7 @@ def cp_attention(
         agreement.agree(sig, sg.control, cp_size, timeout_s, error)
     elif error is not None:
         raise error
-    if topology is None and algo not in FLAT_ALGOS:
+    if topology is None and uses_topology(algo):
         # The options' default (CHARM_TOPOLOGY) or the probe, passed explicitly so that the
         # topology code never reads the environment behind the options' back.
         topology = opts.topology or "auto"

@@ -216,6 +216,14 @@ class Executor:
         if op.kind == "out":
             buf.tensors[1].fill_(float("-inf"))
 
+    # The kernel calls of a tile; ops/packed.py's PackedExecutor overrides them to compute a
+    # packed (THD) tile document by document.
+    def _kernel_forward(self, spec, q, k, v):
+        return self.backend.forward(q, k, v, spec.causal, self.scale)
+
+    def _kernel_backward(self, spec, dout, q, k, v, out, lse):
+        return self.backend.backward(dout, q, k, v, out, lse, spec.causal, self.scale)
+
     def _tile(self, op: Tile) -> None:
         s = op.spec
         if not self.compute:
@@ -224,7 +232,7 @@ class Executor:
             return
         (q,) = self._view(op.q_loc, s.q_half)
         k, v = self._view(op.kv_loc, s.kv_half)
-        out, lse = self.backend.forward(q, k, v, s.causal, self.scale)
+        out, lse = self._kernel_forward(s, q, k, v)
         if op.fresh:
             # Kept as the kernel made it (input dtype, the tile's rows only): it is sent on.
             self.bufs[op.acc] = _Buf((out, lse.permute(2, 0, 1)), held=s.q_half, kind="out")
@@ -243,9 +251,8 @@ class Executor:
             return
         q, dout, stats = self._view(op.q_loc, s.q_half)
         k, v = self._view(op.kv_loc, s.kv_half)
-        dq, dk, dv = self.backend.backward(
-            dout, q, k, v, _out_with_delta(dout, stats[..., 1]),
-            stats[..., 0].permute(1, 2, 0), s.causal, self.scale,
+        dq, dk, dv = self._kernel_backward(
+            s, dout, q, k, v, _out_with_delta(dout, stats[..., 1]), stats[..., 0].permute(1, 2, 0)
         )
         qr, kr = _rows(s.q_half, self.shape.s), _rows(s.kv_half, self.shape.s)
         if op.fresh_dq:

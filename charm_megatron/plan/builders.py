@@ -1,7 +1,8 @@
 """Plan builders: ring (TransformerEngine ``p2p``), RM+ and CHARM+ (ALGORITHM.md §3–§6).
 
-Each builder returns a :class:`~charm_megatron.plan.core.Plan` for every CP rank. RM+ is CHARM+
-with a single group, so one builder serves both.
+Each builder returns one CP rank's op list; :mod:`charm_megatron.plan.registry` names them and
+assembles the :class:`~charm_megatron.plan.core.Plan` (``build_plan``). RM+ is CHARM+ with a
+single group, so one builder serves both.
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from charm_megatron.plan.core import (
 )
 from charm_megatron.plan.pairing import group_rounds, rmplus_rounds
 
-ALGOS = ("ring", "rmplus", "charm")
-
 
 class _Program:
     """Accumulates one rank's ops and hands out batch handles."""
@@ -42,34 +41,6 @@ class _Program:
 
     def add(self, op: Op) -> None:
         self.ops.append(op)
-
-
-def build_plan(
-    algo: str,
-    direction: str,
-    groups: Sequence[Sequence[int]],
-    causal: bool,
-    order: str = "split",
-) -> Plan:
-    """The plan of ``algo`` (``ring``, ``rmplus``, ``charm``) for ``direction`` (``forward`` or
-    ``backward``) on CP ranks partitioned into ``groups`` (CP-local ranks). ``order`` is the
-    CHARM+ pass order (``split`` or ``joint``, see :class:`_CharmRank`)."""
-    groups_t = tuple(tuple(g) for g in groups)
-    n = sum(len(g) for g in groups_t)
-    if algo not in ALGOS:
-        raise ValueError(f"unknown algo {algo!r}; choose one of {', '.join(ALGOS)}")
-    if direction not in ("forward", "backward"):
-        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
-    if algo in ("ring", "rmplus"):
-        groups_t = (tuple(range(n)),)
-    plan = Plan(algo, direction, n, groups_t, causal)
-    for rank in range(n):
-        if algo == "ring":
-            ops = _ring(rank, n, causal, direction == "backward")
-        else:
-            ops = _CharmRank(rank, groups_t, causal, direction == "backward", order).build()
-        plan.ops.append(ops)
-    return plan
 
 
 # --------------------------------------------------------------------------------------- ring

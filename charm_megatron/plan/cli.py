@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from charm_megatron.plan.builders import ALGOS, build_plan
 from charm_megatron.plan.cost import add_problem_args, problem_from_args, traffic
+from charm_megatron.plan.registry import ALGORITHM_NAMES, build_plan, get, names
 from charm_megatron.plan.validate import validate
+from charm_megatron.topology import Topology
 
 
 def register(parser: argparse.ArgumentParser) -> None:
@@ -14,7 +15,9 @@ def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--topology", default="flat", help="e.g. 2x8, 0-7,8-15, flat")
     parser.add_argument("--causal", action="store_true", help="causal mask (load-balanced)")
     parser.add_argument("--rank", type=int, default=None, help="print this rank's schedule")
-    parser.add_argument("--algo", choices=ALGOS, default="charm", help="schedule to print")
+    parser.add_argument("--algo", choices=ALGORITHM_NAMES, default="charm",
+                        help="schedule to print: " + "; ".join(
+                            f"{a}: {get(a).description}" for a in names()))
     parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
     add_problem_args(parser)
 
@@ -24,8 +27,6 @@ def _mb(x: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from charm_megatron.topology import Topology
-
     topo = Topology.parse(args.topology, cp_size=args.cp)
     topo.check_size(args.cp)
     groups = [list(g) for g in topo.groups]
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
               f"{'cross max':>10} {'cross total':>11}")
     print(header)
     for direction in ("forward", "backward"):
-        for algo in ALGOS:
+        for algo in names():
             plan = build_plan(algo, direction, groups, args.causal)
             stats = validate(plan)
             t = traffic(plan, problem, groups)

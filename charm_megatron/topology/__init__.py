@@ -2,7 +2,7 @@
 
 * :class:`Topology` - ``G`` groups of ``M`` CP-local ranks; parse / print ``2x4``, ``0-3,4-7``,
   ``0,2,4,6/1,3,5,7``, ``flat``.
-* :func:`probe` / ``Topology.probe`` - a collective that gathers host and NUMA facts per rank and
+* :func:`probe` (``probe(group, level).topology``) - a collective that gathers host and NUMA facts per rank and
   groups them (:func:`group_facts` is the pure decision).
 * :func:`resolve_topology` - argument, then ``CHARM_TOPOLOGY``, then the probe.
 

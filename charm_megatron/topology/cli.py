@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from charm_megatron.topology.core import Topology, format_ranks
-from charm_megatron.topology.probing import LEVELS, ProbeResult, RankFacts
+from charm_megatron.topology.probing import LEVELS, ProbeResult, RankFacts, probe
+from charm_megatron.topology.resolve import ENV_VAR, resolve_topology
 
 __all__ = ["launcher_env", "register", "run"]
 
@@ -247,9 +248,6 @@ def _describe(idx: int, members: list[int], result: ProbeResult, chosen: Topolog
 def run(args: argparse.Namespace) -> int:
     """Probe, gather, print on global rank 0; returns 0, or 2 on a usage error."""
     import torch.distributed as dist
-
-    from charm_megatron.topology.probing import probe
-    from charm_megatron.topology.resolve import ENV_VAR, resolve_topology
 
     ours = _init(args)
     try:

@@ -20,13 +20,11 @@ the same local index in the other groups.
 
 from __future__ import annotations
 
+import operator
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # pragma: no cover
-    from charm_megatron.topology.probing import ProbeLevel
+from typing import Any
 
 __all__ = ["Topology", "format_ranks"]
 
@@ -91,13 +89,6 @@ class Topology:
         if cp_size is not None:
             topo.check_size(cp_size)
         return topo
-
-    @classmethod
-    def probe(cls, group: Any = None, level: ProbeLevel = "auto") -> Topology:
-        """Probe the topology of the CP process group ``group`` (collective; see ``probe``)."""
-        from charm_megatron.topology.probing import probe
-
-        return probe(group, level).topology
 
     # ----------------------------------------------------------------- properties
     @property
@@ -184,8 +175,6 @@ def format_ranks(ranks: Sequence[int]) -> str:
 def _as_int(value: Any, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         try:
-            import operator
-
             return operator.index(value)
         except TypeError:
             raise ValueError(f"{what} must be an integer, got {value!r}") from None
@@ -258,7 +247,7 @@ def _parse(text: str, cp_size: int | None) -> Topology:
     if low in ("auto", "node", "numa"):
         raise ValueError(
             f"'{s}' is a probe level, not a topology: resolve it with resolve_topology() or "
-            f"Topology.probe(group, level='{low}'), or give a topology: {_SYNTAX_HINT}"
+            f"charm_megatron.topology.probe(group, level='{low}'), or give a topology: {_SYNTAX_HINT}"
         )
     m = _GXM.match(s)
     if m:

@@ -279,7 +279,7 @@ def probe(group: Any = None, level: str = "auto", *, warn: bool = True) -> Probe
 
     if not (dist.is_available() and dist.is_initialized()):
         if group is not None:
-            raise ValueError("Topology.probe(group=...) needs an initialised torch.distributed")
+            raise ValueError("probe(group=...) needs an initialised torch.distributed")
         key: tuple = ("no-dist", level)
         if key not in _CACHE:
             _CACHE[key] = group_facts([local_facts(0, 0)], level)

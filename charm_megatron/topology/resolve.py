@@ -5,14 +5,13 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from charm_megatron.plan.registry import uses_topology
 from charm_megatron.topology.core import Topology
 from charm_megatron.topology.probing import LEVELS, probe
 
 __all__ = ["ENV_VAR", "resolve_topology"]
 
 ENV_VAR = "CHARM_TOPOLOGY"
-# Algorithms that ignore groups: ring and RM+ treat the CP group as flat unless told otherwise.
-_FLAT_ALGOS = ("ring", "rmplus")
 
 
 def resolve_topology(
@@ -22,8 +21,9 @@ def resolve_topology(
 
     Precedence: an explicit ``topology`` (a :class:`Topology` or a string: ``GxM``, ``flat``,
     explicit groups, or a probe level ``auto|node|numa``) beats ``CHARM_TOPOLOGY`` (same syntax),
-    which beats the probe at level ``auto``. With ``topology=None``, ``algo`` ``ring`` and
-    ``rmplus`` get flat (the env var is for CHARM+); any other algo uses the env var or the probe.
+    which beats the probe at level ``auto``. With ``topology=None``, an ``algo`` registered as not
+    using the topology (ring, rmplus) gets flat (the env var is for CHARM+); any other algo uses
+    the env var or the probe.
 
     The only communication is the probe's one cached all-gather, so every rank reaches the same
     result provided all ranks pass the same ``topology`` and see the same ``CHARM_TOPOLOGY``.
@@ -32,7 +32,7 @@ def resolve_topology(
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive integer, got {cp_size!r}")
     if topology is None:
-        if algo in _FLAT_ALGOS:
+        if not uses_topology(algo):
             return Topology.flat(cp_size)
         env = os.environ.get(ENV_VAR, "").strip()
         source = f"{ENV_VAR}={env!r}"

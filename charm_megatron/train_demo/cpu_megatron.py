@@ -28,6 +28,8 @@ import logging
 import warnings
 from typing import Any
 
+from charm_megatron.layout import shard
+
 __all__ = ["cpu_config_kwargs", "init_parallel", "patch_for_cpu", "quiet_megatron"]
 
 _PATCHED = False
@@ -41,8 +43,6 @@ def patch_for_cpu() -> None:
     import megatron.core.models.common.embeddings.rotary_pos_embedding as rope
     import torch
     from megatron.core.tensor_parallel import random as mrandom
-
-    from charm_megatron.layout import shard
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
 

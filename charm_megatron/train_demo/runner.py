@@ -30,6 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from charm_megatron.emulate import EmulatedCluster, available, run_ranks_in_cluster
+from charm_megatron.launch.args_cli import build_argv, command
+from charm_megatron.launch.compare import DEFAULT_SKIP, compare, format_table, parse_log, write_csv
+from charm_megatron.launch.config import ConfigError, list_runs, load_config, parse_set
+from charm_megatron.local_ranks import RankFailure, run_ranks
+from charm_megatron.topology import Topology
+from charm_megatron.train_demo.train import TrainSpec, summarize, train_rank
+
 __all__ = ["DEFAULT_CONFIG", "DEFAULT_RUN", "DemoResult", "add_arguments", "main", "run_demo"]
 
 DEFAULT_CONFIG = "gpt-tiny-cpu"
@@ -88,16 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _parse_overrides(items: Sequence[str]) -> dict[str, str]:
-    from charm_megatron.launch.config import parse_set
-
     return parse_set(list(items))
 
 
 def _write_meta(cfg: Any, comm: str, path: Path, extra: dict[str, Any]) -> None:
     """``meta.json`` as ``scripts/slurm/launch.sh`` writes it (``args --format json``), plus
     what the demo adds (link, rates)."""
-    from charm_megatron.launch.args_cli import build_argv, command
-
     payload = dict(cfg.summary(), comm_type=comm, command=command(cfg, comm, "python"),
                    argv=build_argv(cfg, comm), demo=extra)
     path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
@@ -105,8 +109,6 @@ def _write_meta(cfg: Any, comm: str, path: Path, extra: dict[str, Any]) -> None:
 
 def _link_mode(requested: str) -> tuple[str, str]:
     """(``netns`` | ``loopback``, why)."""
-    from charm_megatron.emulate import available
-
     if requested == "loopback":
         return "loopback", "--link loopback"
     ok, why = available()
@@ -137,17 +139,6 @@ def run_demo(
     process's stdout). Raises ``ConfigError`` for a bad config / override, ``RankFailure`` when
     a rank fails; returns :class:`DemoResult` otherwise.
     """
-    from charm_megatron.launch.compare import (
-        DEFAULT_SKIP,
-        compare,
-        format_table,
-        parse_log,
-        write_csv,
-    )
-    from charm_megatron.launch.config import list_runs, load_config
-    from charm_megatron.topology import Topology
-    from charm_megatron.train_demo.train import summarize, train_rank
-
     def say(text: str = "") -> None:
         print(text, file=stream or sys.stdout, flush=True)
 
@@ -187,8 +178,6 @@ def run_demo(
     measured_cross: float | None = None
     t_start = time.perf_counter()
     if mode == "netns":
-        from charm_megatron.emulate import EmulatedCluster, run_ranks_in_cluster
-
         if topology.num_groups < 2:
             raise ValueError(f"topology {topology} has one group: nothing to put on a slow link")
         if [list(g) for g in topology.groups] != [
@@ -215,8 +204,6 @@ def run_demo(
             per_rank = run_ranks_in_cluster(cluster, train_rank, spec, timeout_s=timeout_s,
                                             pg_timeout_s=120.0)
     else:
-        from charm_megatron.testing import run_ranks
-
         say(f"  link: LOOPBACK - no slow link is emulated ({why}); every rank talks over "
             "this machine's loopback, so the times below show overheads, not the cross-node "
             "effect CHARM+ targets (run as root with iproute2 for the emulated cluster)")
@@ -286,8 +273,6 @@ def run_demo(
 
 def _spec(cfg: Any, v: dict[str, Any], comm_types: Sequence[str], log_paths: dict[str, Path],
           topology: str, warmup: int) -> Any:
-    from charm_megatron.train_demo.train import TrainSpec
-
     return TrainSpec(config_name=cfg.config_name, run_name=cfg.run_name, values=v,
                      comm_types=tuple(comm_types),
                      log_paths={c: str(p) for c, p in log_paths.items()},
@@ -305,9 +290,6 @@ def _prepare_dirs(cfg: Any, comm_types: Sequence[str], log_paths: dict[str, Path
 
 def main(args: argparse.Namespace) -> int:
     """Run the demo from parsed :func:`add_arguments` options; the exit status."""
-    from charm_megatron.launch.config import ConfigError
-    from charm_megatron.testing import RankFailure
-
     try:
         result = run_demo(config=args.config, run=args.run,
                           overrides=_parse_overrides(args.overrides), out=args.out,

@@ -34,6 +34,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from charm_megatron.train_demo.cpu_megatron import cpu_config_kwargs, init_parallel, quiet_megatron
 from charm_megatron.train_demo.megatron_log import (
     IterationRecord,
     argument_dump,
@@ -64,8 +65,6 @@ class TrainSpec:
 # --------------------------------------------------------------------------- building blocks
 def _transformer_config(v: dict[str, Any], comm: str) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from charm_megatron.train_demo.cpu_megatron import cpu_config_kwargs
 
     return TransformerConfig(
         num_layers=v["num_layers"],
@@ -262,8 +261,6 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, list[dict]]:
     """Train one model per comm type on this rank (see the module docstring); global rank 0
     writes the Megatron-LM logs and prints the progress bar. Returns per comm type the
     iteration records (every rank returns the same values)."""
-    from charm_megatron.train_demo.cpu_megatron import init_parallel, quiet_megatron
-
     quiet_megatron()
     from megatron.core import parallel_state as ps
 

@@ -6,7 +6,7 @@
 # Options (environment defaults in brackets):
 #   --config C          config file or packaged name [CHARM_CONFIG]
 #   --run R             run name under runs: [CHARM_RUN]
-#   --comm T            --cp-comm-type: p2p, a2a, allgather, ring, rmplus, charm [CHARM_COMM, charm]
+#   --comm T            --cp-comm-type (`charm-megatron args --list-comm-types`) [CHARM_COMM, charm]
 #   --nodes N           override the config's parallel.nodes [CHARM_NODES]
 #   --gpus-per-node G   override the config's parallel.gpus_per_node [CHARM_GPUS_PER_NODE]
 #   --set KEY=VALUE     config override or variable (DATA_PATH=...), repeatable

@@ -43,6 +43,11 @@ else
     mapfile -t runs <<< "$listed"
 fi
 ((${#comms[@]} > 0)) || die "--comm: no comm types"
+# Check every comm type before the first submission (the accepted list comes from the CLI).
+known=$("${cm[@]}" args --list-comm-types) || exit 2
+for comm in "${comms[@]}"; do
+    grep -qxF -- "$comm" <<< "$known" || die "--comm: '$comm' is not one of $(paste -sd, - <<< "$known")"
+done
 ((${#runs[@]} > 0)) || die "no runs"
 
 if ((dry_run)); then

@@ -2,7 +2,7 @@
 
 * ``torchrun``: this process is one rank (env:// rendezvous, NCCL on GPUs with
   ``device = LOCAL_RANK``, gloo on CPU); rank 0 gathers everyone's measurements.
-* ``local``: ``--ranks N`` gloo processes on this machine (``charm_megatron.testing.run_ranks``);
+* ``local``: ``--ranks N`` gloo processes on this machine (``charm_megatron.local_ranks.run_ranks``);
   all links are loopback.
 * ``netns``: an :class:`~charm_megatron.emulate.EmulatedCluster` (network namespaces joined by
   ``tc tbf`` links); always torn down, on every exit path (the cluster's context manager plus
@@ -20,7 +20,16 @@ import tempfile
 from typing import Any
 
 from charm_megatron.bench.analysis import RunInfo
+from charm_megatron.bench.links import SoftwareLinkSetup
 from charm_megatron.bench.measure import Job, rank_main
+from charm_megatron.emulate import (
+    EmulatedCluster,
+    SoftwareLinks,
+    list_netns,
+    parse_rate,
+    run_ranks_in_cluster,
+)
+from charm_megatron.local_ranks import run_ranks
 
 
 def _cores(world: int, threads: int) -> int:
@@ -33,8 +42,6 @@ def _cores(world: int, threads: int) -> int:
 
 def run_local(job: Job, world: int, *, timeout_s: float, pg_timeout_s: float) -> tuple[list, RunInfo]:
     """``world`` gloo ranks on this machine, plain loopback."""
-    from charm_megatron.testing import run_ranks
-
     results = run_ranks(rank_main, world, job, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s,
                         threads=job.cfg.threads, env=job.env)
     info = RunInfo("local", world, "cpu", _cores(world, job.cfg.threads))
@@ -46,8 +53,6 @@ def run_local(job: Job, world: int, *, timeout_s: float, pg_timeout_s: float) ->
 def run_netns(job: Job, groups: int, per_group: int, cross: str, intra: str | None, nic: str,
               *, timeout_s: float, pg_timeout_s: float, log=print) -> tuple[list, RunInfo]:
     """Ranks inside an emulated cluster: real TCP through namespaces and ``tbf`` links."""
-    from charm_megatron.emulate import EmulatedCluster, list_netns, run_ranks_in_cluster
-
     world = groups * per_group
     with EmulatedCluster(groups, per_group, cross_rate=cross, intra_rate=intra, nic=nic) as cl:
         log(cl.describe())
@@ -78,10 +83,6 @@ def run_netns(job: Job, groups: int, per_group: int, cross: str, intra: str | No
 def run_software(job: Job, groups: int, per_group: int, cross: str, intra: str | None, nic: str,
                  *, timeout_s: float, pg_timeout_s: float, log=print) -> tuple[list, RunInfo]:
     """Ranks over loopback with the software link model throttling this package's P2P."""
-    from charm_megatron.bench.links import SoftwareLinkSetup
-    from charm_megatron.emulate import SoftwareLinks, parse_rate
-    from charm_megatron.testing import run_ranks
-
     world = groups * per_group
     with tempfile.TemporaryDirectory(prefix="charm-bench-links-") as state:
         spec = SoftwareLinks(groups, per_group, cross, intra, nic, state_dir=state)

@@ -6,6 +6,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from charm_megatron.emulate.cluster import EmulatedCluster, RankPlace, enter
+from charm_megatron.local_ranks import run_ranks
 
 __all__ = ["run_ranks_in_cluster"]
 
@@ -36,8 +37,6 @@ def run_ranks_in_cluster(
     shared). Returns the per-rank results; raises ``RankFailure`` with tracebacks; kills
     stragglers (so the cluster can be torn down right after).
     """
-    from charm_megatron.testing.multiproc import run_ranks
-
     return run_ranks(
         fn, cluster.world_size, *args, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s,
         threads=threads, env=env, setup=_EnterPlace(cluster.places),

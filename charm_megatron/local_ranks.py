@@ -1,6 +1,8 @@
 """Run a function on ``n`` real CPU ranks (processes) joined by a gloo process group.
 
-Used by the test-suite, the demo and the benchmark. Design choices, each for a measured reason
+The package's local launcher: the operator demo, ``bench --ranks`` / ``--emulate``, the emulated
+clusters (:func:`charm_megatron.emulate.run_ranks_in_cluster`), the training demo and the
+test-suite run their ranks with :func:`run_ranks`. Design choices, each for a measured reason
 (see ``shared/docs/CPU-TESTBED.md``):
 
 * processes come from a *forkserver* with torch preloaded: spawning re-imports torch in every

@@ -1,0 +1,193 @@
+"""Regenerate the shipped profiles (``profile_data/*.json``) from their sources.
+
+``python -m charm_megatron.model.refit [--check]`` (from the repository root):
+
+* ``h100``: Table 2's links; FlashAttention-2's H100 kernel curve (:mod:`.paper`) for the
+  kernel rate against tile size and head dim; the overlap slowdown of Lee et al.; the cross
+  rate *fitted on the ring columns of Table 5* (never on its CHARM+ columns);
+* ``h20``: Table 2's links, the cross rate scaled by the fraction of Table 2's rate the H100
+  ring reached (same RDMA NIC class, same test); kernel rate assumed (no published curve);
+* ``l20-pcie``: Table 2's links (PCIe: no ring measurement to fit on); kernel rate assumed;
+* ``cpu-testbed``: ``charm-megatron model --calibrate`` on ``docs/performance/*.csv`` (the
+  quiet-machine bench runs; ring rows only).
+
+``--check`` exits 1 if a shipped file differs from what the sources give now.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from charm_megatron.model import paper
+from charm_megatron.model.calibrate import _sim_ms, coordinate_descent
+from charm_megatron.model.cluster import Cluster, Profile
+from charm_megatron.model.profile_io import PROFILE_DIR, dumps
+from charm_megatron.plan.cost import Problem
+
+# The docs' bench runs predate the bench's intra_rate_mbps / cross_burst_kb columns: the rates
+# the harness printed before those runs (docs/performance.md, "Method") and the emulator's
+# default buckets (charm_megatron.emulate.cluster: 512 KiB cross, 4 MiB intra).
+DOCS_BENCH = "docs/performance/*.csv"
+DOCS_BENCH_INTRA_GBPS = 0.1118
+DOCS_BENCH_CROSS_BURST_KB = 512.0
+DOCS_BENCH_INTRA_BURST_KB = 4096.0
+DOCS_BENCH_CORES = 2
+
+
+def fit_kernel_curve(curve: dict[int, float]) -> tuple[float, float]:
+    """(long-tile TFLOP/s, rows) of ``rate(L) = R / (1 + 2 * rows / L)`` through a curve
+    measured with square tiles of ``L`` rows: least squares of ``1/rate`` on ``1/L``."""
+    xs = [1.0 / L for L in curve]
+    ys = [1.0 / r for r in curve.values()]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    icept = my - slope * mx
+    if icept <= 0 or slope < 0:  # noise (a loaded machine, too few points): no size effect
+        return max(curve.values()), 0.0
+    return 1.0 / icept, slope / (2.0 * icept)
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def kernel_terms() -> dict[str, object]:
+    """Cluster fields from FlashAttention-2's H100 curves (rate at head dim 128 = 1)."""
+    r128, rows128 = fit_kernel_curve(paper.FA2_H100_FWD[128])
+    r256, _ = fit_kernel_curve(paper.FA2_H100_FWD[256])
+    fwd, bwd = paper.FA2_FWD_BWD_UTILISATION
+    return {"kernel_q_rows": _r(rows128), "kernel_k_rows": _r(rows128),
+            "head_dim_factors": ((128.0, 1.0), (256.0, _r(r256 / r128))),
+            "bwd_factor": _r(2.5 * fwd / bwd), "long_tile_tflops_h100": _r(r128)}
+
+
+def table5_problem(row: paper.Table5Row) -> Problem:
+    return Problem(row.b, row.s, paper.TABLE5_HEADS, paper.TABLE5_HEADS, paper.TABLE5_HEAD_DIM,
+                   paper.TABLE5_ELEM)
+
+
+# The fit uses the ring's *forward* only: forward moves the same bytes in both codebases (k and
+# v in bf16). The paper's ring backward takes 3.0x its forward at every row, which is what
+# sending dk/dv in fp32 gives (kv + 2 kv bytes); ours sends them in bf16 (kv + kv), so its
+# backward is a different transfer volume and is reported, not fitted.
+TABLE5_FIT_PASSES = ("fwd",)
+
+
+def table5_ring_error(cluster: Cluster) -> float:
+    """Mean squared log error of the ring's forward against Table 5."""
+    errs = []
+    for row in paper.TABLE5:
+        prob = table5_problem(row)
+        for pas, meas in (("fwd", row.ring_fwd), ("bwd", row.ring_bwd)):
+            if pas not in TABLE5_FIT_PASSES:
+                continue
+            pred = _sim_ms(cluster, row.topology, prob, paper.TABLE5_CAUSAL, "ring", pas)
+            errs.append(math.log(pred / meas) ** 2)
+    return sum(errs) / len(errs)
+
+
+def gpu_profiles() -> dict[str, Profile]:
+    k = kernel_terms()
+    fields = {n: k[n] for n in ("kernel_q_rows", "kernel_k_rows", "head_dim_factors",
+                                "bwd_factor")}
+    slow = paper.OVERLAP_COMPUTE_SLOWDOWN
+    peak, cross, intra = paper.TABLE2["H100"]
+    h100 = Cluster(intra_gbps=intra, cross_gbps=cross, tflops=float(k["long_tile_tflops_h100"]),
+                   nic="rank", latency_us=10.0, merge_gbps=800.0, op_overhead_us=10.0,
+                   intra_port_gbps=450.0, comm_slowdown=slow, **fields)
+    h100, err = coordinate_descent(h100, ("cross_gbps",), table5_ring_error, step=1.5,
+                                   min_step=1.005)
+    h100 = replace(h100, cross_gbps=_r(h100.cross_gbps))
+    eff = h100.cross_gbps / cross
+    fit_h100 = {"method": "charm_megatron.model.refit: cross_gbps by log error on Table 5 ring "
+                          "forward (8 numbers); everything else from published sources",
+                "inputs": {"paper Table 5": "ring"}, "fit_algos": ["ring"],
+                "passes": list(TABLE5_FIT_PASSES), "rms_log_error": round(math.sqrt(err), 4),
+                "cross_fraction_of_table2": round(eff, 4)}
+    src_k = ("kernel: FlashAttention-2 on H100 (FA-3 paper's forward-speed bars), fitted "
+             f"long-tile {k['long_tile_tflops_h100']} TFLOP/s at head dim 128, {k['kernel_q_rows']} "
+             "rows of fixed cost per tile side, head dim 256 at "
+             f"{fields['head_dim_factors'][1][1]}x; backward x{fields['bwd_factor']} "
+             "(FA-2: 73 % / 63 % utilisation); compute +18.9 % while messages move (Lee et al. "
+             "2025)")
+    out = {
+        "h100": Profile(
+            "h100", h100, "2x8",
+            f"H100 SXM nodes of 8: NVLink {intra} GB/s per message (Table 2), 450 GB/s per port "
+            f"(NVLink4); one RDMA NIC per GPU, Table 2 says {cross} GB/s, the ring columns of "
+            f"Table 5 (forward) give {h100.cross_gbps:g} GB/s ({eff:.0%}; fitted, CHARM+ columns unused); "
+            + src_k, fit_h100),
+    }
+    peak20, cross20, intra20 = paper.TABLE2["H20"]
+    h20 = Cluster(intra_gbps=intra20, cross_gbps=_r(cross20 * eff), tflops=_r(0.6 * peak20),
+                  nic="rank", latency_us=10.0, merge_gbps=1000.0, op_overhead_us=10.0,
+                  intra_port_gbps=450.0, comm_slowdown=slow, **fields)
+    out["h20"] = Profile(
+        "h20", h20, "2x8",
+        f"2 nodes x 8 H20: NVLink {intra20} GB/s per message (Table 2), 450 GB/s per port; one "
+        f"RDMA NIC per GPU at Table 2's {cross20} GB/s x {eff:.2f} (the fraction the H100 ring "
+        f"reached; no H20 ring data with a stated problem size); attention assumed 60 % of the "
+        f"{peak20} TFLOP/s peak (no published curve), tile and head-dim shape as H100's",
+        {"method": "no fit: Table 2 and the H100 profile's ring-derived NIC fraction"})
+    peakl, crossl, intral = paper.TABLE2["L20"]
+    l20 = Cluster(intra_gbps=intral, cross_gbps=crossl, tflops=_r(0.5 * peakl), nic="node",
+                  latency_us=10.0, cross_via_intra=True, merge_gbps=200.0, op_overhead_us=10.0,
+                  comm_slowdown=slow, **fields)
+    out["l20-pcie"] = Profile(
+        "l20-pcie", l20, "2x4",
+        f"8x L20 in one dual-NUMA PCIe node (Table 2: {intral} GB/s intra-NUMA, {crossl} GB/s "
+        "cross-NUMA); cross traffic shares the inter-socket path (nic=node) and each GPU's x16 "
+        f"link; attention assumed 50 % of the {peakl} TFLOP/s peak (no published curve)",
+        {"method": "no fit: Table 2 (no L20 ring data with a stated problem size)"})
+    return out
+
+
+def cpu_testbed(paths: list[str], log=None) -> Profile:
+    from charm_megatron.model.calibrate import calibrate
+
+    prof = calibrate(paths, name="cpu-testbed", cores=DOCS_BENCH_CORES,
+                     intra_gbps=DOCS_BENCH_INTRA_GBPS, cross_burst_kb=DOCS_BENCH_CROSS_BURST_KB,
+                     intra_burst_kb=DOCS_BENCH_INTRA_BURST_KB, log=log)
+    return replace(prof, topology="2x4", source=prof.source + "; the 2-vCPU emulated cluster "
+                   "of CPU-TESTBED.md (--nic node layout; --nic rank: see model.testbed)")
+
+
+def all_profiles(bench: list[str], log=None) -> dict[str, Profile]:
+    out = gpu_profiles()
+    out["cpu-testbed"] = cpu_testbed(bench, log)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m charm_megatron.model.refit",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="compare, do not write")
+    ap.add_argument("--bench", default=DOCS_BENCH, help="bench CSVs for cpu-testbed (glob)")
+    args = ap.parse_args(argv)
+    bench = sorted(glob.glob(args.bench))
+    if not bench:
+        raise SystemExit(f"refit: no files match {args.bench!r} (run from the repository root)")
+    stale = []
+    for name, prof in all_profiles(bench, log=print).items():
+        path = Path(PROFILE_DIR) / f"{name}.json"
+        text = dumps(prof)
+        if args.check:
+            if not path.is_file() or path.read_text(encoding="utf-8") != text:
+                stale.append(name)
+        else:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote {path}: {prof.cluster.describe()}")
+    if stale:
+        print(f"stale profiles (rerun python -m charm_megatron.model.refit): {stale}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

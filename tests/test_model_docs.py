@@ -1,0 +1,80 @@
+"""The shipped profiles and docs/model.md are what their sources give now (nothing hand-copied),
+and the one-shot GPU script works on CPU."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from charm_megatron.model import get_profile, load_profile
+from charm_megatron.model.docgen import regenerate
+from charm_megatron.model.measured import file_digest
+from charm_megatron.model.refit import DOCS_BENCH, kernel_terms, table5_ring_error
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_docs_model_md_is_regenerated() -> None:
+    """Every generated block of docs/model.md (but the two slow ones) matches a fresh run."""
+    text = (ROOT / "docs" / "model.md").read_text(encoding="utf-8")
+    _, changed = regenerate(text, fast=True)
+    assert not changed, f"stale blocks, run python -m charm_megatron.model.docgen: {changed}"
+
+
+def test_cpu_testbed_profile_was_fitted_on_the_current_bench_files() -> None:
+    prof = get_profile("cpu-testbed")
+    files = sorted(ROOT.glob(DOCS_BENCH))
+    assert files and prof.fit["inputs"] == file_digest(files), \
+        "docs/performance/*.csv changed: rerun python -m charm_megatron.model.refit"
+    assert prof.fit["fit_algos"] == ["ring"]
+
+
+def test_gpu_profiles_come_from_their_sources() -> None:
+    h100 = get_profile("h100")
+    k = kernel_terms()
+    assert h100.cluster.kernel_q_rows == k["kernel_q_rows"]
+    assert h100.cluster.head_dim_factors == k["head_dim_factors"]
+    assert h100.cluster.tflops == k["long_tile_tflops_h100"]
+    assert h100.fit["fit_algos"] == ["ring"] and h100.fit["passes"] == ["fwd"]
+    # The shipped cross rate is the optimum of the ring-forward fit (to its rounding).
+    err = table5_ring_error(h100.cluster)
+    assert math.sqrt(err) == pytest.approx(h100.fit["rms_log_error"], abs=2e-3)
+    for f in (0.97, 1.03):
+        assert table5_ring_error(replace(h100.cluster,
+                                         cross_gbps=h100.cluster.cross_gbps * f)) > err
+    assert get_profile("h20").cluster.cross_gbps == pytest.approx(
+        42.6 * h100.fit["cross_fraction_of_table2"], rel=1e-3)
+
+
+def test_gpu_check_script_runs_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device",
+                           "cpu", "--tiny", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "FAIL" not in proc.stdout and "correctness:" in proc.stdout
+    prof = load_profile(out)
+    assert prof.fit["checks_ok"] is True and prof.fit["kernel_table"]
+    assert prof.cluster.tflops > 0 and prof.cluster.op_overhead_us > 0
+
+
+def test_gpu_check_reports_a_raising_path_as_failed() -> None:
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    gen = torch.Generator().manual_seed(0)
+    bad = mod._guarded(mod.check_kernel, ("torch", torch.float32, 8, 16, 1, 2, 2, 8, True),
+                       "cpu", gen)
+    assert bad["ok"] is False and "equal q and kv" in bad["exception"]
+    good = mod._guarded(mod.check_kernel, ("torch", torch.float32, 16, 16, 1, 2, 1, 8, True),
+                        "cpu", gen)
+    assert good["ok"] is True and set(good["errors"]) == {"out", "lse", "dq", "dk", "dv"}

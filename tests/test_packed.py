@@ -1,0 +1,152 @@
+"""Packed sequences (THD) on real gloo ranks against a float64 per-document reference.
+
+One process group per world size runs the whole matrix (algorithms, topologies, masks, dtypes,
+GQA ratios, document mixes); starting processes dominates the cost of these small problems.
+"""
+
+import itertools
+import re
+
+import packed_cases
+import pytest
+import torch
+
+from charm_megatron.layout import thd_index, thd_pad, thd_shard, thd_unpad, thd_unshard
+from charm_megatron.local_ranks import run_ranks
+from charm_megatron.ops.packed import THDLayout, make_layout, tile_segments
+from charm_megatron.plan.core import Half, tile_spec
+
+TOL = {"fp32": 1e-5, "bf16": 2e-2}
+DOCS = ("one", "short", "unequal", "nopad")
+
+SETUPS = {
+    1: [("ring", None), ("charm", None)],
+    2: [("ring", None), ("rmplus", None), ("charm", "flat")],
+    3: [("ring", None), ("rmplus", None), ("charm", "flat")],
+    4: [("ring", None), ("rmplus", None), ("charm", "2x2"), ("charm", "flat"), ("auto", "2x2")],
+    8: [("ring", None), ("rmplus", None), ("charm", "2x4"), ("charm", "4x2")],
+}
+
+
+def _cases(world):
+    """Every (algo, topology) x mask x document mix; dtype and GQA ratio rotate so that each
+    document mix meets both dtypes and several ratios. CP size 1 also takes odd lengths."""
+    cases = []
+    docs_here = DOCS + (("odd",) if world == 1 else ())
+    for algo, topo in SETUPS[world]:
+        for i, (causal, docs) in enumerate(itertools.product((True, False), docs_here)):
+            dtype = ("fp32", "bf16")[(i + i // 4) % 2]
+            hkv = (4, 2, 1)[(i + len(cases)) % 3]
+            cases.append((algo, topo, causal, dtype, hkv, docs))
+    return cases
+
+
+@pytest.mark.parametrize("world", sorted(SETUPS))
+def test_packed_matrix_against_float64_reference(world):
+    cases = _cases(world)
+    repeat = [c for c in cases if c[3] == "fp32" and c[5] == "unequal"]
+    per_rank = run_ranks(packed_cases.run_packed_matrix, world, cases, repeat, timeout_s=600)
+    failures = []
+    for case in cases:
+        tol = TOL[case[3]]
+        for rank, res in enumerate(per_rank):
+            errs, zero = res[case]
+            if not zero:
+                failures.append(f"{case} rank {rank}: padding rows not zero")
+            for name, err in errs.items():
+                if name == "bitwise":
+                    if not err:
+                        failures.append(f"{case} rank {rank}: not bitwise repeatable")
+                elif not err < tol:  # also catches NaN
+                    failures.append(f"{case} rank {rank}: {name} rel err {err:.3g} >= {tol}")
+    assert not failures, "\n".join(failures)
+    assert any("bitwise" in per_rank[0][c][0] for c in cases)
+
+
+def test_packed_messages_are_the_unpacked_ones():
+    """Same plans, same message sizes: under causal masking half-block transfers stay
+    half-sized with packing (the edge permutation keeps each half contiguous)."""
+    for rank, (packed, plain) in enumerate(run_ranks(packed_cases.wire_sizes, 4, "charm",
+                                                     "2x2", timeout_s=120)):
+        assert packed == plain and packed, rank
+        t = packed_cases.doc_lengths("unequal", 4)[1]
+        half_kv = sum(t) // 4 // 2 * 2 * 8  # half a k (or v) block: t/2 rows x 2 heads x 8
+        assert half_kv in packed, rank
+
+
+BAD = {
+    "decreasing": "not increasing",
+    "length": "tensors hold",
+    "mismatch": "differ between CP ranks",
+    "padded_multiple": "padded length .* not a multiple of 2\\*cp_size",
+    "unpadded_multiple": "no cu_seqlens_padded given.* not a multiple of 2\\*cp_size",
+    "padded_shorter": "padded length",
+    "float_cu": "must be int32",
+    "not_3d": "must be 3-D",
+}
+
+
+def test_bad_packed_input_raises_on_every_rank():
+    errors = run_ranks(packed_cases.run_bad_inputs, 2, sorted(BAD), timeout_s=120)
+    for case, pattern in BAD.items():
+        got = [e[case] for e in errors]
+        assert all(g is not None for g in got), (case, got)
+        assert any(re.search(pattern, g) for g in got), (case, got)
+
+
+# ------------------------------------------------------------------ single-process pieces
+def test_thd_shard_is_megatrons_layout_and_unshard_inverts_it():
+    cup = torch.tensor([0, 8, 12, 28], dtype=torch.int32)  # cp=2: chunks of 2, 1, 4
+    x = torch.arange(28)
+    assert thd_shard(x, cup, 0, 2).tolist() == [0, 1, 6, 7, 8, 11, 12, 13, 14, 15, 24, 25, 26, 27]
+    assert thd_index(1, 2, cup).tolist() == [2, 3, 4, 5, 9, 10, 16, 17, 18, 19, 20, 21, 22, 23]
+    parts = [thd_shard(x, cup, r, 2) for r in range(2)]
+    assert torch.equal(thd_unshard(parts, cup), x)
+    cu = torch.tensor([0, 5, 8, 20], dtype=torch.int32)
+    y = torch.randn(20, 3)
+    assert torch.equal(thd_unpad(thd_pad(y, cu, cup), cu, cup), y)
+    with pytest.raises(ValueError, match="multiple of 2\\*cp_size"):
+        thd_index(0, 4, cup)
+
+
+def test_internal_halves_are_the_first_and_second_chunks_of_every_document():
+    layout = make_layout(torch.tensor([0, 7, 9], dtype=torch.int32),
+                         torch.tensor([0, 8, 12], dtype=torch.int32), 2, 6)
+    perm = layout.permutation()
+    for r in range(2):
+        pos = thd_index(r, 2, [0, 8, 12])[torch.tensor(perm)]
+        first, second = pos[:3].tolist(), pos[3:].tolist()
+        assert first == [2 * r, 2 * r + 1, 8 + r]  # chunk r of both documents
+        j = 3 - r
+        assert second == [2 * j, 2 * j + 1, 8 + j]  # chunk 2cp-1-r of both documents
+
+
+def test_tile_segments_follow_documents_and_skip_padding():
+    # cp=2, documents of real length 7 (padded 8, chunks of 2) and 1 (padded 4, chunks of 1).
+    layout = THDLayout(2, (7, 1), (8, 4))
+    diag = tile_segments(layout, tile_spec(1, 1, True), torch.device("cpu"))
+    # rank 1: doc0 chunk1 rows 0,1 (positions 2,3) and chunk2 rows 3,4 (positions 4,5); doc1's
+    # chunks 1 and 2 are padding.
+    assert diag.q_index.tolist() == [0, 1, 3, 4] and diag.cu_q == (0, 4) and diag.causal
+    earlier = tile_segments(layout, tile_spec(1, 0, True), torch.device("cpu"))
+    # q rank 1 (all rows) vs the first half of kv rank 0: doc0 positions 0,1; doc1 position 0,
+    # but doc1 has no real q rows on rank 1 -> dropped.
+    assert earlier.k_index.tolist() == [0, 1] and earlier.cu_q == (0, 4) and not earlier.causal
+    later = tile_segments(layout, tile_spec(0, 1, True), torch.device("cpu"))
+    # second q half of rank 0 (chunk 3: doc0 positions 6 only real) vs all of kv rank 1.
+    assert later.q_index.tolist() == [0] and later.k_index.tolist() == [0, 1, 3, 4]
+    assert tile_spec(0, 1, True).q_half is Half.SECOND
+
+
+def test_bench_packed_documents_fill_the_tokens_and_are_seeded():
+    from charm_megatron.bench.config import BenchConfig, HeadSpec
+    from charm_megatron.bench.packing import doc_lengths
+
+    real, padded = doc_lengths(8192, 8, 512, seed=3)
+    assert sum(padded) == 8192 and all(p % 16 == 0 and 1 <= r <= p for r, p in zip(real, padded))
+    assert len(real) > 4 and len(set(real)) > 2  # several documents of different lengths
+    assert doc_lengths(8192, 8, 512, seed=3) == (real, padded)
+    assert doc_lengths(8192, 8, 512, seed=4) != (real, padded)
+    cfg = BenchConfig([1], [96, 100], [HeadSpec(2, 8)], causal=False, packed_mean=16)
+    points, dropped = cfg.points(4)
+    assert [p.seq for p in points] == [96] and "packed" in dropped[0]
