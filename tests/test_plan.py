@@ -6,10 +6,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from charm_megatron.plan.core import Comm, Half, Tile, TileBwd, tile_spec
+from charm_megatron.plan.core import Comm, Half, Stream, Tile, TileBwd, tile_spec
 from charm_megatron.plan.pairing import group_rounds, rmplus_rounds
 from charm_megatron.plan.registry import build_plan
 from charm_megatron.plan.validate import PlanError, validate
+from charm_megatron.plan.vocab import Role
 
 
 def _groups(G, M):
@@ -23,16 +24,16 @@ def test_algorithm1_example_m4():
     for rd in rounds:
         for a, b in rd.partner.items():
             roles[(a, b)] = rd.role
-    assert roles[(0, 1)] == "kv"
-    assert roles[(0, 2)] == "kv" and roles[(0, 3)] == "q"
-    assert roles[(1, 2)] == "q" and roles[(1, 3)] == "kv"
+    assert roles[(0, 1)] is Role.KV
+    assert roles[(0, 2)] is Role.KV and roles[(0, 3)] is Role.Q
+    assert roles[(1, 2)] is Role.Q and roles[(1, 3)] is Role.KV
 
 
 @given(st.integers(min_value=1, max_value=64))
 def test_rounds_meet_every_pair_once_and_split_roles(m):
     rounds = rmplus_rounds(m)
     seen = {}
-    per_rank = {x: {"kv": 0, "q": 0} for x in range(m)}
+    per_rank = {x: {Role.KV: 0, Role.Q: 0} for x in range(m)}
     for rd in rounds:
         for a, b in rd.partner.items():
             assert rd.partner[b] == a  # a matching
@@ -45,8 +46,8 @@ def test_rounds_meet_every_pair_once_and_split_roles(m):
     if m >= 4:  # (m = 3: the rank that idles in the only q round has kv pairs only)
         for counts in per_rank.values():
             # Both streams carry work; the split is as even as the round structure allows.
-            assert counts["q"] >= 1 and counts["kv"] >= counts["q"]
-            assert counts["kv"] - counts["q"] <= max(2, (m - 1) // 2)
+            assert counts[Role.Q] >= 1 and counts[Role.KV] >= counts[Role.Q]
+            assert counts[Role.KV] - counts[Role.Q] <= max(2, (m - 1) // 2)
 
 
 def test_group_rounds_cover_all_group_pairs():
@@ -123,7 +124,7 @@ def test_validator_rejects_mismatched_send_order():
     plan = build_plan("charm", "forward", _groups(2, 2), True)
     # Swap two consecutive batches on one stream of rank 0: its peers now wait in another order.
     ops = plan.ops[0]
-    comms = [i for i, op in enumerate(ops) if isinstance(op, Comm) and op.stream == "cross"]
+    comms = [i for i, op in enumerate(ops) if isinstance(op, Comm) and op.stream is Stream.CROSS]
     assert len(comms) >= 2
     i, j = comms[0], comms[1]
 

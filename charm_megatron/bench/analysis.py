@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from charm_megatron.bench.config import PASSES, BenchConfig, Point, element_size
-from charm_megatron.plan.core import Comm
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.registry import build_plan, uses_topology
 
@@ -96,7 +95,7 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
 
     Keys: ``("out", owner)`` / ``("in", owner)``, owner = node index (``nic="node"``: a node's
     ranks share its link) or rank (``nic="rank"``). Message sizes come from
-    :meth:`charm_megatron.plan.cost.Problem.block_bytes`, counted as
+    :meth:`charm_megatron.plan.cost.Problem.xfer_bytes`, counted as
     :func:`charm_megatron.plan.cost.traffic` counts the sender's side, plus the receiver's.
     """
     plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal)
@@ -108,13 +107,11 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
         return group_of[r] if nic == "node" else r
 
     loads: dict[tuple[str, int], float] = defaultdict(float)
-    for r, ops in enumerate(plan.ops):
-        for op in ops:
-            if not isinstance(op, Comm):
-                continue
+    for r in range(plan.n):
+        for op in plan.comms(r):
             for x, side in [(x, "out") for x in op.sends] + [(x, "in") for x in op.recvs]:
                 if group_of[x.peer] != group_of[r]:
-                    loads[(side, owner(r))] += problem.block_bytes(x.kind, plan.n) * x.half.fraction
+                    loads[(side, owner(r))] += problem.xfer_bytes(x, plan.n)
     return dict(loads)
 
 

@@ -25,14 +25,25 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from charm_megatron.model import effects
 from charm_megatron.model.cluster import Cluster
 from charm_megatron.model.fluid import Job, allocate
-from charm_megatron.plan.core import Comm, Merge, Plan, Reset, Tile, TileBwd, TileSpec, Wait, Xfer
+from charm_megatron.plan.batches import BatchMismatch, StreamQueues, messages_between
+from charm_megatron.plan.core import (
+    Comm,
+    Merge,
+    OpInterpreter,
+    Plan,
+    Reset,
+    Tile,
+    TileBwd,
+    TileSpec,
+    Wait,
+    Xfer,
+)
 from charm_megatron.plan.cost import Problem, traffic
 
 
@@ -95,14 +106,8 @@ class _Batch:
     matched: set[int] = field(default_factory=set)
     waiter: bool = False
 
-    def peers(self) -> list[int]:
-        seen: dict[int, None] = {}
-        for x in self.op.sends + self.op.recvs:
-            seen.setdefault(x.peer, None)
-        return list(seen)
 
-
-class _Engine:
+class _Engine(OpInterpreter[None]):
     def __init__(self, plan: Plan, problem: Problem, cluster: Cluster,
                  groups: Sequence[Sequence[int]], compute: bool, comm: bool) -> None:
         self.plan, self.problem, self.cl = plan, problem, cluster
@@ -113,13 +118,14 @@ class _Engine:
             raise ValueError(f"groups {groups} do not cover the plan's {self.n} ranks exactly")
         self.t = 0.0
         self.pc = [0] * self.n
+        self.r = 0  # the rank whose op is being interpreted
         self.blocked = [False] * self.n
         self.paid = [False] * self.n  # the current Comm's message overhead is done
         self.finish: list[float | None] = [None] * self.n
         self.busy = [0.0] * self.n
         self.work = [0.0] * self.n
         self.batches: dict[tuple[int, int], _Batch] = {}
-        self.queues: dict[tuple[int, str], deque[_Batch]] = {}
+        self.queues: StreamQueues[_Batch] = StreamQueues()
         self.loc_bytes: list[dict[str, float]] = [{} for _ in range(self.n)]
         self.jobs: list[tuple[Job, float, Callable[[], None]]] = []  # (job, total, on_done)
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
@@ -226,23 +232,23 @@ class _Engine:
             self.loc_bytes[r][x.loc] = self._bytes(x)
         b = _Batch(r, op, len(op.sends) + len(op.recvs))
         self.batches[(r, op.handle)] = b
-        q = self.queues.setdefault((r, op.stream), deque())
-        q.append(b)
-        if len(q) == 1:
+        if self.queues.post(r, op.stream, b):
             self._activate(b)
 
     def _bytes(self, x: Xfer) -> float:
-        return self.problem.block_bytes(x.kind, self.n) * x.half.fraction
+        return self.problem.xfer_bytes(x, self.n)
 
     def _activate(self, b: _Batch) -> None:
+        """``b`` reached the head of its stream: its messages with every peer whose head batch
+        on that stream is active too start to flow (plan.batches: pair by pair)."""
         b.active = True
         if b.pending == 0:
             self._complete(b)
             return
-        for peer in b.peers():
-            q = self.queues.get((peer, b.op.stream))
-            if q and q[0].active and b.rank in q[0].peers():
-                self._match(b, q[0])
+        for peer in b.op.peers:
+            other = self.queues.head(peer, b.op.stream)
+            if other is not None and other.active and b.rank in other.op.peers:
+                self._match(b, other)
 
     def _match(self, a: _Batch, c: _Batch) -> None:
         r, p = a.rank, c.rank
@@ -251,14 +257,11 @@ class _Engine:
         a.matched.add(p)
         c.matched.add(r)
         for src, dst in ((a, c), (c, a)):
-            sends = [x for x in src.op.sends if x.peer == dst.rank]
-            recvs = [x for x in dst.op.recvs if x.peer == src.rank]
-            if len(sends) != len(recvs):
-                raise ModelError(
-                    f"{self.plan.algo} {self.plan.direction}: stream {a.op.stream}: rank "
-                    f"{src.rank} sends {len(sends)} messages to rank {dst.rank}, which "
-                    f"expects {len(recvs)}")
-            for x in sends:
+            try:
+                pairs = messages_between(src.rank, src.op, dst.rank, dst.op)
+            except BatchMismatch as e:
+                raise ModelError(f"{self.plan.algo} {self.plan.direction}: {e}") from None
+            for x, _ in pairs:
                 self._message(src, dst, x)
 
     def _message(self, sb: _Batch, rb: _Batch, x: Xfer) -> None:
@@ -302,50 +305,56 @@ class _Engine:
 
     def _complete(self, b: _Batch) -> None:
         b.done = True
-        q = self.queues[(b.rank, b.op.stream)]
-        if q[0] is not b:
+        if self.queues.head(b.rank, b.op.stream) is not b:
             raise ModelError("internal: a batch completed out of its stream's order")
-        q.popleft()
+        nxt = self.queues.pop(b.rank, b.op.stream)
         if b.waiter:
             self.blocked[b.rank] = False
             self.ready.add(b.rank)
-        if q:
-            self._activate(q[0])
+        if nxt is not None:
+            self._activate(nxt)
 
     # ---------------------------------------------------------------- rank programs
     def _advance(self, r: int) -> None:
         ops = self.plan.ops[r]
+        self.r = r
         while not self.blocked[r] and self.pc[r] < len(ops):
-            op = ops[self.pc[r]]
-            if isinstance(op, Comm):
-                nmsg = len(op.sends) + len(op.recvs)
-                if self.comm and self.cl.msg_cpu_us and not self.paid[r]:
-                    self.paid[r] = True
-                    self._start_compute(r, nmsg * self.cl.msg_cpu_us * 1e-6, is_work=False)
-                    continue
-                self.paid[r] = False
-                self.pc[r] += 1
-                self._post(r, op)
-            elif isinstance(op, Wait):
-                b = self.batches.get((r, op.handle))
-                if b is None:
-                    raise ModelError(f"{self.plan.algo} {self.plan.direction}: rank {r} waits "
-                                     f"for batch #{op.handle}, never posted")
-                if b.done:
-                    self.pc[r] += 1
-                else:
-                    b.waiter = True
-                    self.blocked[r] = True
-                    self.pc[r] += 1  # resumes after the wait
-            elif isinstance(op, Reset):
-                self.pc[r] += 1
-            elif isinstance(op, Tile | TileBwd | Merge):
-                self.pc[r] += 1
-                self._start_compute(r, self._op_cost(r, op))
-            else:
-                raise ModelError(f"unknown op {op!r}")
+            self.interpret(ops[self.pc[r]])
         if not self.blocked[r] and self.pc[r] == len(ops) and self.finish[r] is None:
             self.finish[r] = self.t
+
+    # One op of rank ``self.r``: each moves its program counter on, except a Comm whose message
+    # overhead must be paid first (it is interpreted again once that compute is done).
+    def on_comm(self, op: Comm) -> None:
+        r = self.r
+        nmsg = len(op.sends) + len(op.recvs)
+        if self.comm and self.cl.msg_cpu_us and not self.paid[r]:
+            self.paid[r] = True
+            self._start_compute(r, nmsg * self.cl.msg_cpu_us * 1e-6, is_work=False)
+            return
+        self.paid[r] = False
+        self.pc[r] += 1
+        self._post(r, op)
+
+    def on_wait(self, op: Wait) -> None:
+        r = self.r
+        b = self.batches.get((r, op.handle))
+        if b is None:
+            raise ModelError(f"{self.plan.algo} {self.plan.direction}: rank {r} waits "
+                             f"for batch #{op.handle}, never posted")
+        if not b.done:
+            b.waiter = True
+            self.blocked[r] = True
+        self.pc[r] += 1  # (blocked: resumes after the wait)
+
+    def on_reset(self, op: Reset) -> None:
+        self.pc[self.r] += 1
+
+    def _compute_op(self, op: Tile | TileBwd | Merge) -> None:
+        self.pc[self.r] += 1
+        self._start_compute(self.r, self._op_cost(self.r, op))
+
+    on_tile = on_tile_bwd = on_merge = _compute_op
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> float:
@@ -388,7 +397,7 @@ class _Engine:
             stuck = {r: str(self.plan.ops[r][max(self.pc[r] - 1, 0)]) for r in unfinished}
             raise ModelError(f"{self.plan.algo} {self.plan.direction}: deadlock at "
                              f"{self.t:.6g} s; blocked ranks {stuck}")
-        unmatched = sorted(f"{r}/{stream}" for (r, stream), q in self.queues.items() if q)
+        unmatched = sorted(f"{r}/{stream}" for r, stream in self.queues.pending())
         if unmatched:
             raise ModelError(f"{self.plan.algo} {self.plan.direction}: batches never matched "
                              f"on rank/stream {unmatched}")
@@ -410,6 +419,6 @@ def simulate(plan: Plan, problem: Problem, cluster: Cluster,
     t = traffic(plan, problem, groups)
     ranks = tuple(RankStats(eng.finish[r] or 0.0, eng.busy[r], eng.work[r])
                   for r in range(plan.n))
-    messages = sum(len(op.sends) for ops in plan.ops for op in ops if isinstance(op, Comm))
+    messages = sum(len(op.sends) for r in range(plan.n) for op in plan.comms(r))
     return SimResult(plan.algo, plan.direction, time_s, ranks, sum(t.intra), sum(t.cross),
                      max(t.intra), max(t.cross), messages)

@@ -5,21 +5,9 @@ locations, allocated once per call at full block size and reused, so memory does
 the CP size. A message of half a block travels as the first rows of its buffer; ``_Buf.held``
 remembers which rows it holds.
 
-Tensor layouts (rows = the local sequence, first dim, so a half is a contiguous slice):
-
-=====  ============================================================  ======================
-kind   tensors (each ``[rows, ...]``, so a half is a contiguous slice)   dtype
-=====  ============================================================  ======================
-q      q ``[s, b, hq, d]``                                           input
-kv     k, v ``[s, b, hkv, d]`` (two messages; own k, v sent as is)    input
-qgrad  q, dout ``[s, b, hq, d]``; lse, delta ``[s, b, hq, 2]``        input; fp32
-out    out ``[s, b, hq, d]``, lse ``[s, b, hq]``                      fp32 in accumulators,
-                                                                     input dtype on the wire
-dq     ``[s, b, hq, d]``                                             fp32 in accumulators,
-                                                                     input dtype on the wire
-dkv    dk, dv ``[s, b, hkv, d]``                                      same as dq
-=====  ============================================================  ======================
-
+Tensor layouts and dtypes (in a message and in an accumulator) are those of
+:data:`charm_megatron.plan.vocab.BLOCKS`: rows are the local sequence, the first dim, so a half
+is a contiguous slice; kv blocks are two tensors (k, v) and so two messages.
 Own blocks are the caller's tensors themselves (no packing copies).
 """
 
@@ -36,7 +24,20 @@ import torch.distributed as dist
 from charm_megatron.kernels.base import AttentionBackend
 from charm_megatron.ops.merge import merge_into
 from charm_megatron.ops.streams import StreamGroups
-from charm_megatron.plan.core import Comm, Half, Merge, Op, Reset, Tile, TileBwd, Wait
+from charm_megatron.plan.core import (
+    Comm,
+    Half,
+    Kind,
+    Loc,
+    Merge,
+    Op,
+    OpInterpreter,
+    Reset,
+    Tile,
+    TileBwd,
+    Wait,
+)
+from charm_megatron.plan.vocab import BLOCKS, Dtype, as_loc
 
 
 class CommError(RuntimeError):
@@ -78,7 +79,7 @@ class BlockShape:
 class _Buf:
     tensors: tuple[torch.Tensor, ...]
     held: Half = Half.FULL
-    kind: str = ""
+    kind: Kind | None = None
 
 
 def _rows(half: Half, s: int) -> slice:
@@ -118,7 +119,7 @@ def _out_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     return (u * coef).to(dout.dtype)
 
 
-class Executor:
+class Executor(OpInterpreter[None]):
     """Interprets plan ops for one rank."""
 
     def __init__(self, streams: StreamGroups, backend: AttentionBackend, shape: BlockShape,
@@ -132,16 +133,17 @@ class Executor:
         self.comm = comm
         self.timeout_s = timeout_s
         self.what = what  # names the call in errors, e.g. "cp_attention(algo=charm, backward)"
-        self.bufs: dict[str, _Buf] = {}
+        self.bufs: dict[Loc, _Buf] = {}
         # handle -> (works, keep-alive tensors, stream, global peer ranks)
         self.pending: dict[int, tuple[list, list, str, list[int]]] = {}
+        self._shapes: dict[tuple[Kind, bool], list[tuple[tuple[int, ...], torch.dtype]]] = {}
 
     # ---------------------------------------------------------------------------- buffers
-    def _alloc(self, kind: str, wire: bool) -> tuple[torch.Tensor, ...]:
+    def _alloc(self, kind: Kind, wire: bool) -> tuple[torch.Tensor, ...]:
         return tuple(torch.empty(shape, dtype=dtype, device=self.shape.device)
                      for shape, dtype in self._alloc_shapes(kind, wire))
 
-    def _buffer(self, loc: str, kind: str, wire: bool) -> _Buf:
+    def _buffer(self, loc: Loc, kind: Kind, wire: bool) -> _Buf:
         buf = self.bufs.get(loc)
         want = [(torch.Size(shape), dt) for shape, dt in self._alloc_shapes(kind, wire)]
         if buf is None or [(t.shape, t.dtype) for t in buf.tensors] != want:
@@ -149,25 +151,35 @@ class Executor:
             self.bufs[loc] = buf
         return buf
 
-    def _alloc_shapes(self, kind: str, wire: bool) -> list:
-        """(shape, dtype) of each tensor of a full block of ``kind``."""
-        sh = self.shape
+    def _torch_dtype(self, dtype: Dtype) -> torch.dtype:
         # Accumulators and stats: fp32, or float64 for float64 inputs (float64 end to end).
-        f32 = torch.float64 if sh.dtype == torch.float64 else torch.float32
-        qs, kvs = (sh.s, sh.b, sh.hq, sh.d), (sh.s, sh.b, sh.hkv, sh.d)
-        table = {
-            "q": [(qs, sh.dtype)],
-            "kv": [(kvs, sh.dtype), (kvs, sh.dtype)],
-            "qgrad": [(qs, sh.dtype), (qs, sh.dtype), ((sh.s, sh.b, sh.hq, 2), f32)],
-            "out": [(qs, sh.dtype if wire else f32), ((sh.s, sh.b, sh.hq), f32)],
-            "dq": [(qs, sh.dtype if wire else f32)],
-            "dkv": [(kvs, sh.dtype if wire else f32), (kvs, sh.dtype if wire else f32)],
-        }
-        if kind not in table:
-            raise ValueError(f"unknown block kind {kind!r}")
-        return table[kind]
+        if dtype is Dtype.INPUT:
+            return self.shape.dtype
+        return torch.float64 if self.shape.dtype == torch.float64 else torch.float32
 
-    def _view(self, loc: str, half: Half) -> tuple[torch.Tensor, ...]:
+    def _alloc_shapes(self, kind: Kind, wire: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each tensor of a full block of ``kind``: in a receive buffer
+        (``wire``) or in an accumulator."""
+        key = (kind, wire)
+        if key not in self._shapes:
+            sh = self.shape
+            sizes = {"s": sh.s, "b": sh.b, "hq": sh.hq, "hkv": sh.hkv, "d": sh.d}
+            self._shapes[key] = [(t.shape(sizes), self._torch_dtype(t.dtype(accumulator=not wire)))
+                                 for t in BLOCKS[Kind(kind)].tensors]
+        return self._shapes[key]
+
+    def _to_wire(self, kind: Kind, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """``tensors`` of a ``kind`` block as they travel: the tensors whose wire dtype is the
+        input dtype in that dtype (partials leave their fp32 accumulators; the receiver merges
+        them in fp32), fp32 ones as they are."""
+        dtype = self.shape.dtype
+        wire = list(tensors)
+        for i, spec in enumerate(BLOCKS[kind].tensors):
+            if spec.wire is Dtype.INPUT and wire[i].dtype != dtype:
+                wire[i] = wire[i].to(dtype)
+        return tuple(wire)
+
+    def _view(self, loc: Loc, half: Half) -> tuple[torch.Tensor, ...]:
         """Rows ``half`` of the block in ``loc`` (which may hold only some rows)."""
         buf = self.bufs[loc]
         s = self.shape.s
@@ -179,42 +191,37 @@ class Executor:
             sl = slice(0, s // 2)
         return tuple(t[sl] for t in buf.tensors)
 
-    def set_own(self, loc: str, kind: str, *tensors: torch.Tensor) -> None:
-        """Make the caller's tensors the block ``loc`` (no copy; they must be contiguous)."""
-        self.bufs[loc] = _Buf(tuple(t if t.is_contiguous() else t.contiguous() for t in tensors),
-                              kind=kind)
+    def set_own(self, loc: Loc | str, kind: Kind | str, *tensors: torch.Tensor) -> None:
+        """Make the caller's tensors the block ``loc`` (``Loc.own(kind)`` or its name, e.g.
+        ``"own.q"``) in the layout of ``BLOCKS[kind]`` (no copy; they must be contiguous)."""
+        self.bufs[as_loc(loc)] = _Buf(
+            tuple(t if t.is_contiguous() else t.contiguous() for t in tensors), kind=Kind(kind))
 
-    def result(self, loc: str) -> tuple[torch.Tensor, ...]:
+    def result(self, loc: Loc) -> tuple[torch.Tensor, ...]:
         return self.bufs[loc].tensors
 
     # -------------------------------------------------------------------------------- run
     def run(self, ops: list[Op]) -> None:
         for op in ops:
-            if isinstance(op, Tile):
-                self._tile(op)
-            elif isinstance(op, TileBwd):
-                self._tile_bwd(op)
-            elif isinstance(op, Comm):
-                self._post(op)
-            elif isinstance(op, Wait):
-                self._wait(op.handle)
-            elif isinstance(op, Merge):
-                self._merge(op)
-            elif isinstance(op, Reset):
-                self._reset(op)
-            else:
-                raise TypeError(f"unknown op {op!r}")
+            self.interpret(op)
         if self.pending:
             raise RuntimeError(f"plan left transfers {sorted(self.pending)} unwaited")
 
-    def _reset(self, op: Reset) -> None:
+    def on_comm(self, op: Comm) -> None:
+        self._post(op)
+
+    def on_wait(self, op: Wait) -> None:
+        self._wait(op.handle)
+
+    def on_reset(self, op: Reset) -> None:
         buf = self._buffer(op.loc, op.kind, wire=False)
         buf.held = Half.FULL
         buf.kind = op.kind
-        for t in buf.tensors:
-            t.zero_()
-        if op.kind == "out":
-            buf.tensors[1].fill_(float("-inf"))
+        for t, spec in zip(buf.tensors, BLOCKS[op.kind].tensors):
+            if spec.empty:
+                t.fill_(spec.empty)
+            else:
+                t.zero_()
 
     # The kernel calls of a tile; ops/packed.py's PackedExecutor overrides them to compute a
     # packed (THD) tile document by document.
@@ -224,30 +231,30 @@ class Executor:
     def _kernel_backward(self, spec, dout, q, k, v, out, lse):
         return self.backend.backward(dout, q, k, v, out, lse, spec.causal, self.scale)
 
-    def _tile(self, op: Tile) -> None:
+    def on_tile(self, op: Tile) -> None:
         s = op.spec
         if not self.compute:
             if op.fresh:  # something of the right size must still be there to send
-                self._buffer(op.acc, "out", wire=True).held = s.q_half
+                self._buffer(op.acc, Kind.OUT, wire=True).held = s.q_half
             return
         (q,) = self._view(op.q_loc, s.q_half)
         k, v = self._view(op.kv_loc, s.kv_half)
         out, lse = self._kernel_forward(s, q, k, v)
         if op.fresh:
             # Kept as the kernel made it (input dtype, the tile's rows only): it is sent on.
-            self.bufs[op.acc] = _Buf((out, lse.permute(2, 0, 1)), held=s.q_half, kind="out")
+            self.bufs[op.acc] = _Buf((out, lse.permute(2, 0, 1)), held=s.q_half, kind=Kind.OUT)
             return
         acc_o, acc_l = self.bufs[op.acc].tensors
         merge_into(acc_o, acc_l, out, lse.permute(2, 0, 1), _rows(s.q_half, self.shape.s))
 
-    def _tile_bwd(self, op: TileBwd) -> None:
+    def on_tile_bwd(self, op: TileBwd) -> None:
         s = op.spec
         if not self.compute:
             # Something of the right size must still be there to send.
             if op.fresh_dq:
-                self._buffer(op.dq_acc, "dq", wire=True).held = s.q_half
+                self._buffer(op.dq_acc, Kind.DQ, wire=True).held = s.q_half
             if op.fresh_dkv:
-                self._buffer(op.dkv_acc, "dkv", wire=True).held = s.kv_half
+                self._buffer(op.dkv_acc, Kind.DKV, wire=True).held = s.kv_half
             return
         q, dout, stats = self._view(op.q_loc, s.q_half)
         k, v = self._view(op.kv_loc, s.kv_half)
@@ -256,22 +263,22 @@ class Executor:
         )
         qr, kr = _rows(s.q_half, self.shape.s), _rows(s.kv_half, self.shape.s)
         if op.fresh_dq:
-            self.bufs[op.dq_acc] = _Buf((dq,), held=s.q_half, kind="dq")
+            self.bufs[op.dq_acc] = _Buf((dq,), held=s.q_half, kind=Kind.DQ)
         else:
             self.bufs[op.dq_acc].tensors[0][qr] += dq
         if op.fresh_dkv:
-            self.bufs[op.dkv_acc] = _Buf((dk, dv), held=s.kv_half, kind="dkv")
+            self.bufs[op.dkv_acc] = _Buf((dk, dv), held=s.kv_half, kind=Kind.DKV)
         else:
             dk_acc, dv_acc = self.bufs[op.dkv_acc].tensors
             dk_acc[kr] += dk
             dv_acc[kr] += dv
 
-    def _merge(self, op: Merge) -> None:
+    def on_merge(self, op: Merge) -> None:
         src = self.bufs[op.src]
         rows = _rows(src.held, self.shape.s)
         n = rows.stop - rows.start
         acc = self.bufs[op.acc]
-        if acc.kind == "out":  # a partial output: log-sum-exp merge
+        if BLOCKS[acc.kind].lse_merge:  # a partial output: log-sum-exp merge
             merge_into(acc.tensors[0], acc.tensors[1], src.tensors[0][:n], src.tensors[1][:n],
                        rows)
         else:  # gradient partials: sum
@@ -285,14 +292,7 @@ class Executor:
         keep: list[torch.Tensor] = []
         s = self.shape.s
         for x in op.sends:
-            tensors = self._view(x.loc, x.half)
-            if x.kind == "out" and tensors[0].dtype != self.shape.dtype:
-                # Partial outputs travel in the input dtype (half the bytes for bf16); the
-                # receiver merges them in fp32.
-                tensors = (tensors[0].to(self.shape.dtype), tensors[1])
-            elif x.kind in ("dq", "dkv"):
-                # So do gradient partials (summed in fp32 on both sides: one rounding each).
-                tensors = tuple(t.to(self.shape.dtype) for t in tensors)
+            tensors = self._to_wire(x.kind, self._view(x.loc, x.half))
             for t in tensors:
                 t = t if t.is_contiguous() else t.contiguous()
                 keep.append(t)
@@ -329,9 +329,10 @@ class Executor:
                 raise CommError(self._comm_text(stream, peers, "timed out or lost its peer",
                                                 exc)) from exc
 
-    def _comm_text(self, stream: str, peers: list[int], what: str, exc: BaseException) -> str:
+    def _comm_text(self, stream, peers: list[int], what: str, exc: BaseException) -> str:
         me = dist.get_rank()
-        return (f"{self.what}: a transfer on stream {stream!r} between global rank {me} and "
+        name = getattr(stream, "value", stream)  # a Stream enum or its name
+        return (f"{self.what}: a transfer on stream {name!r} between global rank {me} and "
                 f"peer rank(s) {peers} {what} (bound {self.timeout_s:g} s, CHARM_COMM_TIMEOUT_S "
                 f"or CPOptions.timeout_s): {type(exc).__name__}: {exc}. Likely causes: the peer "
                 "died or raised before reaching this transfer, the ranks disagree on the call "

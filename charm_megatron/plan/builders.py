@@ -13,10 +13,13 @@ from dataclasses import dataclass
 from charm_megatron.plan.core import (
     Comm,
     Half,
+    Kind,
+    Loc,
     Merge,
     Op,
     Plan,
     Reset,
+    Stream,
     Tile,
     TileBwd,
     Wait,
@@ -24,6 +27,7 @@ from charm_megatron.plan.core import (
     tile_spec,
 )
 from charm_megatron.plan.pairing import group_rounds, rmplus_rounds
+from charm_megatron.plan.vocab import Direction, Role
 
 
 class _Program:
@@ -33,7 +37,8 @@ class _Program:
         self.ops: list[Op] = []
         self._next = 0
 
-    def comm(self, stream: str, sends: Sequence[Xfer] = (), recvs: Sequence[Xfer] = ()) -> int:
+    def comm(self, stream: Stream, sends: Sequence[Xfer] = (),
+             recvs: Sequence[Xfer] = ()) -> int:
         handle = self._next
         self._next += 1
         self.ops.append(Comm(handle, stream, tuple(sends), tuple(recvs)))
@@ -42,48 +47,59 @@ class _Program:
     def add(self, op: Op) -> None:
         self.ops.append(op)
 
+    def finish(self, ret: _Return) -> None:
+        """Complete partials coming back: wait for their batch, merge each into its acc."""
+        self.ops.append(Wait(ret.handle))
+        self.ops.extend(ret.merges)
+
 
 # --------------------------------------------------------------------------------------- ring
+_OWN_KV = Loc.own(Kind.KV)
+_RING_KV = Loc("ring.kv")  # the kv block passing through (two copies: receive while computing)
+_RING_DKV = Loc("ring.dkv")  # the dkv partial of the kv block computed here, sent on
+_RING_DKV_IN = Loc("ring.dkvin")  # the dkv partial arriving with the next kv block
+
+
 def _ring(r: int, n: int, causal: bool, backward: bool) -> list[Op]:
     """TransformerEngine's p2p ring: kv walks ``r -> r+1``; the next kv is posted before the
     current tile is computed. Backward carries the dkv partial sums around the ring one step
     behind kv, so a block's dkv arrives home complete after ``n`` hops."""
     p = _Program()
     nxt, prv = (r + 1) % n, (r - 1) % n
-    qloc = "own.qgrad" if backward else "own.q"
+    qloc = Loc.own(Kind.QGRAD if backward else Kind.Q)
     if backward:
-        p.add(Reset(Plan.DQ, "dq", r))
+        p.add(Reset(Plan.DQ, Kind.DQ, r))
     else:
-        p.add(Reset(Plan.OUT, "out", r))
-    cur = "own.kv"
+        p.add(Reset(Plan.OUT, Kind.OUT, r))
+    cur = _OWN_KV
     kv_handle = dkv_handle = None
     for step in range(n):
         j = (r - step) % n
         spec = tile_spec(r, j, causal)
         if step < n - 1:
-            buf = f"ring.kv{step % 2}"
+            buf = _RING_KV.at(step % 2)
             kv_handle = p.comm(
-                "kv",
-                sends=[Xfer(nxt, cur, "kv", j, Half.FULL)],
-                recvs=[Xfer(prv, buf, "kv", (j - 1) % n, Half.FULL)],
+                Stream.KV,
+                sends=[Xfer(nxt, cur, Kind.KV, j, Half.FULL)],
+                recvs=[Xfer(prv, buf, Kind.KV, (j - 1) % n, Half.FULL)],
             )
         if not backward:
             p.add(Tile(spec, qloc, cur, Plan.OUT))
         elif n == 1:
-            p.add(Reset(Plan.DKV, "dkv", r))
+            p.add(Reset(Plan.DKV, Kind.DKV, r))
             p.add(TileBwd(spec, qloc, cur, Plan.DQ, Plan.DKV))
         else:
-            mine = f"ring.dkv{step % 2}"
-            p.add(Reset(mine, "dkv", j))
+            mine = _RING_DKV.at(step % 2)
+            p.add(Reset(mine, Kind.DKV, j))
             p.add(TileBwd(spec, qloc, cur, Plan.DQ, mine))
             if step > 0:
                 p.add(Wait(dkv_handle))
-                p.add(Merge(mine, f"ring.dkvin{(step - 1) % 2}"))
-            into = Plan.DKV if step == n - 1 else f"ring.dkvin{step % 2}"
+                p.add(Merge(mine, _RING_DKV_IN.at((step - 1) % 2)))
+            into = Plan.DKV if step == n - 1 else _RING_DKV_IN.at(step % 2)
             dkv_handle = p.comm(
-                "q",  # the dkv ring gets its own stream so it never queues behind kv
-                sends=[Xfer(nxt, mine, "dkv", j, Half.FULL)],
-                recvs=[Xfer(prv, into, "dkv", (j - 1) % n, Half.FULL)],
+                Stream.Q,  # the dkv ring gets its own stream so it never queues behind kv
+                sends=[Xfer(nxt, mine, Kind.DKV, j, Half.FULL)],
+                recvs=[Xfer(prv, into, Kind.DKV, (j - 1) % n, Half.FULL)],
             )
         if step < n - 1:
             p.add(Wait(kv_handle))
@@ -94,13 +110,26 @@ def _ring(r: int, n: int, causal: bool, backward: bool) -> list[Op]:
 
 
 # ------------------------------------------------------------------------------- RM+ / CHARM+
+# Locations of RM+ and CHARM+ (slot: the copy of alternating units or passes; item: which of
+# the q blocks exchanged in one unit).
+_KV_RX = Loc("kv.rx")  # the peer's kv block of a kv unit
+_KV_DRET = Loc("kv.dret")  # our dkv partial coming back from a kv unit's peer
+_PEER_DKV = Loc("acc.pdkv")  # the kv unit peer's dkv partial, computed here
+_Q_RX = Loc("q.rx")  # the peer's q blocks of a q unit
+_Q_RET = Loc("q.ret")  # our q blocks' partials coming back from a q unit's peer
+_SERVED = Loc("acc.svc")  # the partial of a tile served for a q unit's peer (sent back)
+_CROSS_Q = Loc("cross.q")  # the counterpart's q block (slot: the cross round's parity)
+_CROSS_ACC = Loc("acc.cross")  # the counterpart's partial, accumulated here
+_CROSS_RET = Loc("cross.ret")  # our partial coming home from the counterpart
+
+
 @dataclass(frozen=True)
 class _Item:
     """A q block processed in a pass: whose rows, where they are, where they accumulate."""
 
     owner: int
-    q_loc: str
-    acc: str
+    q_loc: Loc
+    acc: Loc
 
 
 @dataclass(frozen=True)
@@ -115,6 +144,34 @@ class _Pass:
     cross_round: int | None
     rounds: tuple[int, ...]
     own_kv: bool
+
+
+@dataclass(frozen=True)
+class _Return:
+    """Partials on their way back to this rank in batch ``handle``: complete by waiting and
+    applying ``merges``. ``unit``: the RM+ unit that posted it (-1: a cross return, which is
+    completed pass by pass instead)."""
+
+    unit: int
+    handle: int
+    merges: tuple[Merge, ...]
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """One RM+ round of a pass as one rank runs it: exchange ``role`` blocks with ``peer``,
+    which holds the q blocks of ``peer_owners`` in this pass; receive into copy ``slot``.
+
+    Steps (see :meth:`_CharmRank._pass`): *post* the exchange one unit ahead, *compute* its
+    tiles once it arrived, *return* the partials it produced to their owners (completed one
+    unit later).
+    """
+
+    index: int
+    role: Role
+    peer: int
+    peer_owners: tuple[int, ...]
+    slot: int
 
 
 ORDERS = ("split", "joint")
@@ -156,13 +213,21 @@ class _CharmRank:
         self.bwd = backward
         self.order = order
         self.g = next(i for i, grp in enumerate(groups) if rank in grp)
-        self.local = groups[self.g].index(rank)
-        self.rounds = rmplus_rounds(len(groups[self.g]))
+        self.group = groups[self.g]
+        self.local = self.group.index(rank)
+        self.rounds = rmplus_rounds(len(self.group))
         self.cross = group_rounds(len(groups))
         self.p = _Program()
-        self.qkind = "qgrad" if backward else "q"
-        self.pkind = "dq" if backward else "out"  # what comes back for a q block
-        self._deferred: list = []
+        direction = Direction.BACKWARD if backward else Direction.FORWARD
+        self.qkind = direction.query
+        self.pkind = direction.query_partial  # what comes back for a q block
+        self.own_q = Loc.own(self.qkind)
+        self.own_acc = Plan.DQ if backward else Plan.OUT
+        self.cross_in: dict[int, int] = {}  # cross round -> handle of its q exchange
+        self.going_home: list[_Return] = []  # our partials coming home from counterparts
+        # Cross accumulators and return buffers alternate per pass that has a counterpart's q
+        # (an idle group's rounds, when G is odd, do not count).
+        self.n_cross_done = 0
 
     # -- the passes and which q blocks a rank holds in each ----------------------------------
     def _passes(self) -> list[_Pass]:
@@ -182,12 +247,28 @@ class _CharmRank:
 
     def _owners(self, ps: _Pass, local: int) -> list[int]:
         """Owners of the q blocks that local index ``local`` of our group holds in pass ``ps``."""
-        owners = [self.groups[self.g][local]] if ps.own else []
+        owners = [self.group[local]] if ps.own else []
         if ps.cross_round is not None:
             partner = self.cross[ps.cross_round].get(self.g)
             if partner is not None:
                 owners.append(self.groups[partner][local])
         return owners
+
+    def _units(self, ps: _Pass) -> list[_Unit]:
+        """The rounds of ``ps`` this rank takes part in. A unit's buffers live until the end of
+        the next unit, so only two adjacent units of the same role need different slots
+        (memory: one set of receive buffers per stream when kv and q rounds alternate, two at
+        most)."""
+        units: list[_Unit] = []
+        for i in ps.rounds:
+            rd = self.rounds[i]
+            if self.local not in rd.partner:
+                continue
+            peer_local = rd.partner[self.local]
+            slot = 1 - units[-1].slot if units and units[-1].role is rd.role else 0
+            units.append(_Unit(len(units), rd.role, self.group[peer_local],
+                               tuple(self._owners(ps, peer_local)), slot))
+        return units
 
     # -- message halves --------------------------------------------------------------------------
     def _q_half(self, owner: int, kv_owners: Sequence[int]) -> Half:
@@ -199,196 +280,183 @@ class _CharmRank:
         return _union(tile_spec(i, kv_owner, self.causal).kv_half for i in q_owners)
 
     # -- ops ---------------------------------------------------------------------------------
-    def _tile(self, owner: int, q_loc: str, kv_owner: int, kv_loc: str, acc: str,
-              dkv_acc: str, fresh_dq: bool = False, fresh_dkv: bool = False) -> None:
+    def _tile(self, owner: int, q_loc: Loc, kv_owner: int, kv_loc: Loc, acc: Loc,
+              dkv_acc: Loc, fresh_dq: bool = False, fresh_dkv: bool = False) -> Op:
         spec = tile_spec(owner, kv_owner, self.causal)
         if self.bwd:
-            self.p.add(TileBwd(spec, q_loc, kv_loc, acc, dkv_acc, fresh_dq, fresh_dkv))
-        else:
-            self.p.add(Tile(spec, q_loc, kv_loc, acc))
+            return TileBwd(spec, q_loc, kv_loc, acc, dkv_acc, fresh_dq, fresh_dkv)
+        return Tile(spec, q_loc, kv_loc, acc)
 
+    # -- the program -------------------------------------------------------------------------
     def build(self) -> list[Op]:
         p, r = self.p, self.rank
-        own_q = "own.qgrad" if self.bwd else "own.q"
         if self.bwd:
-            p.add(Reset(Plan.DQ, "dq", r))
-            p.add(Reset(Plan.DKV, "dkv", r))
+            p.add(Reset(Plan.DQ, Kind.DQ, r))
+            p.add(Reset(Plan.DKV, Kind.DKV, r))
         else:
-            p.add(Reset(Plan.OUT, "out", r))
-        own_acc = Plan.DQ if self.bwd else Plan.OUT
-        group = self.groups[self.g]
-        cross_in: dict[int, int] = {}  # cross round -> handle of its q exchange
-        cross_ret: list[tuple[int, str]] = []  # (handle, loc) of cross partials coming home
-        # Cross accumulators and return buffers alternate per pass that has a counterpart's q
-        # (an idle group's rounds, when G is odd, do not count).
-        n_cross_done = 0
-
-        def post_cross_exchange(k: int) -> None:
-            partner = self.cross[k].get(self.g) if k < len(self.cross) else None
-            if partner is None:
-                return
-            cp = self.groups[partner][self.local]
-            cross_in[k] = p.comm(
-                "cross",
-                sends=[Xfer(cp, own_q, self.qkind, r, self._q_half(r, self.groups[partner]))],
-                recvs=[Xfer(cp, f"cross.q{k % 2}", self.qkind, cp, self._q_half(cp, group))],
-            )
-
+            p.add(Reset(Plan.OUT, Kind.OUT, r))
         if self.cross:
-            post_cross_exchange(0)
+            self._post_cross_exchange(0)
         for ps in self._passes():
-            k = ps.cross_round
-            if k is not None:
-                post_cross_exchange(k + 1)  # the next counterpart's q travels during this pass
-            owners = self._owners(ps, self.local)
-            if not owners:
-                continue
-            items = []
-            for o in owners:
-                if o == r:
-                    items.append(_Item(o, own_q, own_acc))
-                else:
-                    items.append(_Item(o, f"cross.q{k % 2}", f"acc.cross{n_cross_done % 2}"))
-            self._pass(ps, items, cross_in.get(k) if k is not None else None)
-            for it in items:
-                if it.owner == r:
-                    continue
-                partner = self.cross[k][self.g]
-                ret_loc = f"cross.ret{n_cross_done % 2}"
-                h = p.comm(
-                    "cross",
-                    sends=[Xfer(it.owner, it.acc, self.pkind, it.owner,
-                                self._q_half(it.owner, group))],
-                    recvs=[Xfer(it.owner, ret_loc, self.pkind, r,
-                                self._q_half(r, self.groups[partner]))],
-                )
-                cross_ret.append((h, ret_loc))
-                n_cross_done += 1
-            self._flush_deferred()
-            # Keep at most one cross return in flight: its buffer is reused two passes on.
-            while len(cross_ret) > 1:
-                h, loc = cross_ret.pop(0)
-                p.add(Wait(h))
-                p.add(Merge(own_acc, loc))
-        for h, loc in cross_ret:
-            p.add(Wait(h))
-            p.add(Merge(own_acc, loc))
+            self._run_pass(ps)
+        for ret in self.going_home:
+            p.finish(ret)
         return p.ops
 
-    def _pass(self, ps: _Pass, items: list[_Item], cross_handle: int | None) -> None:
-        p, r = self.p, self.rank
-        group = self.groups[self.g]
-        units = [(self.rounds[i].role, self.rounds[i].partner[self.local]) for i in ps.rounds
-                 if self.local in self.rounds[i].partner]
-        # Buffer slot per unit: a unit's buffers live until the end of the next unit, so only
-        # two adjacent units of the same role need different slots (memory: one set of receive
-        # buffers per stream when kv and q rounds alternate, two at most).
-        slot: list[int] = []
-        for u, (role, _) in enumerate(units):
-            slot.append(1 - slot[u - 1] if u and units[u - 1][0] == role else 0)
-        has_cross = any(it.owner != r for it in items)
-        cross_waited = not has_cross
+    def _post_cross_exchange(self, k: int) -> None:
+        """Swap q blocks with the counterpart of cross round ``k`` (if our group has one)."""
+        partner = self.cross[k].get(self.g) if k < len(self.cross) else None
+        if partner is None:
+            return
+        r, cp = self.rank, self.groups[partner][self.local]
+        self.cross_in[k] = self.p.comm(
+            Stream.CROSS,
+            sends=[Xfer(cp, self.own_q, self.qkind, r, self._q_half(r, self.groups[partner]))],
+            recvs=[Xfer(cp, _CROSS_Q.at(k % 2), self.qkind, cp, self._q_half(cp, self.group))],
+        )
 
-        def ensure_cross() -> None:
-            nonlocal cross_waited
-            if not cross_waited:
-                p.add(Wait(cross_handle))
-                it = next(it for it in items if it.owner != r)
-                p.add(Reset(it.acc, self.pkind, it.owner))
-                cross_waited = True
-
-        def phase1(u: int) -> int:
-            role, peer_local = units[u]
-            y = group[peer_local]
-            peer_owners = self._owners(ps, peer_local)
-            if role == "kv":
-                return p.comm(
-                    "kv",
-                    sends=[Xfer(y, "own.kv", "kv", r, self._kv_half(r, peer_owners))],
-                    recvs=[Xfer(y, f"kv.rx{slot[u]}", "kv", y,
-                                self._kv_half(y, [it.owner for it in items]))],
-                )
-            ensure_cross()
-            return p.comm(
-                "q",
-                sends=[Xfer(y, it.q_loc, self.qkind, it.owner, self._q_half(it.owner, [y]))
-                       for it in items],
-                recvs=[Xfer(y, f"q.rx{slot[u]}.{i}", self.qkind, o, self._q_half(o, [r]))
-                       for i, o in enumerate(peer_owners)],
+    def _run_pass(self, ps: _Pass) -> None:
+        """One pass, then the counterpart's partial sent home and our own coming back."""
+        p, r, k = self.p, self.rank, ps.cross_round
+        if k is not None:
+            self._post_cross_exchange(k + 1)  # the next counterpart's q travels during this pass
+        owners = self._owners(ps, self.local)
+        if not owners:
+            return
+        items = [_Item(o, self.own_q, self.own_acc) if o == r else
+                 _Item(o, _CROSS_Q.at(k % 2), _CROSS_ACC.at(self.n_cross_done % 2))
+                 for o in owners]
+        held_back = self._pass(ps, items, self.cross_in.get(k) if k is not None else None)
+        for it in items:
+            if it.owner == r:
+                continue
+            partner = self.cross[k][self.g]
+            ret_loc = _CROSS_RET.at(self.n_cross_done % 2)
+            h = p.comm(
+                Stream.CROSS,
+                sends=[Xfer(it.owner, it.acc, self.pkind, it.owner,
+                            self._q_half(it.owner, self.group))],
+                recvs=[Xfer(it.owner, ret_loc, self.pkind, r,
+                            self._q_half(r, self.groups[partner]))],
             )
+            self.going_home.append(_Return(-1, h, (Merge(self.own_acc, ret_loc),)))
+            self.n_cross_done += 1
+        for op in held_back:
+            p.add(op)
+        # Keep at most one cross return in flight: its buffer is reused two passes on.
+        while len(self.going_home) > 1:
+            p.finish(self.going_home.pop(0))
 
-        handles: dict[int, int] = {}
-        # Pending partial returns: (unit, handle, [(acc, loc)]). A unit's buffers are reused two
-        # units later, so its return is completed at the end of the next unit.
-        returns: list[tuple[int, int, list[tuple[str, str]]]] = []
-        if units:
-            handles[0] = phase1(0)
+    def _pass(self, ps: _Pass, items: list[_Item], cross_handle: int | None) -> list[Op]:
+        """Emit the units of ``ps`` for ``items``; return the ops held back until the
+        counterpart's partial has been sent home (the own q's last tile, forward, joint)."""
+        p, r = self.p, self.rank
+        units = self._units(ps)
+        cross = next((it for it in items if it.owner != r), None)
+        own = [it for it in items if it.owner == r]
+        # The counterpart's q is awaited before anything uses it, and at the latest once the
+        # own q's tiles with own kv (which need no communication) hide its arrival.
+        awaiting = cross is not None
+        if awaiting and units and units[0].role is Role.Q:
+            self._await_cross(cross_handle, cross)
+            awaiting = False
+        pending = self._post(units[0], items) if units else None
         if ps.own_kv:
-            # Own kv first, own q first: needs no communication, which hides the arrivals.
-            for it in sorted(items, key=lambda it: it.owner != r):
-                if it.owner != r:
-                    ensure_cross()
-                self._tile(it.owner, it.q_loc, r, "own.kv", it.acc, Plan.DKV)
-        ensure_cross()
-        last_kv = max((u for u, (role, _) in enumerate(units) if role == "kv"), default=None)
-        for u, (role, peer_local) in enumerate(units):
-            if u + 1 < len(units):
-                handles[u + 1] = phase1(u + 1)
-            y = group[peer_local]
-            p.add(Wait(handles.pop(u)))
-            if role == "kv":
-                buf = f"kv.rx{slot[u]}"
-                dkv = f"acc.pdkv{slot[u]}"
-                # One q block: the peer's dk/dv partial is one tile's, sent as the kernel made it.
-                fresh_dkv = self.bwd and len(items) == 1
-                if self.bwd and not fresh_dkv:
-                    p.add(Reset(dkv, "dkv", y))
-                # Counterpart's q first: its partial must travel home, the own q's need not.
-                for it in sorted(items, key=lambda it: it.owner == r):
-                    if u == last_kv and has_cross and it.owner == r and not self.bwd:
-                        self._deferred.append((it.owner, it.q_loc, y, buf, it.acc, dkv))
-                        continue
-                    self._tile(it.owner, it.q_loc, y, buf, it.acc, dkv, fresh_dkv=fresh_dkv)
-                if self.bwd:
-                    half_back = self._kv_half(y, [it.owner for it in items])
-                    mine_half = self._kv_half(r, self._owners(ps, peer_local))
-                    h = p.comm(
-                        "kv",
-                        sends=[Xfer(y, dkv, "dkv", y, half_back)],
-                        recvs=[Xfer(y, f"kv.dret{slot[u]}", "dkv", r, mine_half)],
-                    )
-                    returns.append((u, h, [(Plan.DKV, f"kv.dret{slot[u]}")]))
+            for it in own:
+                p.add(self._tile(it.owner, it.q_loc, r, _OWN_KV, it.acc, Plan.DKV))
+        if awaiting:
+            self._await_cross(cross_handle, cross)
+        if ps.own_kv and cross is not None:
+            p.add(self._tile(cross.owner, cross.q_loc, r, _OWN_KV, cross.acc, Plan.DKV))
+        last_kv = max((u.index for u in units if u.role is Role.KV), default=None)
+        # Forward, joint: the own q's tile of the last kv unit waits until the counterpart's
+        # partial is on its way (it is not needed before the end).
+        hold_own = not self.bwd and cross is not None
+        returns: list[_Return] = []
+        held_back: list[Op] = []
+        for u in units:
+            nxt = self._post(units[u.index + 1], items) if u.index + 1 < len(units) else None
+            p.add(Wait(pending))
+            pending = nxt
+            if u.role is Role.KV:
+                held_back += self._compute_kv(u, items, returns, hold_own and u.index == last_kv)
             else:
-                sends = []
-                for i, o in enumerate(self._owners(ps, peer_local)):
-                    acc = f"acc.svc{slot[u]}.{i}"
-                    if self.bwd:
-                        self._tile(o, f"q.rx{slot[u]}.{i}", r, "own.kv", acc, Plan.DKV,
-                                   fresh_dq=True)
-                    else:
-                        # A served tile is one partial sent straight back: no accumulator.
-                        p.add(Tile(tile_spec(o, r, self.causal), f"q.rx{slot[u]}.{i}", "own.kv",
-                                   acc, fresh=True))
-                    sends.append(Xfer(y, acc, self.pkind, o, self._q_half(o, [r])))
-                recvs = [Xfer(y, f"q.ret{slot[u]}.{i}", self.pkind, it.owner,
-                              self._q_half(it.owner, [y])) for i, it in enumerate(items)]
-                h = p.comm("q", sends=sends, recvs=recvs)
-                returns.append((u, h, [(it.acc, f"q.ret{slot[u]}.{i}")
-                                       for i, it in enumerate(items)]))
+                self._compute_q(u, items, returns)
             # Partials of the previous unit have had a whole unit of compute to arrive.
-            while returns and returns[0][0] < u:
-                self._finish_return(returns.pop(0))
+            while returns and returns[0].unit < u.index:
+                p.finish(returns.pop(0))
         # A counterpart's partial must be complete before it goes home.
         for ret in returns:
-            self._finish_return(ret)
+            p.finish(ret)
+        return held_back
 
-    def _finish_return(self, ret: tuple[int, int, list[tuple[str, str]]]) -> None:
-        _, h, merges = ret
-        self.p.add(Wait(h))
-        for acc, loc in merges:
-            self.p.add(Merge(acc, loc))
+    def _await_cross(self, handle: int | None, cross: _Item) -> None:
+        self.p.add(Wait(handle))
+        self.p.add(Reset(cross.acc, self.pkind, cross.owner))
 
-    def _flush_deferred(self) -> None:
-        for args in self._deferred:
-            self._tile(*args)
-        self._deferred = []
+    def _post(self, u: _Unit, items: list[_Item]) -> int:
+        """Post unit ``u``'s exchange: our kv block, or our q blocks of this pass."""
+        r, y = self.rank, u.peer
+        if u.role is Role.KV:
+            return self.p.comm(
+                Stream.KV,
+                sends=[Xfer(y, _OWN_KV, Kind.KV, r, self._kv_half(r, u.peer_owners))],
+                recvs=[Xfer(y, _KV_RX.at(u.slot), Kind.KV, y,
+                            self._kv_half(y, [it.owner for it in items]))],
+            )
+        return self.p.comm(
+            Stream.Q,
+            sends=[Xfer(y, it.q_loc, self.qkind, it.owner, self._q_half(it.owner, [y]))
+                   for it in items],
+            recvs=[Xfer(y, _Q_RX.at(u.slot, i), self.qkind, o, self._q_half(o, [r]))
+                   for i, o in enumerate(u.peer_owners)],
+        )
+
+    def _compute_kv(self, u: _Unit, items: list[_Item], returns: list[_Return],
+                    hold_own: bool) -> list[Op]:
+        """Our q blocks against the peer's kv; backward, the peer's dkv partial goes back.
+        Returns the own q's tile if ``hold_own`` (held back by the caller)."""
+        r, y = self.rank, u.peer
+        buf, dkv = _KV_RX.at(u.slot), _PEER_DKV.at(u.slot)
+        # One q block: the peer's dk/dv partial is one tile's, sent as the kernel made it.
+        fresh_dkv = self.bwd and len(items) == 1
+        if self.bwd and not fresh_dkv:
+            self.p.add(Reset(dkv, Kind.DKV, y))
+        held: list[Op] = []
+        # Counterpart's q first: its partial must travel home, the own q's need not.
+        for it in sorted(items, key=lambda it: it.owner == r):
+            op = self._tile(it.owner, it.q_loc, y, buf, it.acc, dkv, fresh_dkv=fresh_dkv)
+            if hold_own and it.owner == r:
+                held.append(op)
+            else:
+                self.p.add(op)
+        if self.bwd:
+            back = _KV_DRET.at(u.slot)
+            h = self.p.comm(
+                Stream.KV,
+                sends=[Xfer(y, dkv, Kind.DKV, y, self._kv_half(y, [it.owner for it in items]))],
+                recvs=[Xfer(y, back, Kind.DKV, r, self._kv_half(r, u.peer_owners))],
+            )
+            returns.append(_Return(u.index, h, (Merge(Plan.DKV, back),)))
+        return held
+
+    def _compute_q(self, u: _Unit, items: list[_Item], returns: list[_Return]) -> None:
+        """Serve the peer's q blocks with our kv and send the partials back; ours come back
+        from the peer into ``q.ret``."""
+        r, y = self.rank, u.peer
+        sends = []
+        for i, o in enumerate(u.peer_owners):
+            acc, q_loc = _SERVED.at(u.slot, i), _Q_RX.at(u.slot, i)
+            if self.bwd:
+                self.p.add(self._tile(o, q_loc, r, _OWN_KV, acc, Plan.DKV,
+                                      fresh_dq=True))
+            else:
+                # A served tile is one partial sent straight back: no accumulator.
+                self.p.add(Tile(tile_spec(o, r, self.causal), q_loc, _OWN_KV, acc,
+                                fresh=True))
+            sends.append(Xfer(y, acc, self.pkind, o, self._q_half(o, [r])))
+        recvs = [Xfer(y, _Q_RET.at(u.slot, i), self.pkind, it.owner,
+                      self._q_half(it.owner, [y])) for i, it in enumerate(items)]
+        h = self.p.comm(Stream.Q, sends=sends, recvs=recvs)
+        returns.append(_Return(u.index, h, tuple(Merge(it.acc, _Q_RET.at(u.slot, i))
+                                                 for i, it in enumerate(items))))

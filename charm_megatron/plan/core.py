@@ -4,48 +4,51 @@ A plan is pure data (no torch, no process groups). For each CP rank it is an ord
 ops that the executor interprets with real communication and kernels, the validator checks
 symbolically, and the performance model replays with costs.
 
-Vocabulary
-----------
-* A *block* is one rank's shard of one kind of tensor. Forward kinds: ``q``, ``kv`` (K and V
-  packed), ``out`` (a partial output with its log-sum-exp). Backward kinds: ``qgrad`` (q and dout of a
-  rank's rows, with the final lse and ``delta = rowsum(dout * out)``), ``kv``, ``dq``, ``dkv`` (fp32 gradient partials).
+Vocabulary (:mod:`charm_megatron.plan.vocab`)
+---------------------------------------------
+* A *block* is one rank's shard of one :class:`Kind` of tensor. Forward kinds: ``q``, ``kv``
+  (K and V packed), ``out`` (a partial output with its log-sum-exp). Backward kinds: ``qgrad``
+  (q and dout of a rank's rows, with the final lse and ``delta = rowsum(dout * out)``), ``kv``,
+  ``dq``, ``dkv`` (gradient partials). :data:`~charm_megatron.plan.vocab.BLOCKS` lists each
+  kind's tensors and dtypes.
 * ``Half`` says which rows of a block a message or a tile uses: under Megatron's causal
   load-balanced layout most tiles need only the first or second half of a block.
-* A *location* is a named buffer on a rank: ``own.*`` (the rank's own inputs), ``acc.*``
-  (fp32 accumulators), anything else a reused receive buffer. The set of names a plan uses is
+* A :class:`Loc` is a buffer on a rank: ``own.*`` (the rank's own inputs), ``acc.*``
+  (accumulators), anything else a reused receive buffer. The set of locations a plan uses is
   fixed and small, which is what keeps memory O(1) in the CP size.
-* Communication is posted in *batches* (``Comm``) on a named stream and completed by ``Wait``.
-  Each stream maps to its own process group (own NCCL communicator) so streams really overlap.
+* Communication is posted in *batches* (``Comm``) on a :class:`Stream` and completed by
+  ``Wait``. Each stream maps to its own process group (own NCCL communicator) so streams really
+  overlap.
+
+Interpreters of plans (the executor, the validator, the performance model, the printout)
+subclass :class:`OpInterpreter`: one method per op type, one dispatch.
 """
 
 from __future__ import annotations
 
-import enum
+import abc
+import functools
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
-STREAMS = ("kv", "q", "cross")
+from charm_megatron.plan.vocab import RESULT, Direction, Half, Kind, Loc, Stream, as_loc
+
+__all__ = [
+    "STREAMS", "Comm", "Direction", "Half", "Kind", "Loc", "Merge", "Op", "OpInterpreter",
+    "Plan", "Reset", "Stream", "Tile", "TileBwd", "TileSpec", "Wait", "Xfer", "format_op",
+    "tile_spec",
+]
+
+STREAMS = tuple(Stream)
 
 
-class Half(enum.Enum):
-    """Rows of a block: all, the first half, or the second half (Megatron's two chunks)."""
-
-    FULL = "full"
-    FIRST = "first"
-    SECOND = "second"
-
-    def union(self, other: Half) -> Half:
-        return self if self is other else Half.FULL
-
-    def covers(self, other: Half) -> bool:
-        """True if these rows include ``other``'s rows."""
-        return self is Half.FULL or self is other
-
-    @property
-    def fraction(self) -> float:
-        return 1.0 if self is Half.FULL else 0.5
-
-    def __str__(self) -> str:  # short form for printouts
-        return {"full": "all", "first": "1st", "second": "2nd"}[self.value]
+def _typed(op: object, **types: type) -> None:
+    """Normalise plain strings in an op's fields (``"kv"``, ``"own.kv"``) to the vocabulary's
+    types, so hand-written plans and typed ones are the same values."""
+    for name, cls in types.items():
+        value = getattr(op, name)
+        if type(value) is str:
+            object.__setattr__(op, name, as_loc(value) if cls is Loc else cls(value))
 
 
 @dataclass(frozen=True)
@@ -79,10 +82,14 @@ class Xfer:
     """One message of a batch: ``loc`` is the source (send) or destination (receive)."""
 
     peer: int
-    loc: str
-    kind: str
+    loc: Loc
+    kind: Kind
     owner: int
     half: Half
+
+    def __post_init__(self) -> None:
+        if type(self.kind) is not Kind or type(self.loc) is str:
+            _typed(self, kind=Kind, loc=Loc)
 
 
 @dataclass(frozen=True)
@@ -90,9 +97,18 @@ class Comm:
     """Post a batch of sends and receives on ``stream``; completed by ``Wait(handle)``."""
 
     handle: int
-    stream: str
+    stream: Stream
     sends: tuple[Xfer, ...] = ()
     recvs: tuple[Xfer, ...] = ()
+
+    def __post_init__(self) -> None:
+        if type(self.stream) is not Stream:
+            _typed(self, stream=Stream)
+
+    @functools.cached_property
+    def peers(self) -> tuple[int, ...]:
+        """The ranks this batch exchanges with, in order of first mention."""
+        return tuple(dict.fromkeys(x.peer for x in self.sends + self.recvs))
 
 
 @dataclass(frozen=True)
@@ -104,9 +120,13 @@ class Wait:
 class Reset:
     """Make accumulator ``loc`` empty (outputs 0 with lse −inf; gradients 0)."""
 
-    loc: str
-    kind: str
+    loc: Loc
+    kind: Kind
     owner: int
+
+    def __post_init__(self) -> None:
+        if type(self.kind) is not Kind or type(self.loc) is str:
+            _typed(self, kind=Kind, loc=Loc)
 
 
 @dataclass(frozen=True)
@@ -117,10 +137,14 @@ class Tile:
     into, needs no fp32 accumulator)."""
 
     spec: TileSpec
-    q_loc: str
-    kv_loc: str
-    acc: str
+    q_loc: Loc
+    kv_loc: Loc
+    acc: Loc
     fresh: bool = False
+
+    def __post_init__(self) -> None:
+        if str in (type(self.q_loc), type(self.kv_loc), type(self.acc)):
+            _typed(self, q_loc=Loc, kv_loc=Loc, acc=Loc)
 
 
 @dataclass(frozen=True)
@@ -130,12 +154,16 @@ class TileBwd:
     (input dtype, the tile's rows only): a one-tile partial that is only sent on."""
 
     spec: TileSpec
-    q_loc: str
-    kv_loc: str
-    dq_acc: str
-    dkv_acc: str
+    q_loc: Loc
+    kv_loc: Loc
+    dq_acc: Loc
+    dkv_acc: Loc
     fresh_dq: bool = False
     fresh_dkv: bool = False
+
+    def __post_init__(self) -> None:
+        if str in (type(self.q_loc), type(self.kv_loc), type(self.dq_acc), type(self.dkv_acc)):
+            _typed(self, q_loc=Loc, kv_loc=Loc, dq_acc=Loc, dkv_acc=Loc)
 
 
 @dataclass(frozen=True)
@@ -143,11 +171,53 @@ class Merge:
     """Combine the partial received in ``src`` into accumulator ``acc`` (lse-merge for ``out``,
     sum for gradients), at the rows the partial holds."""
 
-    acc: str
-    src: str
+    acc: Loc
+    src: Loc
+
+    def __post_init__(self) -> None:
+        if str in (type(self.acc), type(self.src)):
+            _typed(self, acc=Loc, src=Loc)
 
 
 Op = Comm | Wait | Reset | Tile | TileBwd | Merge
+T = TypeVar("T")
+
+
+class OpInterpreter(abc.ABC, Generic[T]):
+    """Something that gives every op type a meaning: one ``on_*`` method per type.
+
+    :meth:`interpret` is the one dispatch over op types. A new op type is one more abstract
+    method here, which every interpreter (executor, validator, performance model, printout)
+    must then implement before it can be instantiated.
+    """
+
+    def interpret(self, op: Op) -> T:
+        name = _HANDLERS.get(type(op))
+        if name is None:
+            raise TypeError(f"unknown op {op!r}")
+        return getattr(self, name)(op)
+
+    @abc.abstractmethod
+    def on_comm(self, op: Comm) -> T: ...
+
+    @abc.abstractmethod
+    def on_wait(self, op: Wait) -> T: ...
+
+    @abc.abstractmethod
+    def on_reset(self, op: Reset) -> T: ...
+
+    @abc.abstractmethod
+    def on_tile(self, op: Tile) -> T: ...
+
+    @abc.abstractmethod
+    def on_tile_bwd(self, op: TileBwd) -> T: ...
+
+    @abc.abstractmethod
+    def on_merge(self, op: Merge) -> T: ...
+
+
+_HANDLERS = {Comm: "on_comm", Wait: "on_wait", Reset: "on_reset", Tile: "on_tile",
+             TileBwd: "on_tile_bwd", Merge: "on_merge"}
 
 
 @dataclass
@@ -155,47 +225,64 @@ class Plan:
     """Per-rank op lists for one direction (``forward`` or ``backward``) of one algorithm."""
 
     algo: str
-    direction: str
+    direction: Direction
     n: int
     groups: tuple[tuple[int, ...], ...]
     causal: bool
     ops: list[list[Op]] = field(default_factory=list)
 
     # Where the executor finds the results on every rank.
-    OUT = "acc.out"
-    DQ = "acc.dq"
-    DKV = "acc.dkv"
+    OUT = RESULT[Kind.OUT]
+    DQ = RESULT[Kind.DQ]
+    DKV = RESULT[Kind.DKV]
+
+    def __post_init__(self) -> None:
+        self.direction = Direction(self.direction)
+
+    def comms(self, rank: int) -> list[Comm]:
+        """``rank``'s batches, in posted order."""
+        return [op for op in self.ops[rank] if type(op) is Comm]
 
     def describe(self, rank: int) -> str:
         """A readable listing of ``rank``'s ops (used by ``charm-megatron plan``)."""
-        lines = []
-        for op in self.ops[rank]:
-            lines.append("  " + format_op(op))
-        return "\n".join(lines)
+        return "\n".join("  " + format_op(op) for op in self.ops[rank])
 
 
-def format_op(op: Op) -> str:
-    if isinstance(op, Comm):
+class _Printer(OpInterpreter[str]):
+    """The one-line form of each op (the format of ``charm-megatron plan`` printouts)."""
+
+    def on_comm(self, op: Comm) -> str:
         parts = [f"send {x.kind}[{x.owner}].{x.half}->{x.peer}" for x in op.sends]
         parts += [f"recv {x.kind}[{x.owner}].{x.half}<-{x.peer} into {x.loc}" for x in op.recvs]
         return f"post #{op.handle} on {op.stream}: " + ", ".join(parts)
-    if isinstance(op, Wait):
+
+    def on_wait(self, op: Wait) -> str:
         return f"wait #{op.handle}"
-    if isinstance(op, Reset):
+
+    def on_reset(self, op: Reset) -> str:
         return f"reset {op.loc}"
-    if isinstance(op, Tile):
-        s = op.spec
-        mask = " causal" if s.causal else ""
+
+    def on_tile(self, op: Tile) -> str:
         arrow = "=>" if op.fresh else "->"
-        return (f"tile q[{s.q_owner}].{s.q_half} x kv[{s.kv_owner}].{s.kv_half}{mask}"
-                f" {arrow} {op.acc}")
-    if isinstance(op, TileBwd):
-        s = op.spec
-        mask = " causal" if s.causal else ""
+        return f"tile {_tile_rows(op.spec)} {arrow} {op.acc}"
+
+    def on_tile_bwd(self, op: TileBwd) -> str:
         a = "=>" if op.fresh_dq else "->"
         b = "=>" if op.fresh_dkv else "->"
-        return (f"tile-bwd q[{s.q_owner}].{s.q_half} x kv[{s.kv_owner}].{s.kv_half}{mask}"
-                f" dq {a} {op.dq_acc}, dkv {b} {op.dkv_acc}")
-    if isinstance(op, Merge):
+        return f"tile-bwd {_tile_rows(op.spec)} dq {a} {op.dq_acc}, dkv {b} {op.dkv_acc}"
+
+    def on_merge(self, op: Merge) -> str:
         return f"merge {op.src} into {op.acc}"
-    raise TypeError(op)
+
+
+def _tile_rows(s: TileSpec) -> str:
+    mask = " causal" if s.causal else ""
+    return f"q[{s.q_owner}].{s.q_half} x kv[{s.kv_owner}].{s.kv_half}{mask}"
+
+
+_PRINTER = _Printer()
+
+
+def format_op(op: Op) -> str:
+    """One op as a line of a printout (``=>``: the tile's result replaces the location's)."""
+    return _PRINTER.interpret(op)

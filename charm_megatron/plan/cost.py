@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from charm_megatron.plan.core import Comm, Plan
+from charm_megatron.plan.core import Kind, Plan, Xfer
 
 
 @dataclass(frozen=True)
@@ -20,19 +20,15 @@ class Problem:
     d: int
     elem: int = 2  # bf16
 
-    def block_bytes(self, kind: str, n: int) -> float:
-        """Bytes of a whole block of ``kind`` held by one rank (``s / n`` rows)."""
-        rows = self.s / n
-        e = self.elem
-        per_row = {
-            "q": self.b * self.hq * self.d * e,
-            "kv": 2 * self.b * self.hkv * self.d * e,
-            "out": self.b * self.hq * (self.d * e + 4),  # partial out + fp32 lse
-            "qgrad": self.b * self.hq * (2 * self.d * e + 8),  # q, dout + lse, delta
-            "dq": self.b * self.hq * self.d * e,  # partials travel in the input dtype
-            "dkv": 2 * self.b * self.hkv * self.d * e,
-        }[kind]
-        return rows * per_row
+    def block_bytes(self, kind: Kind, n: int) -> float:
+        """Bytes of a whole block of ``kind`` held by one rank (``s / n`` rows), as it travels
+        (:data:`charm_megatron.plan.vocab.BLOCKS`: partials in the input dtype, lse fp32)."""
+        sizes = {"b": self.b, "hq": self.hq, "hkv": self.hkv, "d": self.d}
+        return self.s / n * Kind(kind).spec.row_bytes(sizes, self.elem)
+
+    def xfer_bytes(self, x: Xfer, n: int) -> float:
+        """Bytes of one message of a plan over ``n`` ranks."""
+        return self.block_bytes(x.kind, n) * x.half.fraction
 
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -74,12 +70,10 @@ def traffic(plan: Plan, problem: Problem, groups: Sequence[Sequence[int]]) -> Tr
     group_of = {r: gi for gi, g in enumerate(groups) for r in g}
     intra = [0.0] * plan.n
     cross = [0.0] * plan.n
-    for r, ops in enumerate(plan.ops):
-        for op in ops:
-            if not isinstance(op, Comm):
-                continue
+    for r in range(plan.n):
+        for op in plan.comms(r):
             for x in op.sends:
-                nbytes = problem.block_bytes(x.kind, plan.n) * x.half.fraction
+                nbytes = problem.xfer_bytes(x, plan.n)
                 if group_of[x.peer] == group_of[r]:
                     intra[r] += nbytes
                 else:

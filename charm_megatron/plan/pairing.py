@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from charm_megatron.plan.vocab import Role
+
 
 @dataclass(frozen=True)
 class Round:
     """One matching: ``partner[i]`` is local index ``i``'s partner (absent: idle this round)."""
 
-    role: str  # "kv" or "q"
+    role: Role
     partner: dict[int, int]
 
 
@@ -42,7 +44,7 @@ def rmplus_rounds(m: int) -> list[Round]:
     if m == 1:
         return []
     if not is_power_of_two(m):
-        return [Round("kv" if r % 2 == 0 else "q", partner)
+        return [Round(Role.KV if r % 2 == 0 else Role.Q, partner)
                 for r, partner in enumerate(_circle(m))]
     kv_js: list[int] = []
     q_js: list[int] = []
@@ -54,7 +56,7 @@ def rmplus_rounds(m: int) -> list[Round]:
         level_start *= 2
     rounds: list[Round] = []
     for idx in range(len(kv_js)):
-        for role, js in (("kv", kv_js), ("q", q_js)):
+        for role, js in ((Role.KV, kv_js), (Role.Q, q_js)):
             if idx < len(js):
                 rounds.append(Round(role, {x: x ^ js[idx] for x in range(m)}))
     return rounds

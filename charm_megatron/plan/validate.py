@@ -1,31 +1,42 @@
 """Prove a plan correct before it runs, by executing it symbolically on every rank at once.
 
 The simulation tracks, for every location of every rank, *what* it holds: a block (kind, owner,
-rows) or a partial (kind, owner, the exact set of tiles merged into it). It checks:
+rows) or a partial (kind, owner, the exact set of tiles merged into it). The checks, each a
+named function or method below:
 
-* every tile is computed exactly once, with the rows the causal mask needs;
-* every op reads data that is present and complete (a receive is waited before use, a tile's rows
-  are inside the rows a buffer holds, a partial sent home holds every row it contributes to);
-* no buffer is overwritten while a send from it or a receive into it is in flight;
-* every send is matched by a receive of the same block and rows, in the same order, on the same
-  stream — batches complete only together with their partners, as NCCL groups do on one
-  communicator's serial stream, so a plan that could deadlock there is rejected;
-* at the end each rank's output (forward) or dq and dkv (backward) hold exactly the tiles of
-  the full attention.
+* **tiles and causal halves** (:meth:`_SymbolicRun.check_tile_halves`, :func:`check_tiles_once`,
+  :func:`check_results`): every tile is computed exactly once, with the rows the causal mask
+  needs, and at the end each rank's output (forward) or dq and dkv (backward) hold exactly the
+  tiles of the full attention;
+* **buffer hazards** (:meth:`_SymbolicRun.read`, :meth:`~_SymbolicRun.check_no_transfer`,
+  :meth:`~_SymbolicRun.check_partial_send`): every op reads data that is present and complete
+  (a receive is waited before use, a tile's rows are inside the rows a buffer holds, a partial
+  sent home holds every row it contributes to), and no buffer is overwritten while a send from
+  it or a receive into it is in flight;
+* **send/receive matching** (:meth:`~_SymbolicRun.check_message`): every send meets a receive
+  of the same block and rows, in the same order, on the same stream;
+* **deadlock under NCCL's serial streams** (:meth:`~_SymbolicRun.check_progress`,
+  :func:`check_all_completed`): batches complete only together with their partners
+  (:func:`charm_megatron.plan.batches.closed_matching`), so a plan that could deadlock there
+  is rejected.
 
 It also measures the plan: dependent communication steps on the critical path, messages and
-blocks sent per rank. Byte counts for a concrete shape are in :mod:`charm_megatron.plan.cost`.
+tiles per rank. Byte counts for a concrete shape are in :mod:`charm_megatron.plan.cost`.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
 
+from charm_megatron.plan.batches import StreamQueues, closed_matching, messages_between
 from charm_megatron.plan.core import (
     Comm,
     Half,
+    Kind,
+    Loc,
     Merge,
+    OpInterpreter,
     Plan,
     Reset,
     Tile,
@@ -33,10 +44,10 @@ from charm_megatron.plan.core import (
     TileSpec,
     Wait,
     Xfer,
+    format_op,
     tile_spec,
 )
-
-PARTIAL_KINDS = ("out", "dq", "dkv")
+from charm_megatron.plan.vocab import Direction, Side, Stream
 
 
 class PlanError(ValueError):
@@ -45,7 +56,7 @@ class PlanError(ValueError):
 
 @dataclass
 class _Content:
-    kind: str
+    kind: Kind
     owner: int
     half: Half
     tiles: frozenset[TileSpec] = frozenset()  # partials only
@@ -56,8 +67,7 @@ class _Content:
 class _Batch:
     rank: int
     op: Comm
-    posted_depths: list[int] = field(default_factory=list)
-    payload: list[_Content] = field(default_factory=list)
+    to_peer: dict[int, list[_Content]] = field(default_factory=lambda: defaultdict(list))
     done: bool = False
 
 
@@ -70,246 +80,290 @@ class PlanStats:
     tiles: list[int]  # tiles computed per rank
 
 
-def _rows_of_contribution(kind: str, t: TileSpec) -> Half:
-    return t.kv_half if kind == "dkv" else t.q_half
-
-
 def validate(plan: Plan) -> PlanStats:
     """Raise :class:`PlanError` if ``plan`` is wrong; return its :class:`PlanStats`."""
-    n = plan.n
-    bwd = plan.direction == "backward"
-    state: list[dict[str, _Content]] = []
-    for r in range(n):
-        own = {"own.kv": _Content("kv", r, Half.FULL)}
-        own["own.qgrad" if bwd else "own.q"] = _Content("qgrad" if bwd else "q", r, Half.FULL)
-        state.append(own)
-    busy: list[dict[str, int]] = [defaultdict(int) for _ in range(n)]  # loc -> in-flight comms
-    batches: dict[tuple[int, int], _Batch] = {}
-    queues: dict[tuple[int, str], deque[_Batch]] = defaultdict(deque)
-    pc = [0] * n
-    tile_count: dict[tuple[int, int], int] = defaultdict(int)
-    messages = [0] * n
-    tiles_done = [0] * n
-    max_depth = 0
+    run = _SymbolicRun(plan)
+    run.execute()
+    check_all_completed(run)
+    check_tiles_once(plan, run.tile_count)
+    check_results(plan, run.state)
+    return PlanStats(run.max_depth, run.messages, run.tiles_done)
 
-    def fail(r: int, msg: str) -> None:
-        op = plan.ops[r][pc[r]] if pc[r] < len(plan.ops[r]) else None
-        raise PlanError(f"{plan.algo} {plan.direction}, rank {r}, op {pc[r]} ({op}): {msg}")
 
-    def read(r: int, loc: str, kind: str, owner: int, half: Half) -> _Content:
-        c = state[r].get(loc)
-        if c is None:
-            fail(r, f"reads {loc}, which holds nothing")
-        if busy[r].get(loc, 0) and loc in _recv_locs(r):
-            fail(r, f"reads {loc} before the receive into it was waited")
-        if c.kind != kind or c.owner != owner:
-            fail(r, f"expects {kind}[{owner}] in {loc}, finds {c.kind}[{c.owner}]")
-        if not c.half.covers(half):
-            fail(r, f"needs rows {half} of {loc}, which holds rows {c.half}")
-        return c
+def _rows_written(kind: Kind, t: TileSpec) -> Half:
+    """The rows of a ``kind`` partial that tile ``t`` contributes to."""
+    return t.kv_half if kind.spec.side is Side.KV else t.q_half
 
-    recv_locs: list[dict[str, int]] = [defaultdict(int) for _ in range(n)]
 
-    def _recv_locs(r: int) -> dict[str, int]:
-        return {k: v for k, v in recv_locs[r].items() if v}
+class _SymbolicRun(OpInterpreter[bool]):
+    """All ranks' programs run on symbolic contents. ``on_*`` interpret one op of rank
+    :attr:`r` and return False when it must wait (its batch is not complete yet)."""
 
-    def write_check(r: int, loc: str) -> None:
-        if busy[r].get(loc, 0):
-            fail(r, f"writes {loc} while a transfer from or into it is in flight")
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        n = plan.n
+        query = plan.direction.query
+        self.state: list[dict[Loc, _Content]] = [
+            {Loc.own(Kind.KV): _Content(Kind.KV, r, Half.FULL),
+             Loc.own(query): _Content(query, r, Half.FULL)} for r in range(n)]
+        self.busy: list[dict[Loc, int]] = [defaultdict(int) for _ in range(n)]  # transfers
+        self.receiving: list[dict[Loc, int]] = [defaultdict(int) for _ in range(n)]  # receives
+        self.batches: dict[tuple[int, int], _Batch] = {}  # (rank, handle) -> posted, unwaited
+        self.queues: StreamQueues[_Batch] = StreamQueues()
+        self.pc = [0] * n
+        self.tile_count: dict[tuple[int, int], int] = defaultdict(int)
+        self.messages = [0] * n
+        self.tiles_done = [0] * n
+        self.max_depth = 0
+        self.r = 0  # the rank whose op is being interpreted
 
-    def add_tiles(r: int, acc: str, kind: str, owner: int, new: frozenset, depth: int) -> None:
-        c = state[r].get(acc)
-        if c is None or c.kind != kind or c.owner != owner:
-            fail(r, f"accumulates into {acc}, which is not a reset {kind}[{owner}] accumulator")
-        write_check(r, acc)
-        dup = c.tiles & new
-        if dup:
-            fail(r, f"merges tiles {sorted(map(_tile_name, dup))} into {acc} twice")
-        c.tiles = c.tiles | new
-        c.depth = max(c.depth, depth)
+    # ------------------------------------------------------------------ driving all ranks
+    def execute(self) -> None:
+        plan = self.plan
+        while True:
+            progressed = False
+            for r in range(plan.n):
+                progressed |= self._step(r)
+            progressed |= self._complete_batches()
+            if all(self.pc[r] == len(plan.ops[r]) for r in range(plan.n)):
+                return
+            self.check_progress(progressed)
 
-    def step(r: int) -> bool:
+    def _step(self, r: int) -> bool:
         """Run rank ``r`` until it blocks; return True if it made progress."""
-        nonlocal max_depth
+        self.r = r
+        ops = self.plan.ops[r]
         progressed = False
-        ops = plan.ops[r]
-        while pc[r] < len(ops):
-            op = ops[pc[r]]
-            if isinstance(op, Comm):
-                b = _Batch(r, op)
-                for x in op.sends:
-                    if x.peer == r or not 0 <= x.peer < n:
-                        fail(r, f"sends to invalid peer {x.peer}")
-                    if x.kind in PARTIAL_KINDS:
-                        c = state[r].get(x.loc)
-                        if c is None or c.kind != x.kind or c.owner != x.owner:
-                            fail(r, f"sends {x.loc} as {x.kind}[{x.owner}] but it holds "
-                                    f"{None if c is None else (c.kind, c.owner)}")
-                        if busy[r].get(x.loc, 0) and x.loc in _recv_locs(r):
-                            fail(r, f"sends {x.loc} before the receive into it was waited")
-                        for t in c.tiles:
-                            if not x.half.covers(_rows_of_contribution(x.kind, t)):
-                                fail(r, f"sends rows {x.half} of {x.loc} but tile "
-                                        f"{_tile_name(t)} wrote rows outside them")
-                        payload = _Content(x.kind, x.owner, x.half, c.tiles, c.depth)
-                    else:
-                        c = read(r, x.loc, x.kind, x.owner, x.half)
-                        payload = _Content(x.kind, x.owner, x.half, depth=c.depth)
-                    b.payload.append(payload)
-                    busy[r][x.loc] += 1
-                    messages[r] += 1
-                for x in op.recvs:
-                    write_check(r, x.loc)
-                    busy[r][x.loc] += 1
-                    recv_locs[r][x.loc] += 1
-                key = (r, op.handle)
-                if key in batches:
-                    fail(r, f"reuses handle {op.handle}")
-                batches[key] = b
-                queues[(r, op.stream)].append(b)
-            elif isinstance(op, Wait):
-                b = batches.get((r, op.handle))
-                if b is None:
-                    fail(r, f"waits for unknown handle {op.handle}")
-                if not b.done:
-                    return progressed
-                for x in b.op.sends:
-                    busy[r][x.loc] -= 1
-                for x in b.op.recvs:
-                    busy[r][x.loc] -= 1
-                    recv_locs[r][x.loc] -= 1
-                del batches[(r, op.handle)]
-            elif isinstance(op, Reset):
-                write_check(r, op.loc)
-                state[r][op.loc] = _Content(op.kind, op.owner, Half.FULL, frozenset())
-            elif isinstance(op, Tile | TileBwd):
-                s = op.spec
-                want = tile_spec(s.q_owner, s.kv_owner, plan.causal)
-                if s != want:
-                    fail(r, f"tile {_tile_name(s)} should be {_tile_name(want)}")
-                qc = read(r, op.q_loc, "qgrad" if bwd else "q", s.q_owner, s.q_half)
-                kc = read(r, op.kv_loc, "kv", s.kv_owner, s.kv_half)
-                depth = max(qc.depth, kc.depth)
-                tile_count[(s.q_owner, s.kv_owner)] += 1
-                tiles_done[r] += 1
-                if isinstance(op, Tile) and op.fresh:
-                    write_check(r, op.acc)
-                    state[r][op.acc] = _Content("out", s.q_owner, s.q_half, frozenset([s]), depth)
-                elif isinstance(op, Tile):
-                    add_tiles(r, op.acc, "out", s.q_owner, frozenset([s]), depth)
-                else:
-                    for fresh, loc, kind, owner, half in (
-                        (op.fresh_dq, op.dq_acc, "dq", s.q_owner, s.q_half),
-                        (op.fresh_dkv, op.dkv_acc, "dkv", s.kv_owner, s.kv_half),
-                    ):
-                        if fresh:
-                            write_check(r, loc)
-                            state[r][loc] = _Content(kind, owner, half, frozenset([s]), depth)
-                        else:
-                            add_tiles(r, loc, kind, owner, frozenset([s]), depth)
-            elif isinstance(op, Merge):
-                src = state[r].get(op.src)
-                if src is None:
-                    fail(r, f"merges {op.src}, which holds nothing")
-                if busy[r].get(op.src, 0) and op.src in _recv_locs(r):
-                    fail(r, f"merges {op.src} before the receive into it was waited")
-                acc = state[r].get(op.acc)
-                if acc is None or src.kind != acc.kind or src.owner != acc.owner:
-                    fail(r, f"merges {op.src} into {op.acc} of a different kind or owner")
-                add_tiles(r, op.acc, acc.kind, acc.owner, src.tiles, src.depth)
-            else:
-                fail(r, f"unknown op {op!r}")
-            pc[r] += 1
+        while self.pc[r] < len(ops):
+            if not self.interpret(ops[self.pc[r]]):
+                break
+            self.pc[r] += 1
             progressed = True
         return progressed
 
-    def complete_batches() -> bool:
-        """Complete every closed set of head batches whose sends and receives match."""
-        nonlocal max_depth
-        heads = {k: q[0] for k, q in queues.items() if q}
-        alive = set(heads)
-        changed = True
-        while changed:
-            changed = False
-            for key in list(alive):
-                b = heads[key]
-                r, stream = key
-                ok = True
-                for peer in {x.peer for x in b.op.sends} | {x.peer for x in b.op.recvs}:
-                    pk = (peer, stream)
-                    if pk not in alive:
-                        ok = False
-                        break
-                    other = heads[pk]
-                    mine_out = [x for x in b.op.sends if x.peer == peer]
-                    theirs_in = [x for x in other.op.recvs if x.peer == r]
-                    if len(mine_out) != len(theirs_in):
-                        ok = False
-                        break
-                if not ok:
-                    alive.discard(key)
-                    changed = True
-        if not alive:
-            return False
-        # Matched: deliver payloads (checking block, owner and rows agree).
-        for key in alive:
-            b = heads[key]
-            r, stream = key
-            other_by_peer: dict[int, list[Xfer]] = defaultdict(list)
-            for x in b.op.recvs:
-                other_by_peer[x.peer].append(x)
-            for peer, recvs in other_by_peer.items():
-                sender = heads[(peer, stream)]
-                sends = [(x, c) for x, c in zip(sender.op.sends, sender.payload) if x.peer == r]
-                for rx, (sx, content) in zip(recvs, sends):
-                    if (rx.kind, rx.owner, rx.half) != (sx.kind, sx.owner, sx.half):
-                        raise PlanError(
-                            f"{plan.algo} {plan.direction}, stream {stream}: rank {peer} sends "
-                            f"{sx.kind}[{sx.owner}].{sx.half} but rank {r} expects "
-                            f"{rx.kind}[{rx.owner}].{rx.half}"
-                        )
-                    depth = content.depth + 1
-                    max_depth = max(max_depth, depth)
-                    state[r][rx.loc] = _Content(content.kind, content.owner, content.half,
-                                                content.tiles, depth)
-        for key in alive:
-            heads[key].done = True
-            queues[key].popleft()
+    def fail(self, msg: str) -> None:
+        r, plan = self.r, self.plan
+        op = plan.ops[r][self.pc[r]] if self.pc[r] < len(plan.ops[r]) else None
+        where = "end" if op is None else format_op(op)
+        raise PlanError(f"{plan.algo} {plan.direction}, rank {r}, op {self.pc[r]} ({where}): "
+                        f"{msg}")
+
+    # ------------------------------------------------------------------ buffer hazards
+    def check_waited(self, loc: Loc, what: str) -> None:
+        if self.receiving[self.r].get(loc, 0):
+            self.fail(f"{what} {loc} before the receive into it was waited")
+
+    def check_no_transfer(self, loc: Loc) -> None:
+        if self.busy[self.r].get(loc, 0):
+            self.fail(f"writes {loc} while a transfer from or into it is in flight")
+
+    def read(self, loc: Loc, kind: Kind, owner: int, half: Half) -> _Content:
+        """What ``loc`` holds, which must be rows ``half`` of block ``kind[owner]``, received."""
+        c = self.state[self.r].get(loc)
+        if c is None:
+            self.fail(f"reads {loc}, which holds nothing")
+        self.check_waited(loc, "reads")
+        if c.kind != kind or c.owner != owner:
+            self.fail(f"expects {kind}[{owner}] in {loc}, finds {c.kind}[{c.owner}]")
+        if not c.half.covers(half):
+            self.fail(f"needs rows {half} of {loc}, which holds rows {c.half}")
+        return c
+
+    def check_partial_send(self, x: Xfer) -> _Content:
+        """A partial sent on must be the one named and hold no rows outside those sent."""
+        c = self.state[self.r].get(x.loc)
+        if c is None or c.kind != x.kind or c.owner != x.owner:
+            self.fail(f"sends {x.loc} as {x.kind}[{x.owner}] but it holds "
+                      f"{None if c is None else (c.kind, c.owner)}")
+        self.check_waited(x.loc, "sends")
+        for t in c.tiles:
+            if not x.half.covers(_rows_written(x.kind, t)):
+                self.fail(f"sends rows {x.half} of {x.loc} but tile {_tile_name(t)} wrote rows "
+                          "outside them")
+        return c
+
+    def write(self, loc: Loc, content: _Content) -> None:
+        self.check_no_transfer(loc)
+        self.state[self.r][loc] = content
+
+    def accumulate(self, acc: Loc, kind: Kind, owner: int, new: frozenset[TileSpec],
+                   depth: int) -> None:
+        c = self.state[self.r].get(acc)
+        if c is None or c.kind != kind or c.owner != owner:
+            self.fail(f"accumulates into {acc}, which is not a reset {kind}[{owner}] accumulator")
+        self.check_no_transfer(acc)
+        dup = c.tiles & new
+        if dup:
+            self.fail(f"merges tiles {sorted(map(_tile_name, dup))} into {acc} twice")
+        c.tiles = c.tiles | new
+        c.depth = max(c.depth, depth)
+
+    # ------------------------------------------------------------------ tiles
+    def check_tile_halves(self, s: TileSpec) -> None:
+        want = tile_spec(s.q_owner, s.kv_owner, self.plan.causal)
+        if s != want:
+            self.fail(f"tile {_tile_name(s)} should be {_tile_name(want)}")
+
+    def _tile_inputs(self, op: Tile | TileBwd) -> int:
+        """Check a tile's shape and inputs, count it; return the depth of its inputs."""
+        s = op.spec
+        self.check_tile_halves(s)
+        qc = self.read(op.q_loc, self.plan.direction.query, s.q_owner, s.q_half)
+        kc = self.read(op.kv_loc, Kind.KV, s.kv_owner, s.kv_half)
+        self.tile_count[(s.q_owner, s.kv_owner)] += 1
+        self.tiles_done[self.r] += 1
+        return max(qc.depth, kc.depth)
+
+    def _result(self, loc: Loc, fresh: bool, kind: Kind, owner: int, half: Half,
+                s: TileSpec, depth: int) -> None:
+        if fresh:
+            self.write(loc, _Content(kind, owner, half, frozenset([s]), depth))
+        else:
+            self.accumulate(loc, kind, owner, frozenset([s]), depth)
+
+    # ------------------------------------------------------------------ the ops
+    def on_comm(self, op: Comm) -> bool:
+        r, n = self.r, self.plan.n
+        b = _Batch(r, op)
+        for x in op.sends:
+            if x.peer == r or not 0 <= x.peer < n:
+                self.fail(f"sends to invalid peer {x.peer}")
+            if x.kind.partial:
+                c = self.check_partial_send(x)
+                payload = _Content(x.kind, x.owner, x.half, c.tiles, c.depth)
+            else:
+                c = self.read(x.loc, x.kind, x.owner, x.half)
+                payload = _Content(x.kind, x.owner, x.half, depth=c.depth)
+            b.to_peer[x.peer].append(payload)
+            self.busy[r][x.loc] += 1
+            self.messages[r] += 1
+        for x in op.recvs:
+            self.check_no_transfer(x.loc)
+            self.busy[r][x.loc] += 1
+            self.receiving[r][x.loc] += 1
+        if (r, op.handle) in self.batches:
+            self.fail(f"reuses handle {op.handle}")
+        self.batches[(r, op.handle)] = b
+        self.queues.post(r, op.stream, b)
         return True
 
-    while True:
-        progressed = False
-        for r in range(n):
-            progressed |= step(r)
-        progressed |= complete_batches()
-        if all(pc[r] == len(plan.ops[r]) for r in range(n)):
-            break
-        if not progressed:
-            stuck = {r: str(plan.ops[r][pc[r]]) for r in range(n) if pc[r] < len(plan.ops[r])}
-            pending = {f"{k[0]}/{k[1]}": len(q) for k, q in queues.items() if q}
-            raise PlanError(f"{plan.algo} {plan.direction}: deadlock; blocked ranks {stuck}; "
-                            f"posted but unmatched batches {pending}")
+    def on_wait(self, op: Wait) -> bool:
+        r = self.r
+        b = self.batches.get((r, op.handle))
+        if b is None:
+            self.fail(f"waits for unknown handle {op.handle}")
+        if not b.done:
+            return False
+        for x in b.op.sends:
+            self.busy[r][x.loc] -= 1
+        for x in b.op.recvs:
+            self.busy[r][x.loc] -= 1
+            self.receiving[r][x.loc] -= 1
+        del self.batches[(r, op.handle)]
+        return True
 
-    leftover = [k for k, q in queues.items() if q]
-    if leftover or batches:
-        raise PlanError(f"{plan.algo} {plan.direction}: batches never waited or matched: "
-                        f"{sorted(set(leftover) | set(batches))}")
+    def on_reset(self, op: Reset) -> bool:
+        self.write(op.loc, _Content(op.kind, op.owner, Half.FULL, frozenset()))
+        return True
+
+    def on_tile(self, op: Tile) -> bool:
+        s = op.spec
+        depth = self._tile_inputs(op)
+        self._result(op.acc, op.fresh, Kind.OUT, s.q_owner, s.q_half, s, depth)
+        return True
+
+    def on_tile_bwd(self, op: TileBwd) -> bool:
+        s = op.spec
+        depth = self._tile_inputs(op)
+        self._result(op.dq_acc, op.fresh_dq, Kind.DQ, s.q_owner, s.q_half, s, depth)
+        self._result(op.dkv_acc, op.fresh_dkv, Kind.DKV, s.kv_owner, s.kv_half, s, depth)
+        return True
+
+    def on_merge(self, op: Merge) -> bool:
+        src = self.state[self.r].get(op.src)
+        if src is None:
+            self.fail(f"merges {op.src}, which holds nothing")
+        self.check_waited(op.src, "merges")
+        acc = self.state[self.r].get(op.acc)
+        if acc is None or src.kind != acc.kind or src.owner != acc.owner:
+            self.fail(f"merges {op.src} into {op.acc} of a different kind or owner")
+        self.accumulate(op.acc, acc.kind, acc.owner, src.tiles, src.depth)
+        return True
+
+    # ------------------------------------------------------------------ matching, deadlock
+    def _complete_batches(self) -> bool:
+        """Complete every closed set of head batches whose sends and receives match."""
+        heads = self.queues.heads()
+        ready = closed_matching({key: b.op for key, b in heads.items()})
+        if not ready:
+            return False
+        for key in ready:  # deliver the payloads
+            b = heads[key]
+            r, stream = key
+            for peer in dict.fromkeys(x.peer for x in b.op.recvs):
+                sender = heads[(peer, stream)]
+                pairs = messages_between(peer, sender.op, r, b.op)
+                for (sx, rx), content in zip(pairs, sender.to_peer[r]):
+                    self.check_message(stream, peer, sx, r, rx)
+                    depth = content.depth + 1
+                    self.max_depth = max(self.max_depth, depth)
+                    self.state[r][rx.loc] = _Content(content.kind, content.owner, content.half,
+                                                      content.tiles, depth)
+        for key in ready:
+            heads[key].done = True
+            self.queues.pop(*key)
+        return True
+
+    def check_message(self, stream: Stream, src: int, sx: Xfer, dst: int, rx: Xfer) -> None:
+        if (rx.kind, rx.owner, rx.half) != (sx.kind, sx.owner, sx.half):
+            raise PlanError(
+                f"{self.plan.algo} {self.plan.direction}, stream {stream}: rank {src} sends "
+                f"{sx.kind}[{sx.owner}].{sx.half} but rank {dst} expects "
+                f"{rx.kind}[{rx.owner}].{rx.half}")
+
+    def check_progress(self, progressed: bool) -> None:
+        """No rank moved and no batch completed, yet some rank has ops left: a deadlock."""
+        if progressed:
+            return
+        plan = self.plan
+        stuck = {r: format_op(plan.ops[r][self.pc[r]]) for r in range(plan.n)
+                 if self.pc[r] < len(plan.ops[r])}
+        pending = {f"{r}/{stream}": k for (r, stream), k in self.queues.pending().items()}
+        raise PlanError(f"{plan.algo} {plan.direction}: deadlock; blocked ranks {stuck}; "
+                        f"posted but unmatched batches {pending}")
+
+
+# ---------------------------------------------------------------------- checks at the end
+def check_all_completed(run: _SymbolicRun) -> None:
+    """Every batch was matched and waited."""
+    leftover = set(run.queues.pending()) | set(run.batches)
+    if leftover:
+        raise PlanError(f"{run.plan.algo} {run.plan.direction}: batches never waited or "
+                        f"matched: {sorted(leftover, key=str)}")
+
+
+def check_tiles_once(plan: Plan, tile_count: dict[tuple[int, int], int]) -> None:
     for (i, j), count in tile_count.items():
         if count != 1:
             raise PlanError(f"{plan.algo} {plan.direction}: tile ({i}, {j}) computed {count} times")
+
+
+def check_results(plan: Plan, state: list[dict[Loc, _Content]]) -> None:
+    """Each rank's results hold exactly the tiles of its rows (forward: out; backward: dq of
+    its q rows and dkv of its kv rows)."""
+    n, causal = plan.n, plan.causal
     for r in range(n):
-        if bwd:
-            _expect(plan, r, state[r].get(Plan.DQ), "dq", {tile_spec(r, j, plan.causal)
-                                                           for j in range(n)})
-            _expect(plan, r, state[r].get(Plan.DKV), "dkv", {tile_spec(i, r, plan.causal)
-                                                             for i in range(n)})
+        if plan.direction is Direction.BACKWARD:
+            _expect(plan, r, state[r].get(Plan.DQ), Kind.DQ,
+                    {tile_spec(r, j, causal) for j in range(n)})
+            _expect(plan, r, state[r].get(Plan.DKV), Kind.DKV,
+                    {tile_spec(i, r, causal) for i in range(n)})
         else:
-            _expect(plan, r, state[r].get(Plan.OUT), "out", {tile_spec(r, j, plan.causal)
-                                                             for j in range(n)})
-    return PlanStats(max_depth, messages, tiles_done)
+            _expect(plan, r, state[r].get(Plan.OUT), Kind.OUT,
+                    {tile_spec(r, j, causal) for j in range(n)})
 
 
-def _expect(plan: Plan, r: int, c: _Content | None, kind: str, want: set[TileSpec]) -> None:
+def _expect(plan: Plan, r: int, c: _Content | None, kind: Kind, want: set[TileSpec]) -> None:
     if c is None or c.kind != kind or c.owner != r:
         raise PlanError(f"{plan.algo} {plan.direction}: rank {r} ends without its {kind}")
     if set(c.tiles) != want:

@@ -1,0 +1,232 @@
+"""The plan vocabulary: block kinds and their tensors, streams, roles, directions, rows, places.
+
+Everything a plan names is a value of this module, so the builders, the executor, the
+validator, the cost model and the performance model agree by construction:
+
+* :class:`Kind` - what a block is; :data:`BLOCKS` - the one table of each kind's tensors,
+  their shapes and dtypes (in a message and in an accumulator) and so its bytes;
+* :class:`Stream` - which communicator a batch is posted on; :class:`Role` - what an RM+ pair
+  exchanges; :class:`Direction` - forward or backward;
+* :class:`Half` - which rows of a block a message or a tile uses;
+* :class:`Loc` - a buffer of a rank (where a block or a partial lives).
+
+The enums with string values compare and hash equal to their value and print as it
+(``Kind.KV == "kv"``, ``f"{Kind.KV}" == "kv"``), so printouts and plain-string callers are
+unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+
+class _Named(str, enum.Enum):
+    """A string-valued enum that prints as its value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Kind(_Named):
+    """What a block is (one rank's shard of one kind of tensor; see :data:`BLOCKS`)."""
+
+    Q = "q"  # forward: the rank's queries
+    KV = "kv"  # keys and values, packed
+    OUT = "out"  # forward partial: output rows with their log-sum-exp
+    QGRAD = "qgrad"  # backward: q, dout, and the final lse with delta = rowsum(dout * out)
+    DQ = "dq"  # backward partial: dq rows
+    DKV = "dkv"  # backward partial: dk and dv rows
+
+    @property
+    def spec(self) -> BlockSpec:
+        return BLOCKS[self]
+
+    @property
+    def partial(self) -> bool:
+        """True for the results of tiles (accumulated, merged, sent home)."""
+        return BLOCKS[self].partial
+
+
+class Stream(_Named):
+    """The communicator a batch is posted on (one process group each, so they overlap)."""
+
+    KV = "kv"
+    Q = "q"
+    CROSS = "cross"
+
+
+class Role(_Named):
+    """What an RM+ pair exchanges: kv blocks (each computes with the other's kv) or q blocks
+    (each computes the other's tiles and sends the partials back)."""
+
+    KV = "kv"
+    Q = "q"
+
+
+class Direction(_Named):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+    @property
+    def query(self) -> Kind:
+        """The block a rank's q side travels as: ``q`` forward, ``qgrad`` backward."""
+        return Kind.Q if self is Direction.FORWARD else Kind.QGRAD
+
+    @property
+    def query_partial(self) -> Kind:
+        """What a tile produces for a q block: ``out`` forward, ``dq`` backward."""
+        return Kind.OUT if self is Direction.FORWARD else Kind.DQ
+
+
+class Half(enum.Enum):
+    """Rows of a block: all, the first half, or the second half (Megatron's two chunks)."""
+
+    FULL = "full"
+    FIRST = "first"
+    SECOND = "second"
+
+    def union(self, other: Half) -> Half:
+        return self if self is other else Half.FULL
+
+    def covers(self, other: Half) -> bool:
+        """True if these rows include ``other``'s rows."""
+        return self is Half.FULL or self is other
+
+    @property
+    def fraction(self) -> float:
+        return 1.0 if self is Half.FULL else 0.5
+
+    def __str__(self) -> str:  # short form for printouts
+        return {"full": "all", "first": "1st", "second": "2nd"}[self.value]
+
+
+# ------------------------------------------------------------------------------ block table
+class Dtype(enum.Enum):
+    """A tensor's dtype: the attention inputs' (bf16, fp16, ...) or fp32."""
+
+    INPUT = "input"
+    FP32 = "fp32"
+
+    def size(self, input_bytes: int) -> int:
+        return input_bytes if self is Dtype.INPUT else 4
+
+
+class Side(enum.Enum):
+    """Which operand of a tile a block's rows are rows of (so which half of the tile's rows)."""
+
+    Q = "q"
+    KV = "kv"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a block. ``dims``: its shape in the sizes ``s`` (the rank's rows, first, so
+    a half is a contiguous slice), ``b``, ``hq``, ``hkv``, ``d`` and literal numbers. ``wire``:
+    its dtype in a message (and in a receive buffer); ``acc``: in an accumulator (a ``Reset``
+    location); ``empty``: its value in an empty accumulator."""
+
+    name: str
+    dims: str
+    wire: Dtype = Dtype.INPUT
+    acc: Dtype | None = None  # None: as on the wire
+    empty: float = 0.0
+
+    def shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
+        return tuple(sizes[t] if t.isalpha() else int(t) for t in self.dims.split())
+
+    def dtype(self, accumulator: bool) -> Dtype:
+        return (self.acc or self.wire) if accumulator else self.wire
+
+    def row_bytes(self, sizes: Mapping[str, int], input_bytes: int) -> int:
+        """Bytes of one row (one of ``s``) in a message."""
+        per_row = self.wire.size(input_bytes)
+        for t in self.dims.split()[1:]:
+            per_row *= sizes[t] if t.isalpha() else int(t)
+        return per_row
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """A kind's tensors; ``partial``: a tile result (accumulated in fp32, sent in the input
+    dtype); ``side``: the tile operand whose rows it holds; ``lse_merge``: partials combine by
+    log-sum-exp (the first tensor weighted by the second), else by sum."""
+
+    tensors: tuple[TensorSpec, ...]
+    side: Side
+    partial: bool = False
+    lse_merge: bool = False
+
+    def row_bytes(self, sizes: Mapping[str, int], input_bytes: int) -> int:
+        return sum(t.row_bytes(sizes, input_bytes) for t in self.tensors)
+
+
+_FP32 = Dtype.FP32
+# The one statement of every block's layout. The wire-dtype rule: partials (out, dq, dkv)
+# accumulate in fp32 and travel in the input dtype (half the bytes for bf16; one rounding per
+# hop, summed in fp32 on both sides); lse and the (lse, delta) statistics are fp32 everywhere.
+# Own blocks are the caller's tensors themselves, in these layouts.
+BLOCKS: dict[Kind, BlockSpec] = {
+    Kind.Q: BlockSpec((TensorSpec("q", "s b hq d"),), Side.Q),
+    Kind.KV: BlockSpec((TensorSpec("k", "s b hkv d"), TensorSpec("v", "s b hkv d")), Side.KV),
+    Kind.QGRAD: BlockSpec((TensorSpec("q", "s b hq d"), TensorSpec("dout", "s b hq d"),
+                           TensorSpec("lse_delta", "s b hq 2", _FP32)), Side.Q),
+    Kind.OUT: BlockSpec((TensorSpec("out", "s b hq d", acc=_FP32),
+                         TensorSpec("lse", "s b hq", _FP32, empty=-math.inf)),
+                        Side.Q, partial=True, lse_merge=True),
+    Kind.DQ: BlockSpec((TensorSpec("dq", "s b hq d", acc=_FP32),), Side.Q, partial=True),
+    Kind.DKV: BlockSpec((TensorSpec("dk", "s b hkv d", acc=_FP32),
+                         TensorSpec("dv", "s b hkv d", acc=_FP32)), Side.KV, partial=True),
+}
+
+
+# -------------------------------------------------------------------------------- locations
+class Loc(NamedTuple):
+    """A buffer of a rank. ``stem`` says what it is for (``kv.rx``: kv received from an RM+
+    peer); ``slot`` tells apart the copies that alternate between consecutive units or passes;
+    ``item`` the q blocks of one exchange. Prints as ``stem[slot][.item]`` (``q.ret0.1``).
+
+    By convention ``own.*`` are the rank's own inputs (the caller's tensors), ``acc.*``
+    accumulators and one-tile partials, anything else a receive buffer. A builder declares its
+    stems once as constants and derives the numbered copies with :meth:`at`; the set of
+    locations a plan uses is fixed and small, which keeps memory O(1) in the CP size.
+    (A named tuple: every interpreter looks locations up per op, and tuples hash in C.)
+    """
+
+    stem: str
+    slot: int | None = None
+    item: int | None = None
+
+    def at(self, slot: int, item: int | None = None) -> Loc:
+        return Loc(self.stem, slot, item)
+
+    @staticmethod
+    def own(kind: Kind) -> Loc:
+        """Where a rank's own input block of ``kind`` is (``own.q``, ``own.kv``, ``own.qgrad``)."""
+        kind = Kind(kind)
+        if kind not in OWN:
+            raise ValueError(f"{kind} is a partial, not an input block: no own location")
+        return OWN[kind]
+
+    def __str__(self) -> str:
+        s = self.stem if self.slot is None else f"{self.stem}{self.slot}"
+        return s if self.item is None else f"{s}.{self.item}"
+
+
+def as_loc(loc: Loc | str) -> Loc:
+    """``loc`` as a :class:`Loc`: a plain name (``"own.kv"``, ``"toy.kv"``) is a stem."""
+    return Loc(loc) if type(loc) is str else loc
+
+
+# Where a rank's own inputs are (the caller's tensors, never written by a plan).
+OWN: dict[Kind, Loc] = {Kind.Q: Loc("own.q"), Kind.KV: Loc("own.kv"),
+                        Kind.QGRAD: Loc("own.qgrad")}
+# Where every plan leaves its results (the executor reads them from there).
+RESULT: dict[Kind, Loc] = {Kind.OUT: Loc("acc.out"), Kind.DQ: Loc("acc.dq"),
+                           Kind.DKV: Loc("acc.dkv")}
