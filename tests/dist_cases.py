@@ -97,6 +97,14 @@ def bad_input(rank: int, world: int, case: str):
         kwargs.update(algo="charm", topology="2x3")
     elif case == "topology_unequal":
         kwargs.update(algo="charm", topology="0-2,3")
+    elif case.startswith("scale_"):
+        kwargs["softmax_scale"] = {"scale_zero": 0.0, "scale_negative": -0.125,
+                                   "scale_nan": float("nan"), "scale_inf": float("inf"),
+                                   "scale_string": "0.1"}[case]
+    elif case == "backend_flash_on_cpu":
+        from charm_megatron.ops.options import CPOptions
+
+        kwargs["options"] = CPOptions(backend="flash_attn")
     try:
         cp_attention(q, k, v, **kwargs)
     except (ValueError, TypeError) as exc:

@@ -57,6 +57,12 @@ BAD = {
     "algo": "unknown algo",
     "topology_size": "",
     "topology_unequal": "",
+    "scale_zero": "softmax_scale=0.0 must be a finite number > 0",
+    "scale_negative": "softmax_scale=-0.125 must be a finite number > 0",
+    "scale_nan": "softmax_scale=nan must be a finite number > 0",
+    "scale_inf": "softmax_scale=inf must be a finite number > 0",
+    "scale_string": "softmax_scale must be a number",
+    "backend_flash_on_cpu": "flash_attn backend runs fp16/bf16 on CUDA only",
 }
 
 

@@ -91,10 +91,19 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+PLOT_SKIPPED = ("plot skipped: matplotlib is not installed; the table and CSV have the numbers "
+                "(pip install matplotlib, or the [dev] extra, then rerun to get {path})")
+
+
 def plot(rows: Sequence[dict], path: str, title: str = "") -> str | None:
     """Speedup over ring against ring's CCR, one panel per pass, one series per algorithm (the
-    paper's Figures 6-7). Returns the path, or None when there is nothing to plot."""
-    import matplotlib
+    paper's Figures 6-7). Returns the path, or None when there is nothing to plot or
+    matplotlib is missing (then one line says the plot was skipped and how to get it)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(PLOT_SKIPPED.format(path=path))
+        return None
 
     matplotlib.use("Agg")  # no display; imported here so that the CLI starts fast
     import matplotlib.pyplot as plt

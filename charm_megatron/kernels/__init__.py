@@ -13,10 +13,13 @@ tile's exact contribution to the full-sequence gradients. Outputs may be strided
 
 Backends: ``torch`` (aten flash kernels), ``flash_attn`` (when importable), ``reference``
 (plain math, for tests). :func:`get_backend` chooses by device and availability;
-``CHARM_ATTN_BACKEND`` overrides.
+``CHARM_ATTN_BACKEND`` overrides (``cp_attention`` reads it once, into its options).
+float64 blocks are computed in float64 by every CPU backend.
 """
 
-from charm_megatron.kernels.base import AttentionBackend, check_block_shapes
+from charm_megatron.kernels.base import AttentionBackend, check_block_shapes, check_qkv
 from charm_megatron.kernels.registry import available_backends, get_backend
 
-__all__ = ["AttentionBackend", "available_backends", "check_block_shapes", "get_backend"]
+__all__ = [
+    "AttentionBackend", "available_backends", "check_block_shapes", "check_qkv", "get_backend",
+]

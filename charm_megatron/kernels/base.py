@@ -29,15 +29,49 @@ class AttentionBackend(Protocol):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
-def check_block_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
-    """Raise ``ValueError`` unless q, k, v form a valid ``[s, b, h, d]`` block (GQA allowed)."""
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError("attention blocks must be 4-D [s, b, h, d]")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+              equal_lengths: bool, who: str = "attention") -> None:
+    """The one check of attention inputs (``cp_attention``, the kernels, the Megatron layer).
+
+    ``q [s_q, b, h_q, d]``, ``k, v [s_k, b, h_kv, d]`` (sbhd), one float dtype and device,
+    ``h_q`` a multiple of ``h_kv``; ``s_q == s_k`` when ``equal_lengths`` or ``causal``.
+    Raises ``TypeError`` / ``ValueError`` whose message starts with ``who``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{who}: {name} must be 4-D [s, b, heads, head_dim] (Megatron's "
+                             f"sbhd layout), got shape {tuple(t.shape)}")
+        if t.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{who}: {name} has dtype {t.dtype}; use float16, bfloat16, "
+                            "float32 or float64")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{who}: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); "
+                        "cast them to one dtype")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"{who}: q, k, v are on different devices ({q.device}, {k.device}, "
+                         f"{v.device}); move them to one device")
     if k.shape != v.shape:
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
-    if q.shape[1] != k.shape[1] or q.shape[3] != k.shape[3]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head dim")
+        raise ValueError(f"{who}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the "
+                         "same shape")
+    if (equal_lengths or causal) and q.shape[0] != k.shape[0]:
+        what = "causal blocks need equal q and kv lengths" if causal and not equal_lengths else (
+            "all three must be this rank's shard of one sequence")
+        raise ValueError(f"{who}: q has {q.shape[0]} tokens but k/v have {k.shape[0]}; {what}")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"{who}: batch sizes differ (q {q.shape[1]}, k/v {k.shape[1]})")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"{who}: head dims differ (q {q.shape[3]}, k/v {k.shape[3]})")
     if q.shape[2] % k.shape[2]:
-        raise ValueError(f"h_q={q.shape[2]} is not a multiple of h_kv={k.shape[2]}")
-    if causal and q.shape[0] != k.shape[0]:
-        raise ValueError("causal blocks need equal q and kv lengths")
+        raise ValueError(f"{who}: h_q={q.shape[2]} is not a multiple of h_kv={k.shape[2]}; GQA "
+                         "needs each kv head to serve a whole group of query heads (set "
+                         "num_query_groups to a divisor of the head count)")
+
+
+def check_block_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> None:
+    """Raise unless q, k, v form a valid block for a kernel (:func:`check_qkv`)."""
+    check_qkv(q, k, v, causal=causal, equal_lengths=False, who="attention block")

@@ -1,6 +1,6 @@
 """Plain-math attention (no fused kernel): the independent reference for tests.
 
-Computes in ``compute_dtype`` (float64 by default) and never repeats kv heads in memory: query
+Computes in ``compute_dtype`` (float64 by default; never below the inputs' precision) and never repeats kv heads in memory: query
 heads are viewed as ``[h_kv, group]`` so one kv head serves its ``group`` query heads.
 """
 
@@ -43,9 +43,12 @@ class ReferenceBackend:
     def __init__(self, compute_dtype: torch.dtype = torch.float64) -> None:
         self.compute_dtype = compute_dtype
 
+    def _ct(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float64 if dtype == torch.float64 else self.compute_dtype
+
     def forward(self, q, k, v, causal, scale):
         check_block_shapes(q, k, v, causal)
-        ct = self.compute_dtype
+        ct = self._ct(q.dtype)
         qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)
         s = _scores(qc, kc, causal, scale)
         lse = torch.logsumexp(s, dim=-1)  # [b, h_kv, g, sq]
@@ -57,7 +60,7 @@ class ReferenceBackend:
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         check_block_shapes(q, k, v, causal)
-        ct = self.compute_dtype
+        ct = self._ct(q.dtype)
         h_kv = k.shape[2]
         qc, kc, vc = q.to(ct), k.to(ct), v.to(ct)
         s = _scores(qc, kc, causal, scale)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -25,7 +26,7 @@ def _make(name: str) -> AttentionBackend:
     if name == "reference":
         from charm_megatron.kernels.reference import ReferenceBackend
 
-        return ReferenceBackend(torch.float32)
+        return ReferenceBackend(torch.float32)  # float64 blocks still compute in float64
     raise ValueError(
         f"unknown attention backend {name!r}; CHARM_ATTN_BACKEND must be one of {', '.join(BACKENDS)}"
     )
@@ -50,13 +51,17 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
 
 
 def get_backend(
-    device: torch.device | str = "cpu", dtype: torch.dtype | None = None, name: str | None = None
+    device: torch.device | str = "cpu", dtype: torch.dtype | None = None, name: str | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> AttentionBackend:
-    """The backend for tensors on ``device``: ``name``, else ``CHARM_ATTN_BACKEND``, else automatic.
+    """The backend for tensors on ``device``: ``name``, else ``CHARM_ATTN_BACKEND`` in
+    ``environ`` (``os.environ``; ``cp_attention`` passes ``{}``: it resolved the variable into
+    its options already), else automatic.
 
     Automatic: ``flash_attn`` on CUDA for fp16/bf16 when importable, else ``torch``.
     """
-    name = name or os.environ.get("CHARM_ATTN_BACKEND") or None
+    env = os.environ if environ is None else environ
+    name = name or env.get("CHARM_ATTN_BACKEND") or None
     if name is not None:
         if name == "flash_attn" and not _flash_attn_importable():
             raise ValueError("CHARM_ATTN_BACKEND=flash_attn but flash_attn cannot be imported; "

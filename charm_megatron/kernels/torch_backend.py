@@ -1,12 +1,14 @@
 """Attention through PyTorch's fused aten kernels (no extra dependency).
 
-* CPU: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward. GQA is native (kv with
+* CPU: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (fp16/bf16/fp32 and
+  float64; float64 blocks keep a float64 lse). GQA is native (kv with
   fewer heads; backward returns group-summed dk/dv), strided ``[b, h, s, d]`` views are accepted,
   so sbhd tensors go in as permuted views without copies.
 * CUDA: ``_scaled_dot_product_flash_attention`` (fp16/bf16) or
   ``_scaled_dot_product_efficient_attention`` (fp32, or head dims flash does not take). These
   need equal head counts, so GQA kv is expanded there (``expand`` + ``reshape``: one copy of the
-  block, summed back in backward).
+  block, summed back in backward). float64 goes to the plain-math reference kernels (exact,
+  slower): no fused CUDA kernel takes it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from charm_megatron.kernels.base import check_block_shapes
+from charm_megatron.kernels.reference import ReferenceBackend
 
 
 def _bhsd(x: torch.Tensor) -> torch.Tensor:
@@ -39,6 +42,9 @@ def _fold_kv_grad(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.reshape(b, hq // groups, groups, s, d).sum(2)
 
 
+_FLOAT64_MATH = ReferenceBackend(torch.float64)
+
+
 class TorchBackend:
     """aten fused attention; the CPU or CUDA kernel pair is picked per call from q's device."""
 
@@ -58,6 +64,8 @@ class TorchBackend:
         return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
 
     def _forward_cuda(self, q, k, v, causal, scale):
+        if q.dtype == torch.float64:  # no fused CUDA kernel takes float64: exact plain math
+            return _FLOAT64_MATH.forward(q, k, v, causal, scale)
         groups = q.shape[2] // k.shape[2]
         qb = _bhsd(q)
         kb, vb = _expand_kv(_bhsd(k), groups), _expand_kv(_bhsd(v), groups)
@@ -80,12 +88,17 @@ class TorchBackend:
         check_block_shapes(q, k, v, causal)
         if q.device.type == "cuda":
             return self._backward_cuda(dout, q, k, v, out, lse, causal, scale)
+        # The CPU kernel wants lse in the inputs' dtype when that is float64 (its forward
+        # returns it so), fp32 otherwise; the CP merge keeps lse in its accumulator dtype.
+        lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             _bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, causal, scale=scale
         )
         return _sbhd(dq), _sbhd(dk), _sbhd(dv)
 
     def _backward_cuda(self, dout, q, k, v, out, lse, causal, scale):
+        if q.dtype == torch.float64:
+            return _FLOAT64_MATH.backward(dout, q, k, v, out, lse, causal, scale)
         groups = q.shape[2] // k.shape[2]
         sq, sk = q.shape[0], k.shape[0]
         qb = _bhsd(q)

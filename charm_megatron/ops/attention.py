@@ -4,27 +4,32 @@ from __future__ import annotations
 
 import functools
 import math
-import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from charm_megatron.kernels import get_backend
-from charm_megatron.ops.executor import BlockShape, Executor
-from charm_megatron.ops.streams import stream_groups
+import charm_megatron
+from charm_megatron.kernels.base import check_qkv
+from charm_megatron.ops import agreement
+from charm_megatron.ops.agreement import CPAttentionError, Signature
+from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent
+from charm_megatron.ops.failsafe import GuardedBackend
+from charm_megatron.ops.options import CPOptions, kernel_backend, resolve
+from charm_megatron.ops.streams import StreamGroups, control_timeout_s, rebuild, stream_groups
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.registry import CHOICES, build_plan, uses_topology
 from charm_megatron.plan.validate import validate
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # What ``algo`` accepts: the registered algorithms, and ``auto`` (the performance model picks one).
 ALGOS = CHOICES
 
 
-def _plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool) -> tuple[Plan, Plan]:
+def _plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool,
+           order: str) -> tuple[Plan, Plan]:
     """Forward and backward plans, validated once per (algo, topology, mask, pass order)."""
-    return _validated_plans(algo, groups, causal, os.environ.get("CHARM_PASS_ORDER", "split"))
+    return _validated_plans(algo, groups, causal, order)
 
 
 @functools.lru_cache(maxsize=256)
@@ -39,36 +44,9 @@ def _validated_plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: boo
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                   cp_size: int) -> None:
-    """Identical checks on every rank, before any communication (ValueError / TypeError)."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"cp_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"cp_attention: {name} must be 4-D [s_local, b, heads, head_dim] "
-                             f"(Megatron's sbhd layout), got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"cp_attention: {name} has dtype {t.dtype}; use float16, bfloat16, "
-                            "float32 or float64")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"cp_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); "
-                        "cast them to one dtype")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"cp_attention: q, k, v are on different devices ({q.device}, "
-                         f"{k.device}, {v.device}); move them to one device")
-    if k.shape != v.shape:
-        raise ValueError(f"cp_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have "
-                         "the same shape")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"cp_attention: q has {q.shape[0]} local tokens but k/v have "
-                         f"{k.shape[0]}; all three must be this rank's shard of one sequence")
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(f"cp_attention: batch sizes differ (q {q.shape[1]}, k/v {k.shape[1]})")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"cp_attention: head dims differ (q {q.shape[3]}, k/v {k.shape[3]})")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"cp_attention: h_q={q.shape[2]} is not a multiple of h_kv="
-                         f"{k.shape[2]}; GQA needs each kv head to serve a whole group of "
-                         "query heads (set num_query_groups to a divisor of the head count)")
+    """This rank's checks (ValueError / TypeError); their verdict reaches every rank through
+    the agreement check before any data moves."""
+    check_qkv(q, k, v, causal=causal, equal_lengths=True, who="cp_attention")
     s_local = q.shape[0]
     if causal and s_local % 2:
         raise ValueError(
@@ -79,6 +57,66 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         )
     if s_local == 0:
         raise ValueError("cp_attention: empty sequence shard")
+
+
+def _check_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"cp_attention: softmax_scale must be a number or None, got "
+                        f"{type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"cp_attention: softmax_scale={softmax_scale!r} must be a finite "
+                         "number > 0 (None gives 1/sqrt(head_dim)); 0 or a negative scale has "
+                         "no meaning for attention and gives NaN under the causal mask")
+    return scale
+
+
+def _check_backend(opts: CPOptions, q: torch.Tensor) -> None:
+    if opts.backend == "flash_attn" and (q.device.type != "cuda"
+                                         or q.dtype not in (torch.float16, torch.bfloat16)):
+        raise ValueError(f"cp_attention: the flash_attn backend runs fp16/bf16 on CUDA only, "
+                         f"not {q.dtype} on {q.device.type}; choose backend 'torch' "
+                         "(CHARM_ATTN_BACKEND / CPOptions.backend) or cast the inputs")
+
+
+def _tensor_desc(t) -> tuple:
+    if not isinstance(t, torch.Tensor):
+        return (type(t).__name__,)
+    return (tuple(t.shape), str(t.dtype), t.device.type)
+
+
+def _topology_desc(topology) -> str:
+    groups = getattr(topology, "groups", None)
+    return repr(tuple(tuple(g) for g in groups)) if groups is not None else repr(topology)
+
+
+def _signature(direction: str, seq: int, q, k, v, algo: str, topology, causal: bool, scale,
+               opts: CPOptions | None, error: BaseException | None) -> Signature:
+    """What the ranks must agree on. The plan is a pure function of these fields (and of the
+    probe's all-gathered result), so agreeing on them is agreeing on the plan; the package
+    version stands for the plan builders' code. Add fields at the end (e.g. cu_seqlens)."""
+    fields: tuple[tuple[str, object], ...] = (
+        ("charm_megatron version", charm_megatron.__version__),
+        ("direction", direction),
+        ("call number on this CP group", seq),
+        ("q shape/dtype/device", _tensor_desc(q)),
+        ("k shape/dtype/device", _tensor_desc(k)),
+        ("v shape/dtype/device", _tensor_desc(v)),
+        ("algo", algo),
+        ("topology", _topology_desc(topology)),
+        ("causal", bool(causal)),
+        ("softmax_scale", scale if isinstance(scale, float) else repr(scale)),
+    )
+    if opts is not None:
+        fields += (
+            ("pass order", opts.pass_order),
+            ("kernel backend", opts.backend_name),
+            ("default topology (CHARM_TOPOLOGY)", opts.topology),
+            ("ablation", opts.ablation),
+        )
+    return Signature(fields, f"{type(error).__name__}: {error}" if error is not None else "")
 
 
 def _resolve(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch.Tensor,
@@ -114,6 +152,7 @@ def cp_attention(
     return_lse: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
+    options: CPOptions | None = None,
 ):
     """Context-parallel attention over the CP process group ``group``.
 
@@ -138,54 +177,154 @@ def cp_attention(
             k, v ``[t_local, h_kv, d]``, global cumulative real / padded document lengths
             (int32, same on every rank), Megatron's THD CP layout; out ``[t_local, h_q, d]``,
             lse ``[h_q, t_local]``. See :mod:`charm_megatron.ops.packed` and docs/api.md.
+        options: a :class:`~charm_megatron.ops.options.CPOptions` (pass order, timeout, kernel
+            backend, checks, ablation); ``None`` reads them from the ``CHARM_*`` environment
+            variables, once, here (docs/api.md).
 
     Returns:
         ``out [s_local, b, h_q, d]`` in q's dtype; with ``return_lse`` also
-        ``lse [b, h_q, s_local]`` fp32. Differentiable in q, k and v.
+        ``lse [b, h_q, s_local]`` fp32 (float64 for float64 inputs). Differentiable in q, k
+        and v.
+
+    Raises:
+        TypeError, ValueError: bad inputs or settings, on every rank, before any data moves.
+        CPMismatchError: the ranks disagree on the call (names the field and the ranks).
+        CPAttentionError: another rank failed during the call (its error is quoted); the
+            failing rank re-raises its own exception. The CP group stays usable.
     """
-    if algo not in ALGOS:
-        raise ValueError(f"cp_attention: unknown algo {algo!r}; choose one of "
-                         f"{', '.join(ALGOS)}")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cp_attention: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group (or run under torchrun) first")
     if cu_seqlens is not None or cu_seqlens_padded is not None:
-        # Packed documents (THD): its own module, the same plans (ops/packed.py).
+        # Packed documents (THD): its own module, the same plans (ops/packed.py), its own
+        # agreement on the lengths (the checks of the failure model are not wired there yet).
         from charm_megatron.ops.packed import packed_cp_attention
 
+        if algo not in ALGOS:
+            raise ValueError(f"cp_attention: unknown algo {algo!r}; choose one of "
+                             f"{', '.join(ALGOS)}")
         return packed_cp_attention(q, k, v, cu_seqlens=cu_seqlens,
                                    cu_seqlens_padded=cu_seqlens_padded, group=group, algo=algo,
                                    topology=topology, causal=causal,
-                                   softmax_scale=softmax_scale, return_lse=return_lse)
+                                   softmax_scale=softmax_scale, return_lse=return_lse,
+                                   options=resolve(options))
     cp_size = dist.get_world_size(group)
-    _check_inputs(q, k, v, causal, cp_size)
+    opts, scale, error = None, softmax_scale, None
+    try:  # this rank's own checks; the verdict is shared by the agreement check below
+        opts = resolve(options)
+        if algo not in ALGOS:
+            raise ValueError(f"cp_attention: unknown algo {algo!r}; choose one of "
+                             f"{', '.join(ALGOS)}")
+        _check_inputs(q, k, v, causal, cp_size)
+        scale = _check_scale(softmax_scale, q.shape[-1])
+        _check_backend(opts, q)
+    except (TypeError, ValueError) as exc:
+        error = exc
+    timeout_s = opts.timeout_s if opts is not None else CPOptions().timeout_s
+    sg = stream_groups(group, timeout_s)
+    seq = sg.calls
+    sg.calls += 1
+    if cp_size > 1 and (opts is None or opts.check != "off"):
+        sig = _signature("forward", seq, q, k, v, algo, topology, causal, scale, opts, error)
+        agreement.agree(sig, sg.control, cp_size, timeout_s, error)
+    elif error is not None:
+        raise error
+    if topology is None and uses_topology(algo):
+        # The options' default (CHARM_TOPOLOGY) or the probe, passed explicitly so that the
+        # topology code never reads the environment behind the options' back.
+        topology = opts.topology or "auto"
     algo, groups = _resolve(algo, topology, group, cp_size, q, k, causal)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _CPAttention.apply(q, k, v, group, algo, groups, causal, float(scale))
+    call = _Call(group, algo, groups, causal, scale, opts, seq)
+    out, lse = _CPAttention.apply(q, k, v, call)
     return (out, lse) if return_lse else out
 
 
-def _make_executor(group, q: torch.Tensor, k: torch.Tensor, scale: float) -> Executor:
+@dataclass(frozen=True)
+class _Call:
+    """One call's resolved settings, kept in the autograd context for its backward."""
+
+    group: dist.ProcessGroup | None
+    algo: str
+    groups: tuple[tuple[int, ...], ...]
+    causal: bool
+    scale: float
+    options: CPOptions
+    seq: int  # the forward's call number on its CP group
+
+    def what(self, direction: str) -> str:
+        return f"cp_attention(algo={self.algo}, {direction})"
+
+    def plans(self) -> tuple[Plan, Plan]:
+        return _plans(self.algo, self.groups, self.causal, self.options.pass_order)
+
+
+def _make_executor(call: _Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor,
+                   direction: str) -> Executor:
     shape = BlockShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype,
                        q.device)
-    return Executor(stream_groups(group), get_backend(q.device, q.dtype), shape, scale)
+    opts = call.options
+    backend = GuardedBackend(kernel_backend(opts, q.device, q.dtype))
+    return Executor(sg, backend, shape, call.scale, compute=opts.compute, comm=opts.comm,
+                    timeout_s=opts.timeout_s, what=call.what(direction))
+
+
+def _run(call: _Call, sg: StreamGroups, ex: Executor, ops, direction: str) -> None:
+    """Run this rank's ops, then share how it went (docs/api.md, failure model).
+
+    A kernel error is held back by the guarded backend, so every transfer still completes;
+    any other error (a transfer that failed or timed out) breaks the stream communicators,
+    which every rank then rebuilds together. Either way every rank raises."""
+    exc: BaseException | None = None
+    code = agreement.OK
+    try:
+        ex.run(ops)
+    except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
+        exc, code = e, agreement.BROKEN
+    if exc is None and ex.backend.error is not None:
+        exc, code = ex.backend.error, agreement.RAISED
+    if sg.size == 1 or call.options.check == "off":
+        if exc is not None:
+            raise exc
+        return
+    message = f"{type(exc).__name__}: {exc}" if exc is not None else ""
+    try:
+        # Bounded by the control group's longer timeout: a peer may first have to wait out
+        # a transfer of its own before it gets here.
+        codes, texts = agreement.exchange_status(code, message, sg.control, sg.size,
+                                                 control_timeout_s(call.options.timeout_s))
+    except CPAttentionError:
+        sg.parent = None  # even the control group failed: rebuild all from the CP group
+        raise
+    if agreement.BROKEN in codes:
+        rebuild(call.group, sg)
+    if exc is not None:
+        raise exc
+    failed = [r for r, c in enumerate(codes) if c != agreement.OK]
+    if failed:
+        detail = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
+        state = ("its communicators were rebuilt" if agreement.BROKEN in codes
+                 else "every transfer completed")
+        raise CPAttentionError(f"{call.what(direction)} failed on CP rank(s) {failed} "
+                               f"({detail}); this rank's results are discarded, {state} and "
+                               "the CP group is ready for the next call")
 
 
 class _CPAttention(torch.autograd.Function):
     """Forward and backward plans under one autograd node (the kernels' lse has no autograd)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, algo, groups, causal, scale):
-        fwd, _ = _plans(algo, groups, causal)
-        rank = dist.get_rank(group)
-        ex = _make_executor(group, q, k, scale)
+    def forward(ctx, q, k, v, call: _Call):
+        fwd, _ = call.plans()
+        sg = stream_groups(call.group, call.options.timeout_s)
+        rank = dist.get_rank(call.group)
+        ex = _make_executor(call, sg, q, k, "forward")
         ex.set_own("own.q", "q", q)
         ex.set_own("own.kv", "kv", k, v)
-        ex.run(fwd.ops[rank])
+        _run(call, sg, ex, fwd.ops[rank], "forward")
         acc_out, acc_lse = ex.result(Plan.OUT)
         out = acc_out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.cfg = (group, algo, groups, causal, scale)
+        ctx.call = call
         lse = acc_lse.permute(1, 2, 0).contiguous()
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -193,17 +332,27 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse_sbh = ctx.saved_tensors
-        group, algo, groups, causal, scale = ctx.cfg
-        _, bwd = _plans(algo, groups, causal)
-        rank = dist.get_rank(group)
-        ex = _make_executor(group, q, k, scale)
+        call: _Call = ctx.call
+        _, bwd = call.plans()
+        sg = stream_groups(call.group, call.options.timeout_s)
+        if sg.size > 1 and call.options.check != "off":
+            sig = _signature("backward", call.seq, q, k, v, call.algo, call.groups,
+                             call.causal, call.scale, call.options, None)
+            agreement.agree(sig, sg.control, sg.size, call.options.timeout_s)
+        rank = dist.get_rank(call.group)
+        ex = _make_executor(call, sg, q, k, "backward")
         dout = dout.to(q.dtype)
         # delta = rowsum(dout * out) is all the tiles' backward needs of the output (see
-        # executor._out_with_delta), so the q-side bundle carries it instead of out.
-        delta = (dout.float() * out.float()).sum(-1)
-        ex.set_own("own.qgrad", "qgrad", q, dout, torch.stack([lse_sbh, delta], -1))
+        # executor._out_with_delta), so the q-side bundle carries it instead of out, scaled by
+        # the row's power of two 2**-e (e from max|dout|) so that it never overflows or
+        # underflows; the receiver recomputes e from the dout it receives.
+        wide = torch.float64
+        e = delta_exponent(dout)
+        delta = torch.ldexp((dout.to(wide) * out.to(wide)).sum(-1), -e.to(wide))
+        ex.set_own("own.qgrad", "qgrad", q, dout,
+                   torch.stack([lse_sbh, delta.to(lse_sbh.dtype)], -1))
         ex.set_own("own.kv", "kv", k, v)
-        ex.run(bwd.ops[rank])
+        _run(call, sg, ex, bwd.ops[rank], "backward")
         (dq,) = ex.result(Plan.DQ)
         dk, dv = ex.result(Plan.DKV)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

@@ -14,6 +14,7 @@ Own blocks are the caller's tensors themselves (no packing copies).
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from charm_megatron.kernels.base import AttentionBackend
 from charm_megatron.ops.merge import merge_into
-from charm_megatron.ops.streams import StreamGroups, comm_timeout
+from charm_megatron.ops.streams import StreamGroups
 from charm_megatron.plan.core import (
     Comm,
     Half,
@@ -38,23 +39,27 @@ from charm_megatron.plan.core import (
 )
 from charm_megatron.plan.vocab import BLOCKS, Dtype, as_loc
 
-_ENABLED = {"comm": True, "compute": True}
+
+class CommError(RuntimeError):
+    """A transfer of a plan did not complete (timed out, or its peer went away)."""
 
 
 @contextlib.contextmanager
 def ablate(comm: bool = True, compute: bool = True) -> Iterator[None]:
-    """Run plans with communication or computation switched off (for measuring a plan's
-    compute-only and communication-only time, e.g. the CCR of the benchmark).
+    """Deprecated spelling of ``cp_attention(..., options=CPOptions(ablation=...))``: runs the
+    ``cp_attention`` calls inside it with communication or computation switched off (for
+    timing a plan's parts, e.g. the benchmark's CCR). Results are then meaningless.
 
-    Results computed under ablation are meaningless; shapes and message sizes are unchanged.
-    Every rank of a CP group must use the same setting.
-    """
-    saved = dict(_ENABLED)
-    _ENABLED.update(comm=comm, compute=compute)
+    Only ``cp_attention``'s edge reads it, once per call, into the call's options (a context
+    variable: per thread and task, no module-level switch)."""
+    from charm_megatron.ops.options import ABLATION_CONTEXT
+
+    mode = "none" if comm and compute else ("compute_only" if compute else "comm_only")
+    token = ABLATION_CONTEXT.set(mode)
     try:
         yield
     finally:
-        _ENABLED.update(saved)
+        ABLATION_CONTEXT.reset(token)
 
 
 @dataclass
@@ -83,32 +88,54 @@ def _rows(half: Half, s: int) -> slice:
     return slice(0, s // 2) if half is Half.FIRST else slice(s // 2, s)
 
 
+def delta_exponent(dout: torch.Tensor) -> torch.Tensor:
+    """Per row and head, the power of two ``e`` with ``max|dout| < 2**e`` (0 for zero rows):
+    ``dout * 2**-e`` is exact (a power-of-two scaling) and of order one."""
+    peak = dout.detach().abs().amax(-1).float()
+    _, e = torch.frexp(peak)
+    return e.float()
+
+
 def _out_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """A stand-in for the attention output with the same ``rowsum(dout * out)``.
 
     Flash-attention backward uses the output only through ``delta = rowsum(dout * out)`` per
     row and head. Sending ``delta`` (one float per row and head) instead of ``out`` (``d``
     values) cuts a third of the backward q-side traffic; the receiver rebuilds an ``out`` with
-    the right ``delta``: ``dout * delta / |dout|^2`` (zero where ``dout`` is zero, where
-    ``delta`` is zero too).
+    the right ``delta``. What travels is the *scaled* ``delta * 2**-e`` with ``2**e`` just above
+    ``max|dout|`` of the row (:func:`delta_exponent`, recomputed here from the received
+    ``dout``, bit for bit the sender's): with ``u = dout * 2**-e`` (exact, ``|u| < 1``) the
+    stand-in ``u * scaled / |u|^2`` has ``rowsum(dout * out) = 2**e * scaled = delta`` and no
+    intermediate overflows or underflows for any finite ``dout`` (``|dout|^2`` itself would
+    past ~1.8e19 or below ~1e-23 in fp32). Zero rows give zero (their delta is zero too).
     """
-    d32 = dout.float()
-    norm = d32.square().sum(-1, keepdim=True)
-    coef = torch.where(norm > 0, delta.unsqueeze(-1) / norm, torch.zeros_like(norm))
-    return (d32 * coef).to(dout.dtype)
+    e = delta_exponent(dout).unsqueeze(-1)
+    wide = torch.float64 if dout.dtype == torch.float64 else torch.float32
+    # Two half steps: 2**-e alone overflows fp32 for denormal rows (e down to -149).
+    half = torch.trunc(e / 2)
+    u = torch.ldexp(torch.ldexp(dout.to(wide), -half.to(wide)), (half - e).to(wide))
+    norm = u.square().sum(-1, keepdim=True)
+    coef = torch.where(norm > 0, delta.to(wide).unsqueeze(-1) / norm, torch.zeros_like(norm))
+    return (u * coef).to(dout.dtype)
 
 
 class Executor(OpInterpreter[None]):
     """Interprets plan ops for one rank."""
 
     def __init__(self, streams: StreamGroups, backend: AttentionBackend, shape: BlockShape,
-                 scale: float) -> None:
+                 scale: float, *, compute: bool = True, comm: bool = True,
+                 timeout_s: float = 600.0, what: str = "cp_attention") -> None:
         self.streams = streams
         self.backend = backend
         self.shape = shape
         self.scale = scale
+        self.compute = compute  # False / comm False: ablated runs (timing a plan's parts)
+        self.comm = comm
+        self.timeout_s = timeout_s
+        self.what = what  # names the call in errors, e.g. "cp_attention(algo=charm, backward)"
         self.bufs: dict[Loc, _Buf] = {}
-        self.pending: dict[int, tuple[list, list]] = {}  # handle -> (works, keep-alive tensors)
+        # handle -> (works, keep-alive tensors, stream, global peer ranks)
+        self.pending: dict[int, tuple[list, list, str, list[int]]] = {}
         self._shapes: dict[tuple[Kind, bool], list[tuple[tuple[int, ...], torch.dtype]]] = {}
 
     # ---------------------------------------------------------------------------- buffers
@@ -125,7 +152,10 @@ class Executor(OpInterpreter[None]):
         return buf
 
     def _torch_dtype(self, dtype: Dtype) -> torch.dtype:
-        return self.shape.dtype if dtype is Dtype.INPUT else torch.float32
+        # Accumulators and stats: fp32, or float64 for float64 inputs (float64 end to end).
+        if dtype is Dtype.INPUT:
+            return self.shape.dtype
+        return torch.float64 if self.shape.dtype == torch.float64 else torch.float32
 
     def _alloc_shapes(self, kind: Kind, wire: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of each tensor of a full block of ``kind``: in a receive buffer
@@ -203,7 +233,7 @@ class Executor(OpInterpreter[None]):
 
     def on_tile(self, op: Tile) -> None:
         s = op.spec
-        if not _ENABLED["compute"]:
+        if not self.compute:
             if op.fresh:  # something of the right size must still be there to send
                 self._buffer(op.acc, Kind.OUT, wire=True).held = s.q_half
             return
@@ -219,7 +249,7 @@ class Executor(OpInterpreter[None]):
 
     def on_tile_bwd(self, op: TileBwd) -> None:
         s = op.spec
-        if not _ENABLED["compute"]:
+        if not self.compute:
             # Something of the right size must still be there to send.
             if op.fresh_dq:
                 self._buffer(op.dq_acc, Kind.DQ, wire=True).held = s.q_half
@@ -274,16 +304,38 @@ class Executor(OpInterpreter[None]):
             n = s if x.half is Half.FULL else s // 2
             for t in buf.tensors:
                 p2p.append(dist.P2POp(dist.irecv, t[:n], ranks[x.peer], group))
-        if not _ENABLED["comm"]:
+        if not self.comm:
             p2p = []  # receive buffers keep whatever they held; only timing is meaningful
-        works = dist.batch_isend_irecv(p2p) if p2p else []
-        self.pending[op.handle] = (works, keep)
+        peers = sorted({ranks[x.peer] for x in (*op.sends, *op.recvs)})
+        try:
+            works = dist.batch_isend_irecv(p2p) if p2p else []
+        except Exception as exc:  # noqa: BLE001 - re-raised with what it means
+            raise CommError(self._comm_text(op.stream, peers, "could not post its transfers",
+                                            exc)) from exc
+        self.pending[op.handle] = (works, keep, op.stream, peers)
 
     def _wait(self, handle: int) -> None:
-        works, _ = self.pending.pop(handle)
-        timeout = comm_timeout()
+        works, _, stream, peers = self.pending.pop(handle)
+        timeout = datetime.timedelta(seconds=self.timeout_s)
         for w in works:
-            if self.shape.device.type == "cuda":
-                w.wait()  # NCCL: makes the current stream wait; no host synchronisation
-            else:
-                w.wait(timeout)
+            try:
+                if self.shape.device.type == "cuda":
+                    # NCCL: makes the current stream wait (no host synchronisation); the
+                    # communicator's own timeout (the same timeout_s) bounds it.
+                    w.wait()
+                else:
+                    w.wait(timeout)
+            except Exception as exc:  # noqa: BLE001 - re-raised with what it means
+                raise CommError(self._comm_text(stream, peers, "timed out or lost its peer",
+                                                exc)) from exc
+
+    def _comm_text(self, stream, peers: list[int], what: str, exc: BaseException) -> str:
+        me = dist.get_rank()
+        name = getattr(stream, "value", stream)  # a Stream enum or its name
+        return (f"{self.what}: a transfer on stream {name!r} between global rank {me} and "
+                f"peer rank(s) {peers} {what} (bound {self.timeout_s:g} s, CHARM_COMM_TIMEOUT_S "
+                f"or CPOptions.timeout_s): {type(exc).__name__}: {exc}. Likely causes: the peer "
+                "died or raised before reaching this transfer, the ranks disagree on the call "
+                "(shapes, algo, topology, causal; the agreement check catches this unless "
+                "check='off'), or the peer is still busy in a slow step; raise the timeout if "
+                "the job is just slow")

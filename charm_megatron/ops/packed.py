@@ -20,18 +20,19 @@ tokens depends on the rank (the chunk index).
 
 from __future__ import annotations
 
+import datetime
 import functools
-import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from charm_megatron.kernels import get_backend
 from charm_megatron.kernels.varlen import Segments, segmented_backward, segmented_forward
-from charm_megatron.ops.executor import BlockShape, Executor
-from charm_megatron.ops.streams import comm_timeout, stream_groups
+from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent
+from charm_megatron.ops.options import CPOptions, kernel_backend
+from charm_megatron.ops.streams import stream_groups
 from charm_megatron.plan.core import Half, Plan, TileSpec
+from charm_megatron.plan.registry import uses_topology
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -208,7 +209,8 @@ def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
                          f"{k.shape[1]}; GQA needs each kv head to serve a whole group")
 
 
-def _agree(layout: THDLayout | None, error: str | None, group, device: torch.device) -> None:
+def _agree(layout: THDLayout | None, error: str | None, group, device: torch.device,
+           timeout_s: float) -> None:
     """Every rank learns whether any rank's cu_seqlens were invalid or differ from the others'
     (one small all-reduce, before the attention's own communication); all raise together."""
     fp = hash((layout.real, layout.padded)) if layout is not None else 0
@@ -219,7 +221,7 @@ def _agree(layout: THDLayout | None, error: str | None, group, device: torch.dev
     if dev.type == "cuda":
         work.wait()
     else:
-        work.wait(comm_timeout())
+        work.wait(datetime.timedelta(seconds=timeout_s))
     hi, neg_lo, any_bad = t.tolist()
     if error:
         raise ValueError(error)
@@ -237,8 +239,8 @@ class PackedExecutor(Executor):
     """The plan executor with tiles computed by document (everything else unchanged)."""
 
     def __init__(self, streams, backend, shape: BlockShape, scale: float,
-                 layout: THDLayout) -> None:
-        super().__init__(streams, backend, shape, scale)
+                 layout: THDLayout, **options) -> None:
+        super().__init__(streams, backend, shape, scale, **options)
         self.layout = layout
 
     def _segments(self, spec: TileSpec) -> Segments:
@@ -252,29 +254,31 @@ class PackedExecutor(Executor):
                                   self.scale)
 
 
-def _make_executor(group, q, k, scale: float, layout: THDLayout) -> PackedExecutor:
+def _make_executor(group, q, k, scale: float, layout: THDLayout,
+                   opts: CPOptions) -> PackedExecutor:
     shape = BlockShape(q.shape[0], 1, q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device)
-    return PackedExecutor(stream_groups(group), get_backend(q.device, q.dtype), shape, scale,
-                          layout)
+    return PackedExecutor(stream_groups(group, opts.timeout_s),
+                          kernel_backend(opts, q.device, q.dtype), shape, scale, layout,
+                          compute=opts.compute, comm=opts.comm, timeout_s=opts.timeout_s)
 
 
 class _PackedCPAttention(torch.autograd.Function):
     """Internal-order tensors ``[t, 1, h, d]``; the same plans as the unpacked operator."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, algo, groups, causal, scale, layout):
+    def forward(ctx, q, k, v, group, algo, groups, causal, scale, layout, opts):
         from charm_megatron.ops.attention import _plans
 
-        fwd, _ = _plans(algo, groups, causal)
+        fwd, _ = _plans(algo, groups, causal, opts.pass_order)
         rank = dist.get_rank(group)
-        ex = _make_executor(group, q, k, scale, layout)
+        ex = _make_executor(group, q, k, scale, layout, opts)
         ex.set_own("own.q", "q", q)
         ex.set_own("own.kv", "kv", k, v)
         ex.run(fwd.ops[rank])
         acc_out, acc_lse = ex.result(Plan.OUT)
         out = acc_out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.cfg = (group, algo, groups, causal, scale, layout)
+        ctx.cfg = (group, algo, groups, causal, scale, layout, opts)
         lse = acc_lse[:, 0, :].t().contiguous()  # [h, t]
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -284,30 +288,33 @@ class _PackedCPAttention(torch.autograd.Function):
         from charm_megatron.ops.attention import _plans
 
         q, k, v, out, lse_sbh = ctx.saved_tensors
-        group, algo, groups, causal, scale, layout = ctx.cfg
-        _, bwd = _plans(algo, groups, causal)
+        group, algo, groups, causal, scale, layout, opts = ctx.cfg
+        _, bwd = _plans(algo, groups, causal, opts.pass_order)
         rank = dist.get_rank(group)
-        ex = _make_executor(group, q, k, scale, layout)
+        ex = _make_executor(group, q, k, scale, layout, opts)
         dout = dout.to(q.dtype).contiguous()
-        delta = (dout.float() * out.float()).sum(-1)
-        ex.set_own("own.qgrad", "qgrad", q, dout, torch.stack([lse_sbh, delta], -1))
+        # delta scaled by the row's 2**-e, as executor._out_with_delta expects (ops/attention).
+        e = delta_exponent(dout)
+        delta = torch.ldexp((dout.double() * out.double()).sum(-1), -e.double())
+        ex.set_own("own.qgrad", "qgrad", q, dout,
+                   torch.stack([lse_sbh, delta.to(lse_sbh.dtype)], -1))
         ex.set_own("own.kv", "kv", k, v)
         ex.run(bwd.ops[rank])
         (dq,) = ex.result(Plan.DQ)
         dk, dv = ex.result(Plan.DKV)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
 class _LocalPacked(torch.autograd.Function):
     """CP size 1: every document attended in place (one segmented tile, no plan)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, seg, scale):
-        backend = get_backend(q.device, q.dtype)
+    def forward(ctx, q, k, v, seg, scale, opts):
+        backend = kernel_backend(opts, q.device, q.dtype)
         out, lse = segmented_forward(backend, q, k, v, seg, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = (seg, scale)
+        ctx.cfg = (seg, scale, opts)
         lse_ht = lse[0].contiguous()
         ctx.mark_non_differentiable(lse_ht)
         return out, lse_ht
@@ -315,11 +322,11 @@ class _LocalPacked(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        seg, scale = ctx.cfg
-        backend = get_backend(q.device, q.dtype)
+        seg, scale, opts = ctx.cfg
+        backend = kernel_backend(opts, q.device, q.dtype)
         dq, dk, dv = segmented_backward(backend, dout.to(q.dtype).contiguous(), q, k, v, out,
                                         lse, seg, scale)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 @functools.lru_cache(maxsize=64)
@@ -347,9 +354,12 @@ def _permutation(layout: THDLayout, device: str) -> tuple[torch.Tensor, torch.Te
 
 def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens,
                         cu_seqlens_padded, group, algo: str, topology, causal: bool,
-                        softmax_scale: float | None, return_lse: bool):
+                        softmax_scale: float | None, return_lse: bool,
+                        options: CPOptions | None = None):
     """:func:`charm_megatron.cp_attention` for packed THD tensors (see its docstring)."""
-    from charm_megatron.ops.attention import _resolve
+    from charm_megatron.ops.attention import _check_scale, _resolve
+
+    opts = options if options is not None else CPOptions.from_env()
 
     cp_size = dist.get_world_size(group)
     _check_tensors(q, k, v)
@@ -364,21 +374,23 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
             raise
         error = str(exc)
     if cp_size > 1:
-        _agree(layout, error, group, q.device)
+        _agree(layout, error, group, q.device, opts.timeout_s)
     assert layout is not None
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scale = _check_scale(softmax_scale, q.shape[-1])
     if cp_size == 1:
         seg = _local_segments(layout, causal, str(q.device))
         out, lse = _LocalPacked.apply(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), seg,
-                                      float(scale))
+                                      float(scale), opts)
         out = out.squeeze(1)
         return (out, lse) if return_lse else out
     q4 = q.unsqueeze(1)
+    if topology is None and uses_topology(algo):
+        topology = opts.topology or "auto"  # the options' default, as in cp_attention
     algo, groups = _resolve(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal)
     perm, inv = _permutation(layout, str(q.device))
     qi, ki, vi = (t.index_select(0, perm).unsqueeze(1) for t in (q, k, v))
     out, lse = _PackedCPAttention.apply(qi, ki, vi, group, algo, groups, causal, float(scale),
-                                        layout)
+                                        layout, opts)
     out = out.squeeze(1).index_select(0, inv)
     if not return_lse:
         return out

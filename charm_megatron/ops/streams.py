@@ -1,68 +1,265 @@
-"""One process group per plan stream, so kv, q and cross traffic really run concurrently.
+"""One process group per plan stream, so kv, q and cross traffic really run concurrently, plus a
+CPU control group for the agreement and status checks (ops/agreement.py).
 
-On NCCL each group is its own communicator (its own CUDA stream inside ProcessGroupNCCL), so a
-kv exchange never queues behind a q exchange; on gloo each group has its own transport pairs
-and background threads. Groups are created once per CP group, by its members only
-(``use_local_synchronization``), because different CP groups of a Megatron job reach their
-first attention call in no particular order.
+On NCCL each stream group is its own communicator (its own CUDA stream inside ProcessGroupNCCL),
+so a kv exchange never queues behind a q exchange; on gloo each group has its own transport
+pairs and background threads. The control group is always gloo: its tiny exchanges never touch
+the GPU or wait for it.
+
+**Deterministic creation.** ``torch.distributed.new_group`` names a group after how many groups
+the process made before (with ``use_local_synchronization``) or needs every rank of the world
+(without): both break when ranks have different group histories (Megatron's pipeline and expert
+groups differ by stage). Here the groups of a CP group are made by a collective of that group
+alone: its first rank broadcasts a random id over the CP group, and every member creates groups
+named ``charm_cp/<id>/<generation>/<stream>`` on the default store. Only the members take part,
+in the order they make CP calls, so no earlier history matters. :func:`stream_groups` does this
+lazily on the first ``cp_attention`` call (all ranks of a CP group make that call together);
+:func:`create_stream_groups` does it eagerly (e.g. where a model is built).
+
+**Cache.** Keyed by the CP group's registered name and ranks, each entry holding a weak
+reference to the group object; an entry is used only while that same object and all its groups
+are still registered, so ``destroy_process_group`` and a new ``init_process_group`` (which
+reuse names and ``id``\\ s) never see stale groups. Entries whose CP group is gone are destroyed
+when the group object is collected, at the next lookup, or explicitly with
+:func:`release_stream_groups`.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
-from dataclasses import dataclass
+import logging
+import uuid
+import weakref
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 from charm_megatron.plan.core import STREAMS
 
-_CACHE: dict[tuple, StreamGroups] = {}
+log = logging.getLogger(__name__)
+
+CONTROL = "control"
 
 
-def comm_timeout() -> datetime.timedelta:
-    """Bound on every blocking wait: ``CHARM_COMM_TIMEOUT_S`` seconds (default 600)."""
-    seconds = float(os.environ.get("CHARM_COMM_TIMEOUT_S", "600"))
-    return datetime.timedelta(seconds=seconds)
-
-
-@dataclass
+@dataclass(eq=False)
 class StreamGroups:
-    """The CP group's ranks and one process group per stream."""
+    """The CP group's ranks, one process group per stream and the control group."""
 
     ranks: list[int]  # global rank of each CP-local rank
     groups: dict[str, dist.ProcessGroup]
+    control: dist.ProcessGroup | None = None
+    uid: str = ""
+    generation: int = 0
+    timeout_s: float = 600.0
+    parent: weakref.ReferenceType | None = field(default=None, repr=False)
+    needs_rebuild: bool = False  # set when a transfer failed: rebuilt (by all) at the next call
+    calls: int = 0  # forward calls made on this CP group (the same count on every rank)
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
+    def alive(self, group: dist.ProcessGroup) -> bool:
+        """True while ``group`` is the live parent and every group made here is registered."""
+        if self.parent is None or self.parent() is not group or not _registered(group):
+            return False
+        return all(_registered(g) for g in self._all())
 
-def stream_groups(group: dist.ProcessGroup | None) -> StreamGroups:
-    """The per-stream process groups of CP group ``group`` (created on first use, then cached)."""
+    def _all(self) -> list[dist.ProcessGroup]:
+        return [*self.groups.values(), *([self.control] if self.control is not None else [])]
+
+
+_CACHE: dict[tuple[str, tuple[int, ...]], StreamGroups] = {}
+
+
+def _registered(group: dist.ProcessGroup) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, RuntimeError, KeyError):
+        return False
+    return True
+
+
+def _key(group: dist.ProcessGroup) -> tuple[str, tuple[int, ...]]:
+    return (str(group.group_name), tuple(dist.get_process_group_ranks(group)))
+
+
+def _timeout(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def control_timeout_s(timeout_s: float) -> float:
+    """The control group's bound: longer than one data wait, so a rank that failed early still
+    meets peers whose data waits had to run out first."""
+    return 2.0 * timeout_s + 30.0
+
+
+def _new_group(name: str, ranks: list[int], backend: str, timeout_s: float,
+               desc: str) -> dist.ProcessGroup:
+    """A process group of ``ranks`` named ``name``, made by its members only (no world-wide
+    call and no dependence on this process's group count). Uses torch's own group factory
+    (``_new_process_group_helper``, the one ``new_group`` calls) with the name given."""
+    c10d = dist.distributed_c10d
+    helper = getattr(c10d, "_new_process_group_helper", None)
+    if helper is None or not hasattr(c10d, "_get_default_store"):  # a torch without them
+        log.warning("cp_attention: this torch lacks _new_process_group_helper; stream groups "
+                    "come from new_group and depend on each process's group history")
+        return dist.new_group(ranks=list(ranks), timeout=_timeout(timeout_s), backend=backend,
+                              use_local_synchronization=True, group_desc=desc)
+    me = dist.get_rank()
+    pg, _ = helper(
+        len(ranks), ranks.index(me), list(ranks), backend, c10d._get_default_store(),
+        c10d.GroupName(name) if hasattr(c10d, "GroupName") else name,
+        timeout=_timeout(timeout_s), group_desc=desc,
+    )
+    c10d._world.pg_group_ranks[pg] = {g: i for i, g in enumerate(ranks)}
+    return pg
+
+
+def _agree_uid(group: dist.ProcessGroup, ranks: list[int], backend: str,
+               timeout_s: float) -> str:
+    """A random id chosen by the CP group's first rank, broadcast over the CP group."""
+    device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
+              else torch.device("cpu"))
+    raw = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8, device=device)
+    try:
+        work = dist.broadcast(raw, src=ranks[0], group=group, async_op=True)
+        work.wait(_timeout(timeout_s))
+        uid = bytes(raw.cpu().tolist()).hex()
+    except Exception as exc:  # noqa: BLE001 - re-raised with what it means
+        raise RuntimeError(
+            f"cp_attention: creating the communicators of CP group {ranks} (a broadcast over "
+            f"that group) did not complete within {timeout_s:g} s ({type(exc).__name__}: "
+            f"{exc}). Likely causes: not every rank of the CP group called cp_attention (or "
+            "create_stream_groups) with this group, a rank died, or ranks passed different CP "
+            "groups; the bound is CHARM_COMM_TIMEOUT_S / CPOptions.timeout_s") from exc
+    return uid
+
+
+def _build(group: dist.ProcessGroup, ranks: list[int], timeout_s: float, uid: str,
+           generation: int) -> StreamGroups:
+    backend = str(dist.get_backend(group)).lower()
+    groups = {}
+    for name in STREAMS:
+        groups[name] = _new_group(f"charm_cp/{uid}/{generation}/{name}", ranks, backend,
+                                  timeout_s, f"charm_cp_{name}")
+    control = _new_group(f"charm_cp/{uid}/{generation}/{CONTROL}", ranks, "gloo",
+                         control_timeout_s(timeout_s), "charm_cp_control")
+    if "nccl" in backend:
+        # NCCL creates communicators lazily, and a batched P2P call as a communicator's first
+        # operation must involve every rank; one tiny all-reduce per stream group creates them
+        # up front, collectively.
+        probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        for g in groups.values():
+            dist.all_reduce(probe, group=g)
+    return StreamGroups(list(ranks), groups, control, uid, generation, timeout_s,
+                        weakref.ref(group))
+
+
+def _destroy(sg: StreamGroups) -> None:
+    for g in sg._all():
+        if _registered(g):
+            try:
+                dist.destroy_process_group(g)
+            except Exception as exc:  # noqa: BLE001 - a broken group may fail to shut down
+                log.warning("cp_attention: could not destroy a stream group: %s", exc)
+    sg.groups, sg.control = {}, None
+
+
+def _sweep() -> None:
+    """Destroy and forget the groups of CP groups that no longer exist."""
+    for key, sg in list(_CACHE.items()):
+        parent = sg.parent() if sg.parent is not None else None
+        if parent is None or not _registered(parent) or not sg.alive(parent):
+            del _CACHE[key]
+            _destroy(sg)
+
+
+def stream_groups(group: dist.ProcessGroup | None, timeout_s: float = 600.0) -> StreamGroups:
+    """The per-stream and control groups of CP group ``group`` (``None``: the default group),
+    created on first use by a collective of ``group``'s members, then cached.
+
+    Every member of ``group`` must reach its first call together (as ``cp_attention`` calls do).
+    A group whose transfers failed (``needs_rebuild``) is rebuilt here only when the caller asks
+    for it (:func:`rebuild`), because all ranks must rebuild together.
+    """
     if group is None:
         group = dist.group.WORLD
-    ranks = dist.get_process_group_ranks(group)
-    key = (id(group), tuple(ranks))
+    key = _key(group)
     cached = _CACHE.get(key)
-    if cached is not None:
+    if cached is not None and cached.alive(group):
         return cached
-    groups = {}
-    if len(ranks) > 1:
-        for name in STREAMS:
-            groups[name] = dist.new_group(
-                ranks=ranks, timeout=comm_timeout(), use_local_synchronization=True,
-                group_desc=f"charm_cp_{name}",
-            )
-        if dist.get_backend(group) == "nccl":
-            # NCCL creates communicators lazily, and a batched P2P call as a communicator's
-            # first operation must involve every rank; one tiny all-reduce per stream group
-            # creates them up front, collectively.
-            import torch
-
-            probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
-            for g in groups.values():
-                dist.all_reduce(probe, group=g)
-    sg = StreamGroups(list(ranks), groups)
+    _sweep()
+    ranks = list(key[1])
+    if len(ranks) == 1:
+        sg = StreamGroups(ranks, {}, None, "", 0, timeout_s, weakref.ref(group))
+    else:
+        uid = _agree_uid(group, ranks, str(dist.get_backend(group)).lower(), timeout_s)
+        sg = _build(group, ranks, timeout_s, uid, 0)
     _CACHE[key] = sg
+    # When the CP group object itself goes away, its communicators go with it (destroying a
+    # process group is local: no peer is involved).
+    weakref.finalize(group, _release_entry, key, sg).atexit = False  # not at shutdown
     return sg
+
+
+def _release_entry(key: tuple[str, tuple[int, ...]], sg: StreamGroups) -> None:
+    if _CACHE.get(key) is sg:
+        del _CACHE[key]
+    try:
+        if dist.is_available() and dist.is_initialized():
+            _destroy(sg)
+    except Exception:  # noqa: BLE001 - best effort, possibly at interpreter shutdown
+        pass
+
+
+def create_stream_groups(group: dist.ProcessGroup | None = None,
+                         timeout_s: float = 600.0) -> StreamGroups:
+    """Create CP group ``group``'s communicators now (a collective of ``group``'s members).
+
+    The explicit form for the bare API: call it on every rank of each CP group where the model
+    is built; later ``cp_attention`` calls reuse what it made. Without it the first call does
+    the same thing."""
+    return stream_groups(group, timeout_s)
+
+
+def rebuild(group: dist.ProcessGroup | None, sg: StreamGroups) -> StreamGroups:
+    """New communicators for ``sg`` (called on every rank together, after the status exchange
+    of a failed call said so). The control group is kept: it carried the decision."""
+    if group is None:
+        group = dist.group.WORLD
+    backend = str(dist.get_backend(group)).lower()
+    old = dict(sg.groups)
+    sg.generation += 1
+    sg.groups = {name: _new_group(f"charm_cp/{sg.uid}/{sg.generation}/{name}", sg.ranks,
+                                  backend, sg.timeout_s, f"charm_cp_{name}")
+                 for name in STREAMS}
+    sg.needs_rebuild = False
+    for g in old.values():
+        if _registered(g):
+            try:
+                dist.destroy_process_group(g)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("cp_attention: could not destroy a failed stream group: %s", exc)
+    if "nccl" in backend:
+        probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        for g in sg.groups.values():
+            dist.all_reduce(probe, group=g)
+    return sg
+
+
+def release_stream_groups(group: dist.ProcessGroup | None = None) -> None:
+    """Destroy the communicators made for CP group ``group`` (all of them with ``None`` after
+    ``destroy_process_group``: entries whose group is gone are dropped anyway)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        for sg in list(_CACHE.values()):
+            sg.groups, sg.control = {}, None
+        _CACHE.clear()
+        return
+    target = dist.group.WORLD if group is None else group
+    key = _key(target)
+    sg = _CACHE.pop(key, None)
+    if sg is not None:
+        _destroy(sg)
+    _sweep()

@@ -1,0 +1,144 @@
+"""Every setting of a ``cp_attention`` call in one value, resolved once at the API edge.
+
+``cp_attention(options=None)`` builds :class:`CPOptions` from the environment
+(:meth:`CPOptions.from_env`); this is the only place in the package's attention path that reads
+environment variables. An explicit ``options=CPOptions(...)`` is used as given and no variable is
+read. The value is stored in the autograd context, so a call's backward runs with exactly the
+settings of its forward (pass order, timeout, kernel, checks), whatever the environment says by
+then.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+import torch
+
+from charm_megatron.kernels.base import AttentionBackend
+
+PASS_ORDERS = ("split", "joint")
+CHECKS = ("every_call", "off")
+ABLATIONS = ("none", "compute_only", "comm_only")
+
+# variable -> (CPOptions field, what it sets); docs/api.md lists the same table.
+ENV_VARS = {
+    "CHARM_PASS_ORDER": ("pass_order", "CHARM+/RM+ pass order: split (default) or joint"),
+    "CHARM_COMM_TIMEOUT_S": ("timeout_s", "bound on every blocking wait, seconds (default 600)"),
+    "CHARM_ATTN_BACKEND": ("backend", "kernel backend: torch, flash_attn or reference"),
+    "CHARM_TOPOLOGY": ("topology", "topology for algo charm/auto when the argument is None"),
+    "CHARM_CHECK": ("check", "agreement/status checks: every_call (default) or off"),
+}
+
+
+@dataclass(frozen=True)
+class CPOptions:
+    """Settings of one ``cp_attention`` call; every rank of the CP group must pass equal ones
+    (the agreement check compares them, except ``timeout_s``).
+
+    Attributes:
+        pass_order: ``"split"`` or ``"joint"`` (docs/algorithm.md).
+        timeout_s: bound on every blocking wait of the call, seconds.
+        backend: kernel backend name (``torch``, ``flash_attn``, ``reference``), a backend
+            object, or ``None`` for the automatic choice.
+        topology: default topology string for ``algo`` ``charm``/``auto`` when the call's
+            ``topology`` argument is ``None``; ``None`` means the probe.
+        check: ``"every_call"``: the ranks agree on the call before any data moves and report
+            their status after it (docs/api.md, failure model); ``"off"`` skips both (a
+            mismatch is then undetected and a rank-local error leaves peers with garbage).
+        ablation: ``"none"``; ``"compute_only"`` (no communication) or ``"comm_only"`` (no
+            kernels) for timing a plan's parts; results are then meaningless.
+    """
+
+    pass_order: str = "split"
+    timeout_s: float = 600.0
+    backend: str | AttentionBackend | None = None
+    topology: str | None = None
+    check: str = "every_call"
+    ablation: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.pass_order not in PASS_ORDERS:
+            raise ValueError(f"cp_attention: pass_order={self.pass_order!r} (CHARM_PASS_ORDER); "
+                             f"choose one of {', '.join(PASS_ORDERS)}")
+        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s)
+                and self.timeout_s > 0):
+            raise ValueError(f"cp_attention: timeout_s={self.timeout_s!r} (CHARM_COMM_TIMEOUT_S) "
+                             "must be a positive number of seconds")
+        if self.check not in CHECKS:
+            raise ValueError(f"cp_attention: check={self.check!r} (CHARM_CHECK); choose one of "
+                             f"{', '.join(CHECKS)}")
+        if self.ablation not in ABLATIONS:
+            raise ValueError(f"cp_attention: ablation={self.ablation!r}; choose one of "
+                             f"{', '.join(ABLATIONS)}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> CPOptions:
+        """Defaults, then the ``CHARM_*`` variables of ``environ`` (``os.environ``), then
+        ``overrides``."""
+        env = os.environ if environ is None else environ
+        values: dict = {}
+        for var, (field, _) in ENV_VARS.items():
+            raw = env.get(var, "").strip()
+            if not raw:
+                continue
+            if field == "timeout_s":
+                try:
+                    values[field] = float(raw)
+                except ValueError:
+                    raise ValueError(f"cp_attention: {var}={raw!r} is not a number of "
+                                     "seconds") from None
+            else:
+                values[field] = raw
+        values.update(overrides)
+        return cls(**values)
+
+    def with_(self, **changes) -> CPOptions:
+        """A copy with ``changes`` (e.g. ``opts.with_(ablation="compute_only")``)."""
+        return replace(self, **changes)
+
+    @property
+    def compute(self) -> bool:
+        return self.ablation != "comm_only"
+
+    @property
+    def comm(self) -> bool:
+        return self.ablation != "compute_only"
+
+    @property
+    def backend_name(self) -> str:
+        """What the agreement check compares for the backend."""
+        if self.backend is None or isinstance(self.backend, str):
+            return self.backend or "auto"
+        return str(getattr(self.backend, "name", type(self.backend).__name__))
+
+
+def kernel_backend(options: CPOptions, device: torch.device,
+                   dtype: torch.dtype) -> AttentionBackend:
+    """The backend object for a call (an object in ``options.backend`` is used as is)."""
+    from charm_megatron.kernels import get_backend
+
+    if options.backend is not None and not isinstance(options.backend, str):
+        return options.backend
+    return get_backend(device, dtype, name=options.backend, environ={})
+
+
+# Set only by the deprecated ``ops.executor.ablate`` context manager; read once per call at the
+# API edge (``resolve``) and only when the options ask for no ablation themselves.
+ABLATION_CONTEXT: contextvars.ContextVar[str] = contextvars.ContextVar("charm_ablation",
+                                                                      default="none")
+
+
+def resolve(options: CPOptions | None) -> CPOptions:
+    """The options of one call: ``options`` as given, else :meth:`CPOptions.from_env`; a
+    surrounding ``ablate()`` block applies when the options name no ablation."""
+    opts = options if options is not None else CPOptions.from_env()
+    if not isinstance(opts, CPOptions):
+        raise TypeError(f"cp_attention: options must be a CPOptions, got {type(opts).__name__}")
+    ctx = ABLATION_CONTEXT.get()
+    if ctx != "none" and opts.ablation == "none":
+        opts = opts.with_(ablation=ctx)
+    return opts

@@ -1,0 +1,298 @@
+"""Rank functions for the failure-model tests (tests/test_cp_failures.py): injected failures,
+group histories, destroy/re-init, mismatches, float64 and extreme ``dout``.
+
+Module level so that the forkserver can pickle them. Every call passes a short explicit
+timeout in its options, so a broken case fails in seconds.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+
+from charm_megatron import cp_attention
+from charm_megatron.kernels import get_backend
+from charm_megatron.ops.agreement import CPAttentionError
+from charm_megatron.ops.options import CPOptions
+from dist_cases import local_part, make_inputs, reference, rel_err
+
+TIMEOUT_S = 4.0
+
+
+def opts(**kw) -> CPOptions:
+    return CPOptions(timeout_s=kw.pop("timeout_s", TIMEOUT_S), **kw)
+
+
+def one_call(rank: int, world: int, algo: str, topology, *, group=None, cp_rank=None,
+             cp_size=None, dtype=torch.float32, dout_scale: float = 1.0, options=None,
+             seed: int = 5, causal: bool = True, s_per_rank: int = 4, check_lse=True):
+    """One forward+backward on ``group``; the max relative error of out, lse, dq, dk, dv vs
+    the float64 reference of the rounded inputs."""
+    cp_rank = rank if cp_rank is None else cp_rank
+    n = world if cp_size is None else cp_size
+    s, b, hq, hkv, d = s_per_rank * n, 1, 4, 2, 8
+    q, k, v, dout = (t.to(dtype).double() for t in make_inputs(seed, s, b, hq, hkv, d))
+    dout = (dout * dout_scale).to(dtype).double()
+    scale = d ** -0.5
+    ref = reference(q, k, v, dout, causal, scale)
+    ql, kl, vl = (local_part(t, cp_rank, n, causal).to(dtype).requires_grad_()
+                  for t in (q, k, v))
+    out, lse = cp_attention(ql, kl, vl, group=group, algo=algo, topology=topology,
+                            causal=causal, return_lse=True,
+                            options=options if options is not None else opts())
+    out.backward(local_part(dout, cp_rank, n, causal).to(dtype))
+    want = [local_part(ref[0], cp_rank, n, causal), local_part(ref[1], cp_rank, n, causal, 2)]
+    want += [local_part(t, cp_rank, n, causal) for t in ref[2:]]
+    got = [out, lse, ql.grad, kl.grad, vl.grad]
+    errs = {name: rel_err(g, w) for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got,
+                                                      want)}
+    if not check_lse:
+        errs.pop("lse")
+    return max(errs.values())
+
+
+class FailingBackend:
+    """The CPU torch kernels, raising on the ``fail_at``-th forward or backward kernel call."""
+
+    name = "torch"
+
+    def __init__(self, where: str, fail_at: int, sleep_s: float = 0.0) -> None:
+        self.inner = get_backend("cpu", torch.float32, name="torch", environ={})
+        self.where, self.fail_at, self.sleep_s, self.calls = where, fail_at, sleep_s, 0
+
+    def _maybe_fail(self, where: str) -> None:
+        if where != self.where:
+            return
+        self.calls += 1
+        if self.calls == self.fail_at:
+            if self.sleep_s:
+                time.sleep(self.sleep_s)  # a straggler: peers time out, nothing raises here
+            else:
+                raise RuntimeError(f"injected {where} kernel failure")
+
+    def forward(self, q, k, v, causal, scale):
+        self._maybe_fail("forward")
+        return self.inner.forward(q, k, v, causal, scale)
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        self._maybe_fail("backward")
+        return self.inner.backward(dout, q, k, v, out, lse, causal, scale)
+
+
+def failure_then_normal_call(rank: int, world: int, algo: str, topology, where: str,
+                             bad_rank: int, sleep_s: float = 0.0):
+    """``bad_rank``'s 2nd kernel call fails (or stalls past the timeout); then every rank makes
+    an ordinary call. Returns (error text of the failed call, seconds it took, error of the
+    next call vs float64)."""
+    backend = FailingBackend(where, 2, sleep_s) if rank == bad_rank else "torch"
+    t0 = time.monotonic()
+    text = "no error"
+    try:
+        one_call(rank, world, algo, topology, options=opts(backend=backend,
+                                                           timeout_s=2.0 if sleep_s else 4.0))
+    except (RuntimeError, CPAttentionError) as exc:
+        text = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - t0
+    err = max(one_call(rank, world, algo, topology, seed=s) for s in (11, 12))
+    return text, took, err
+
+
+def histories_differ(rank: int, world: int, case: str):
+    """Ranks with different process-group histories, then CP attention on their CP groups."""
+    if case == "subgroup_on_some_ranks":
+        # Ranks 0 and 2 make one more group (members only) than ranks 1 and 3.
+        if rank in (0, 2):
+            dist.new_group([0, 2], use_local_synchronization=True)
+        cp = [[0, 1], [2, 3]]
+        groups = [dist.new_group(r) for r in cp]
+        mine = groups[rank // 2]
+        return one_call(rank, world, "rmplus", None, group=mine, cp_rank=rank % 2, cp_size=2)
+    if case == "world_after_subgroups":
+        if rank == 0:
+            dist.new_group([0], use_local_synchronization=True)
+            dist.new_group([0], use_local_synchronization=True)
+        return max(one_call(rank, world, algo, topo) for algo, topo in
+                   (("ring", None), ("charm", "2x2"), ("rmplus", None)))
+    raise ValueError(case)
+
+
+def destroy_and_reinit(rank: int, world: int, store_dir: str, rounds: int):
+    """cp_attention, destroy_process_group, a new init on a new store, again ``rounds`` times."""
+    from charm_megatron.ops import streams
+
+    errs, uids, cached = [], [], []
+    for i in range(rounds):
+        if i:
+            dist.destroy_process_group()
+            store = dist.FileStore(f"{store_dir}/store{i}", world)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=30))
+        errs.append(one_call(rank, world, "charm", "2x2", seed=i))
+        uids.append(streams.stream_groups(None).uid)
+        cp = dist.new_group([0, 1]) if i % 2 else None  # also a fresh non-default group
+        if cp is not None and rank < 2:
+            errs.append(one_call(rank, world, "rmplus", None, group=cp, cp_size=2))
+        cached.append(len(streams._CACHE))  # entries of destroyed groups are gone
+    return max(errs), uids, cached
+
+
+def _mismatched_call(rank: int, world: int, case: str):
+    s, b, h, d = 4, 2, 4, 8
+    shapes = {"q": (s, b, h, d), "kv": (s, b, h, d)}
+    kw: dict = {"algo": "ring", "causal": True}
+    dtype = torch.float32
+    odd = rank == world - 1
+    if case == "s_local" and odd:
+        shapes = {"q": (2 * s, b, h, d), "kv": (2 * s, b, h, d)}
+    elif case == "batch" and odd:
+        shapes = {"q": (s, 1, h, d), "kv": (s, 1, h, d)}
+    elif case == "heads" and odd:
+        shapes = {"q": (s, b, 2 * h, d), "kv": (s, b, h, d)}
+    elif case == "head_dim" and odd:
+        shapes = {"q": (s, b, h, 2 * d), "kv": (s, b, h, 2 * d)}
+    elif case == "same_bytes_other_shape" and odd:
+        shapes = {"q": (s, 2 * b, h // 2, d), "kv": (s, 2 * b, h // 2, d)}
+    elif case == "dtype" and odd:
+        dtype = torch.float64
+    elif case == "causal" and odd:
+        kw["causal"] = False
+    elif case == "algo" and odd:
+        kw["algo"] = "rmplus"
+    elif case == "topology":
+        kw.update(algo="charm", topology="2x2" if odd else "4x1")
+    elif case == "scale" and odd:
+        kw["softmax_scale"] = 0.3
+    elif case == "pass_order":
+        kw.update(algo="charm", topology="2x2")
+        kw["options"] = opts(pass_order="joint" if odd else "split")
+    elif case == "bad_input_one_rank" and odd:
+        shapes = {"q": (3, b, h, d), "kv": (3, b, h, d)}  # odd length under causal
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(*shapes["q"], generator=g).to(dtype)
+    k = torch.randn(*shapes["kv"], generator=g).to(dtype)
+    v = torch.randn(*shapes["kv"], generator=g).to(dtype)
+    kw.setdefault("options", opts())
+    if case == "backward_order":
+        # Two calls, then the ranks run their backwards in different orders.
+        qs = [q.clone().requires_grad_() for _ in range(2)]
+        outs = [cp_attention(x, k, v, **kw) for x in qs]
+        order = outs[::-1] if odd else outs
+        for o in order:
+            o.sum().backward()
+        return
+    out = cp_attention(q, k, v, **kw)
+    out.sum().backward()
+
+
+def mismatch(rank: int, world: int, case: str):
+    """Every rank must raise, within bounded time; returns (exception type, message, seconds)."""
+    t0 = time.monotonic()
+    try:
+        _mismatched_call(rank, world, case)
+    except Exception as exc:  # noqa: BLE001 - the type is part of what the test checks
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "no error", "", time.monotonic() - t0
+
+
+def float64_all_algos(rank: int, world: int):
+    """float64 end to end for every algorithm, both masks: max error vs float64 reference."""
+    return {(algo, causal): one_call(rank, world, algo, topo, dtype=torch.float64,
+                                     causal=causal)
+            for algo, topo in (("ring", None), ("rmplus", None), ("charm", "2x2"))
+            for causal in (True, False)}
+
+
+def extreme_dout(rank: int, world: int, scales: list[float], dtype_name: str):
+    """Max error (out, dq, dk, dv) for dout scaled by each factor (gradients are linear in dout,
+    so the float64 reference is exact for any scale)."""
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
+    return {(scale, algo): one_call(rank, world, algo, topo, dtype=dtype, dout_scale=scale,
+                                    check_lse=False)
+            for scale in scales
+            for algo, topo in (("ring", None), ("charm", "2x2"))}
+
+
+def agreement_cost(rank: int, world: int, reps: int):
+    """Median seconds of one tiny forward+backward with check on and off (same process)."""
+    x = torch.randn(4, 1, 2, 8)
+    res = {}
+    for check in ("off", "every_call", "off", "every_call"):
+        o = opts(check=check)
+        times = []
+        for _ in range(reps):
+            q = x.clone().requires_grad_()
+            dist.barrier()
+            t0 = time.perf_counter()
+            cp_attention(q, x, x, algo="ring", options=o).sum().backward()
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        res[check] = times[len(times) // 2]
+    return res
+
+
+def missing_peer_message(rank: int, world: int, stage: str):
+    """The last rank stops calling: every other rank gets a clear error within the bound.
+
+    ``stage``: ``first_call`` (the communicators are not made yet), ``agreement`` (made by an
+    earlier call), ``transfer`` (checks off, so the first thing to wait is a transfer)."""
+    x = torch.randn(4, 1, 2, 8)
+    o = opts(check="off") if stage == "transfer" else opts()
+    if stage != "first_call":
+        cp_attention(x, x, x, algo="ring", options=o)
+    if rank == world - 1:
+        time.sleep(4 * TIMEOUT_S)
+        return None
+    t0 = time.monotonic()
+    try:
+        cp_attention(x, x, x, algo="ring", options=o)
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "no error", "", time.monotonic() - t0
+
+
+def options_in_ctx(rank: int, world: int):
+    """The environment is read once per call: a backward runs with its forward's options even
+    when the variables changed in between; explicit options never read the environment."""
+    import os
+
+    from charm_megatron.ops.executor import ablate
+
+    x = torch.randn(16, 1, 2, 8)
+    q = x.clone().requires_grad_()
+    os.environ["CHARM_PASS_ORDER"] = "joint"
+    out = cp_attention(q, x, x, algo="auto", topology="2x2")
+    os.environ["CHARM_PASS_ORDER"] = "bogus"  # would raise if backward read it
+    out.sum().backward()
+    fwd_order = out.grad_fn.call.options.pass_order
+    explicit = cp_attention(x, x, x, algo="charm", topology="2x2",
+                            options=CPOptions(pass_order="split"))
+    del os.environ["CHARM_PASS_ORDER"]
+    with ablate(comm=False):
+        ablated = cp_attention(x.clone().requires_grad_(), x, x, algo="ring", return_lse=True)
+    return fwd_order, explicit.shape, ablated[0].grad_fn.call.options.ablation
+
+
+def exchange_cost(rank: int, world: int, reps: int):
+    """Median seconds of one agreement exchange and one status exchange on the control group."""
+    from charm_megatron.ops import agreement, streams
+
+    sg = streams.stream_groups(None)
+    x = torch.randn(4, 1, 2, 8)
+    from charm_megatron.ops.attention import _signature
+
+    sig = _signature("forward", 0, x, x, x, "ring", None, True, 0.35, opts(), None)
+    res = {}
+    for name, fn in (("agree", lambda: agreement.agree(sig, sg.control, world, 30.0)),
+                     ("status", lambda: agreement.exchange_status(0, "", sg.control, world,
+                                                                  30.0))):
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        res[name] = times[len(times) // 2]
+    return res

@@ -1,0 +1,44 @@
+"""CPOptions: every setting of a cp_attention call in one value, read from the environment once
+at the API edge and kept in the autograd context (issue 10 item 5)."""
+
+import dist_failure_cases as cases
+import pytest
+
+from charm_megatron.local_ranks import run_ranks
+from charm_megatron.ops import executor
+from charm_megatron.ops.options import ENV_VARS, CPOptions
+
+
+def test_from_env_reads_every_listed_variable():
+    env = {"CHARM_PASS_ORDER": "joint", "CHARM_COMM_TIMEOUT_S": "7.5",
+           "CHARM_ATTN_BACKEND": "reference", "CHARM_TOPOLOGY": "2x4", "CHARM_CHECK": "off"}
+    assert set(env) == set(ENV_VARS)
+    o = CPOptions.from_env(env)
+    assert (o.pass_order, o.timeout_s, o.backend, o.topology, o.check) == (
+        "joint", 7.5, "reference", "2x4", "off")
+    assert CPOptions.from_env({}) == CPOptions()
+    assert CPOptions.from_env(env, pass_order="split").pass_order == "split"
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"CHARM_PASS_ORDER": "sideways"}, "CHARM_PASS_ORDER"),
+    ({"CHARM_COMM_TIMEOUT_S": "soon"}, "CHARM_COMM_TIMEOUT_S"),
+    ({"CHARM_COMM_TIMEOUT_S": "-1"}, "CHARM_COMM_TIMEOUT_S"),
+    ({"CHARM_CHECK": "sometimes"}, "CHARM_CHECK"),
+])
+def test_bad_values_name_the_variable(env, match):
+    with pytest.raises(ValueError, match=match):
+        CPOptions.from_env(env)
+
+
+def test_no_module_level_switch():
+    assert not hasattr(executor, "_ENABLED")
+    assert CPOptions(ablation="compute_only").comm is False
+    assert CPOptions(ablation="comm_only").compute is False
+
+
+def test_backward_uses_the_forwards_options():
+    (order, shape, ablation), *_ = run_ranks(cases.options_in_ctx, 4, timeout_s=90)
+    assert order == "joint"  # auto honours the pass order, and backward kept it
+    assert shape == (16, 1, 2, 8)
+    assert ablation == "compute_only"  # the deprecated ablate() block, read at the edge
