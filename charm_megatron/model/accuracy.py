@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from charm_megatron.model.calibrate import predict_ms
 from charm_megatron.model.cluster import Profile
 from charm_megatron.model.measured import Point
+from charm_megatron.plan.registry import names as algorithm_names
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ class Setting:
         return self.speedup_predicted / self.speedup_measured - 1.0
 
     def winner(self, times: dict[str, float]) -> str:
-        order = [a for a in ("ring", "rmplus", "charm") if a in self.measured]
+        order = [a for a in algorithm_names() if a in self.measured]
         return min(order, key=lambda a: (times[a], order.index(a)))
 
     @property

@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from charm_megatron.plan.cost import ELEM_BYTES, Problem
+from charm_megatron.plan.registry import names as algorithm_names
 
 PASSES = ("fwd", "bwd", "fwdbwd")
-# The bench's contenders the model replays (its own plans); "torch" and others are skipped.
-MODELLED = ("ring", "rmplus", "charm")
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,8 @@ def load_points(paths: Iterable[str | Path]) -> list[Point]:
         if not rows or "median_ms" not in rows[0]:
             raise ValueError(f"{p}: not a charm-megatron bench results.csv (no median_ms column)")
         for row in rows:
-            if row.get("status") != "ok" or row.get("algo") not in MODELLED:
+            # The model replays our own plans only ("torch" rows are skipped).
+            if row.get("status") != "ok" or row.get("algo") not in algorithm_names():
                 continue
             if row.get("pass") not in PASSES:
                 continue
