@@ -41,4 +41,4 @@ def test_backward_uses_the_forwards_options():
     (order, shape, ablation), *_ = run_ranks(cases.options_in_ctx, 4, timeout_s=90)
     assert order == "joint"  # auto honours the pass order, and backward kept it
     assert shape == (16, 1, 2, 8)
-    assert ablation == "compute_only"  # the deprecated ablate() block, read at the edge
+    assert ablation == "compute_only"  # explicit options, kept for the backward

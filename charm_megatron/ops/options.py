@@ -10,7 +10,6 @@ then.
 
 from __future__ import annotations
 
-import contextvars
 import math
 import os
 from collections.abc import Mapping
@@ -126,19 +125,9 @@ def kernel_backend(options: CPOptions, device: torch.device,
     return get_backend(device, dtype, name=options.backend, environ={})
 
 
-# Set only by the deprecated ``ops.executor.ablate`` context manager; read once per call at the
-# API edge (``resolve``) and only when the options ask for no ablation themselves.
-ABLATION_CONTEXT: contextvars.ContextVar[str] = contextvars.ContextVar("charm_ablation",
-                                                                      default="none")
-
-
 def resolve(options: CPOptions | None) -> CPOptions:
-    """The options of one call: ``options`` as given, else :meth:`CPOptions.from_env`; a
-    surrounding ``ablate()`` block applies when the options name no ablation."""
+    """The options of one call: ``options`` as given, else :meth:`CPOptions.from_env`."""
     opts = options if options is not None else CPOptions.from_env()
     if not isinstance(opts, CPOptions):
         raise TypeError(f"cp_attention: options must be a CPOptions, got {type(opts).__name__}")
-    ctx = ABLATION_CONTEXT.get()
-    if ctx != "none" and opts.ablation == "none":
-        opts = opts.with_(ablation=ctx)
     return opts
