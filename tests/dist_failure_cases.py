@@ -294,3 +294,21 @@ def exchange_cost(rank: int, world: int, reps: int):
         times.sort()
         res[name] = times[len(times) // 2]
     return res
+
+
+def auto_with_profile(rank: int, world: int):
+    """algo="auto" under options.model_profile None / "l20-pcie" (the algorithm each call
+    ran), then one rank naming a profile that does not exist."""
+    x = torch.randn(16, 1, 2, 8)
+    algos = {}
+    for profile in (None, "l20-pcie"):
+        out = cp_attention(x.clone().requires_grad_(), x, x, algo="auto", topology="2x2",
+                           options=CPOptions(model_profile=profile))
+        algos[profile] = out.grad_fn.call.algo
+    try:
+        cp_attention(x, x, x, algo="auto", topology="2x2", options=CPOptions(
+            model_profile="no-such-profile" if rank == 1 else "l20-pcie", timeout_s=30))
+        bad = ("no error", "")
+    except Exception as exc:  # noqa: BLE001
+        bad = (type(exc).__name__, str(exc))
+    return algos, bad

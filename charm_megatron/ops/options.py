@@ -30,6 +30,8 @@ ENV_VARS = {
     "CHARM_ATTN_BACKEND": ("backend", "kernel backend: torch, flash_attn or reference"),
     "CHARM_TOPOLOGY": ("topology", "topology for algo charm/auto when the argument is None"),
     "CHARM_CHECK": ("check", "agreement/status checks: every_call (default) or off"),
+    "CHARM_MODEL_PROFILE": ("model_profile", "performance-model profile for algo auto: a "
+                            "built-in name or a profile file (default: a generic cluster)"),
 }
 
 
@@ -50,6 +52,9 @@ class CPOptions:
             mismatch is then undetected and a rank-local error leaves peers with garbage).
         ablation: ``"none"``; ``"compute_only"`` (no communication) or ``"comm_only"`` (no
             kernels) for timing a plan's parts; results are then meaningless.
+        model_profile: the cluster ``algo="auto"`` predicts with: a built-in profile name or a
+            profile file written by ``charm-megatron model --calibrate``
+            (:func:`charm_megatron.model.auto_cluster`); ``None``: a generic cluster.
     """
 
     pass_order: str = "split"
@@ -58,6 +63,7 @@ class CPOptions:
     topology: str | None = None
     check: str = "every_call"
     ablation: str = "none"
+    model_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.pass_order not in PASS_ORDERS:
@@ -70,6 +76,10 @@ class CPOptions:
         if self.check not in CHECKS:
             raise ValueError(f"cp_attention: check={self.check!r} (CHARM_CHECK); choose one of "
                              f"{', '.join(CHECKS)}")
+        if self.model_profile is not None and not (isinstance(self.model_profile, str)
+                                                   and self.model_profile.strip()):
+            raise ValueError(f"cp_attention: model_profile={self.model_profile!r} "
+                             "(CHARM_MODEL_PROFILE) must be a profile name or file, or None")
         if self.ablation not in ABLATIONS:
             raise ValueError(f"cp_attention: ablation={self.ablation!r}; choose one of "
                              f"{', '.join(ABLATIONS)}")

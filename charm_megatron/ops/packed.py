@@ -357,7 +357,7 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
                         softmax_scale: float | None, return_lse: bool,
                         options: CPOptions | None = None):
     """:func:`charm_megatron.cp_attention` for packed THD tensors (see its docstring)."""
-    from charm_megatron.ops.attention import _check_scale, _resolve
+    from charm_megatron.ops.attention import _auto_cluster, _check_scale, _resolve
 
     opts = options if options is not None else CPOptions.from_env()
 
@@ -386,7 +386,8 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
     q4 = q.unsqueeze(1)
     if topology is None and uses_topology(algo):
         topology = opts.topology or "auto"  # the options' default, as in cp_attention
-    algo, groups = _resolve(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal)
+    cluster = _auto_cluster(opts) if algo == "auto" else None
+    algo, groups = _resolve(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal, cluster)
     perm, inv = _permutation(layout, str(q.device))
     qi, ki, vi = (t.index_select(0, perm).unsqueeze(1) for t in (q, k, v))
     out, lse = _PackedCPAttention.apply(qi, ki, vi, group, algo, groups, causal, float(scale),
