@@ -46,12 +46,20 @@ def test_backward_uses_the_forwards_options():
 
 
 def test_every_variable_is_documented():
-    """docs/api.md's table of environment variables lists every CPOptions variable."""
+    """docs/api.md's tables of environment variables list every CPOptions variable and every
+    other CHARM_* name the package's code spells out."""
+    import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "api.md").read_text()
     for var in ENV_VARS:
         assert f"| `{var}` |" in text, var
+    spelled = {m for f in (root / "charm_megatron").rglob("*.py")
+               for m in re.findall(r"[\"'](CHARM_[A-Z0-9_]+)[\"']", f.read_text())}
+    spelled -= {"CHARM_COMM_TYPES"}  # a Python constant (megatron.args), not a variable
+    assert spelled >= set(ENV_VARS) | {"CHARM_BENCH_LINKS"}  # else the scan could not fail
+    assert {v for v in spelled if f"`{v}`" not in text} == set()
 
 
 def test_auto_predicts_with_the_options_profile():
