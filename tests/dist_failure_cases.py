@@ -258,8 +258,6 @@ def options_in_ctx(rank: int, world: int):
     when the variables changed in between; explicit options never read the environment."""
     import os
 
-    from charm_megatron.ops.executor import ablate
-
     x = torch.randn(16, 1, 2, 8)
     q = x.clone().requires_grad_()
     os.environ["CHARM_PASS_ORDER"] = "joint"
@@ -270,8 +268,8 @@ def options_in_ctx(rank: int, world: int):
     explicit = cp_attention(x, x, x, algo="charm", topology="2x2",
                             options=CPOptions(pass_order="split"))
     del os.environ["CHARM_PASS_ORDER"]
-    with ablate(comm=False):
-        ablated = cp_attention(x.clone().requires_grad_(), x, x, algo="ring", return_lse=True)
+    ablated = cp_attention(x.clone().requires_grad_(), x, x, algo="ring", return_lse=True,
+                           options=CPOptions(ablation="compute_only"))
     return fwd_order, explicit.shape, ablated[0].grad_fn.call.options.ablation
 
 
@@ -296,3 +294,21 @@ def exchange_cost(rank: int, world: int, reps: int):
         times.sort()
         res[name] = times[len(times) // 2]
     return res
+
+
+def auto_with_profile(rank: int, world: int):
+    """algo="auto" under options.model_profile None / "l20-pcie" (the algorithm each call
+    ran), then one rank naming a profile that does not exist."""
+    x = torch.randn(16, 1, 2, 8)
+    algos = {}
+    for profile in (None, "l20-pcie"):
+        out = cp_attention(x.clone().requires_grad_(), x, x, algo="auto", topology="2x2",
+                           options=CPOptions(model_profile=profile))
+        algos[profile] = out.grad_fn.call.algo
+    try:
+        cp_attention(x, x, x, algo="auto", topology="2x2", options=CPOptions(
+            model_profile="no-such-profile" if rank == 1 else "l20-pcie", timeout_s=30))
+        bad = ("no error", "")
+    except Exception as exc:  # noqa: BLE001
+        bad = (type(exc).__name__, str(exc))
+    return algos, bad

@@ -234,3 +234,36 @@ def test_software_links_throttle_gloo_p2p():
         spec = SoftwareLinks(2, 1, cross_rate=8e6, nic="rank", state_dir=state)  # 8 MB/s
         took = run_ranks(_links_rank, 2, nbytes, setup=SoftwareLinkSetup(spec), timeout_s=60)
     assert min(took) >= nbytes / 8e6 * 0.95, took
+
+
+# --------------------------------------------------------------------------- ablated variants
+def _ablated_variants(rank: int, world: int) -> dict:
+    """Each bench variant of a plan contender runs with its own ``CPOptions.ablation`` (sbhd
+    and packed THD), and switching communication off really changes the result."""
+    import torch
+
+    from charm_megatron.bench.contenders import PlanContender
+
+    torch.manual_seed(rank)
+    q, k, v = (torch.randn(8, 1, 2, 8) for _ in range(3))
+    packed = {"cu_seqlens": torch.tensor([0, 6, 14], dtype=torch.int32),
+              "cu_seqlens_padded": torch.tensor([0, 8, 16], dtype=torch.int32)}
+    out: dict = {}
+    for name, c, args in (("sbhd", PlanContender("ring", None, True), (q, k, v)),
+                          ("thd", PlanContender("ring", None, True, packed),
+                           (q[:, 0], k[:, 0], v[:, 0]))):
+        full = c(*args)
+        for ablation in ("compute_only", "comm_only"):
+            variant = c.ablated(ablation)
+            res = variant(*args)
+            out[name, ablation] = (variant.options.ablation, c.options.ablation,
+                                   bool((res - full).abs().max() > 1e-3))
+    return out
+
+
+def test_plan_contender_ablations_reach_cp_attention():
+    from charm_megatron.local_ranks import run_ranks
+
+    for res in run_ranks(_ablated_variants, 2, timeout_s=120):
+        for (_, ablation), (got, base, differs) in res.items():
+            assert (got, base, differs) == (ablation, "none", True)

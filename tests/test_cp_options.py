@@ -11,11 +11,12 @@ from charm_megatron.ops.options import ENV_VARS, CPOptions
 
 def test_from_env_reads_every_listed_variable():
     env = {"CHARM_PASS_ORDER": "joint", "CHARM_COMM_TIMEOUT_S": "7.5",
-           "CHARM_ATTN_BACKEND": "reference", "CHARM_TOPOLOGY": "2x4", "CHARM_CHECK": "off"}
+           "CHARM_ATTN_BACKEND": "reference", "CHARM_TOPOLOGY": "2x4", "CHARM_CHECK": "off",
+           "CHARM_MODEL_PROFILE": "h100"}
     assert set(env) == set(ENV_VARS)
     o = CPOptions.from_env(env)
-    assert (o.pass_order, o.timeout_s, o.backend, o.topology, o.check) == (
-        "joint", 7.5, "reference", "2x4", "off")
+    assert (o.pass_order, o.timeout_s, o.backend, o.topology, o.check, o.model_profile) == (
+        "joint", 7.5, "reference", "2x4", "off", "h100")
     assert CPOptions.from_env({}) == CPOptions()
     assert CPOptions.from_env(env, pass_order="split").pass_order == "split"
 
@@ -41,4 +42,41 @@ def test_backward_uses_the_forwards_options():
     (order, shape, ablation), *_ = run_ranks(cases.options_in_ctx, 4, timeout_s=90)
     assert order == "joint"  # auto honours the pass order, and backward kept it
     assert shape == (16, 1, 2, 8)
-    assert ablation == "compute_only"  # the deprecated ablate() block, read at the edge
+    assert ablation == "compute_only"  # explicit options, kept for the backward
+
+
+def test_every_variable_is_documented():
+    """docs/api.md's tables of environment variables list every CPOptions variable and every
+    other CHARM_* name the package's code spells out."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs" / "api.md").read_text()
+    for var in ENV_VARS:
+        assert f"| `{var}` |" in text, var
+    spelled = {m for f in (root / "charm_megatron").rglob("*.py")
+               for m in re.findall(r"[\"'](CHARM_[A-Z0-9_]+)[\"']", f.read_text())}
+    spelled -= {"CHARM_COMM_TYPES"}  # a Python constant (megatron.args), not a variable
+    assert spelled >= set(ENV_VARS) | {"CHARM_BENCH_LINKS"}  # else the scan could not fail
+    assert {v for v in spelled if f"`{v}`" not in text} == set()
+
+
+def test_auto_predicts_with_the_options_profile():
+    """algo="auto" picks what choose_algo predicts on options.model_profile's cluster (here
+    a profile under which ring wins and the generic cluster, under which charm wins), and a
+    profile one rank cannot read fails every rank before any data moves."""
+    from charm_megatron.model import auto_cluster, choose_algo_cached
+    from charm_megatron.plan.cost import Problem
+
+    groups, problem = ((0, 1), (2, 3)), Problem(1, 64, 2, 2, 8, 4)
+    expected = {p: choose_algo_cached(groups, problem, auto_cluster(p), causal=True)
+                for p in (None, "l20-pcie")}
+    assert expected[None] != expected["l20-pcie"]  # else the test could not fail
+    res = run_ranks(cases.auto_with_profile, 4, timeout_s=120)
+    for rank, (algos, bad) in enumerate(res):
+        assert algos == expected
+        kind, msg = bad
+        assert kind in ("ValueError", "CPMismatchError", "CPAttentionError"), bad
+        if rank == 1:
+            assert kind == "ValueError" and "CHARM_MODEL_PROFILE" in msg, bad

@@ -99,6 +99,15 @@ def _rank_checks(rank: int, world: int) -> dict:
     out["env_topology"] = str(build().topology), str(build(cp_comm_type="rmplus").topology)
     out["set_beats_env"] = str(build(topology="1x2").topology)
     del os.environ["CHARM_TOPOLOGY"]
+    # The CHARM_* settings are read once, at build (CPOptions.from_env), and the CP group's
+    # stream communicators are made there too (every rank builds the layer together).
+    from charm_megatron.ops import streams
+
+    os.environ["CHARM_PASS_ORDER"] = "joint"
+    joint = build(topology="flat")
+    del os.environ["CHARM_PASS_ORDER"]
+    out["options_at_build"] = joint.options.pass_order, build(topology="flat").options.pass_order
+    out["eager_streams"] = streams._key(pgs.cp) in streams._CACHE
 
     # ---- forward-time errors (and what works).
     torch.manual_seed(0)
@@ -117,6 +126,10 @@ def _rank_checks(rank: int, world: int) -> dict:
     )
     out["bias"] = _outcome(lambda: attn(q, k, v, None, attention_bias=torch.zeros(1)))
     out["kv_cache"] = _outcome(lambda: attn(q[:1], k, v, None))
+    out["not_4d"] = _outcome(lambda: attn(q[:, 0], k, v, None))
+    out["dtypes_differ"] = _outcome(lambda: attn(q.double(), k, v, None))
+    # Built with CHARM_PASS_ORDER=joint: the forward runs joint whatever the variable says now.
+    out["joint_err"] = (joint(q, k, v, None) - attn(q, k, v, None)).abs().max().item()
     dropout = build(attention_dropout=0.1, topology="flat")
     out["dropout_train"] = _outcome(lambda: dropout(q, k, v, None))
     dropout.eval()
@@ -199,6 +212,8 @@ def test_misconfigured_groups_and_topology(results):
     for res in results:
         assert res["env_topology"] == ("2x1", "1x2")  # charm reads CHARM_TOPOLOGY; rmplus flat
         assert res["set_beats_env"] == "1x2"
+        assert res["options_at_build"] == ("joint", "split")
+        assert res["eager_streams"]
 
 
 def test_unsupported_options_name_the_option(results):
@@ -216,6 +231,9 @@ def test_unsupported_options_name_the_option(results):
     assert all(r["packed_sbhd"] == ("ok", "") for r in results)
     _err(results, "bias", "NotImplementedError", "attention_bias")
     _err(results, "kv_cache", "NotImplementedError", "KV cache")
+    _err(results, "not_4d", "ValueError", "CharmDotProductAttention: q must be 4-D")
+    _err(results, "dtypes_differ", "TypeError", "CharmDotProductAttention: q, k, v dtypes differ")
+    assert all(r["joint_err"] < 1e-5 for r in results)
     _err(results, "dropout_train", "NotImplementedError", "--attention-dropout")
     assert all(r["dropout_eval"] == ("ok", "") for r in results)
 

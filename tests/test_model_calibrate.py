@@ -28,6 +28,7 @@ from charm_megatron.model.accuracy import bench_settings, summarize
 from charm_megatron.model.calibrate import _sim_ms
 from charm_megatron.model.cluster import Profile
 from charm_megatron.model.measured import load_points
+from charm_megatron.ops.options import CPOptions
 from charm_megatron.plan.cost import Problem
 
 TRUTH = Cluster(intra_gbps=40.0, cross_gbps=5.0, tflops=80.0, nic="rank", latency_us=30.0,
@@ -133,23 +134,24 @@ def test_profile_file_round_trip_and_errors(tmp_path: Path) -> None:
         get_profile("no-such-profile")
 
 
-def test_auto_cluster_argument_then_environment(tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CHARM_MODEL_PROFILE", raising=False)
+def test_auto_cluster_argument_never_the_environment(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto_cluster reads only its argument; CHARM_MODEL_PROFILE is read at the API edges
+    (CPOptions.from_env, the model CLI)."""
     assert auto_cluster() is None  # generic default
     assert auto_cluster("h100") == get_profile("h100").cluster
     path = tmp_path / "p.json"
     save_profile(Profile("p", TRUTH, "2x2", ""), path)
-    monkeypatch.setenv("CHARM_MODEL_PROFILE", str(path))
-    assert auto_cluster() == TRUTH
-    assert auto_cluster("h20") == get_profile("h20").cluster  # the argument wins
+    assert auto_cluster(str(path)) == TRUTH
+    monkeypatch.setenv("CHARM_MODEL_PROFILE", "h20")
+    assert auto_cluster() is None  # the variable is not read here
+    assert CPOptions.from_env().model_profile == "h20"  # but at the edge
     groups = [[0, 1], [2, 3]]
     prob = Problem(1, 65536, 8, 8, 64, 2)
-    assert choose_algo_cached(groups, prob, auto_cluster(), causal=True) in ("ring", "rmplus",
-                                                                              "charm")
-    monkeypatch.setenv("CHARM_MODEL_PROFILE", str(tmp_path / "gone.json"))
+    assert choose_algo_cached(groups, prob, auto_cluster(str(path)),
+                              causal=True) in ("ring", "rmplus", "charm")
     with pytest.raises(ValueError, match="CHARM_MODEL_PROFILE.*does not exist"):
-        auto_cluster()
+        auto_cluster(str(tmp_path / "gone.json"), where="CHARM_MODEL_PROFILE")
 
 
 def test_auto_follows_the_profile_a_user_calibrated(tmp_path: Path) -> None:
@@ -166,17 +168,25 @@ def test_auto_follows_the_profile_a_user_calibrated(tmp_path: Path) -> None:
 def test_environment_profile_reaches_choose_algo_and_the_cli(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
-    """cluster=None in choose_algo(_cached) means CHARM_MODEL_PROFILE, then the generic one;
-    the cache follows the variable."""
+    """CHARM_MODEL_PROFILE reaches auto through the options (CPOptions.from_env ->
+    auto_cluster(options.model_profile)) and the model CLI reads it at its own edge; a
+    rewritten profile file is read again."""
     groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
     prob = Problem(1, 16384, 8, 8, 128, 2)
     fast, slow = tmp_path / "fast.json", tmp_path / "slow.json"
     save_profile(Profile("fast", TRUTH.with_(cross_gbps=400.0, intra_gbps=400.0), "2x4", ""),
                  fast)
     save_profile(Profile("slow", TRUTH.with_(cross_gbps=0.5, intra_gbps=50.0), "2x4", ""), slow)
+
+    def choice() -> str:
+        return choose_algo_cached(groups, prob, auto_cluster(CPOptions.from_env().model_profile),
+                                  causal=True)
+
     monkeypatch.setenv("CHARM_MODEL_PROFILE", str(slow))
-    assert choose_algo_cached(groups, prob, causal=True) == "charm"
+    assert choice() == "charm"
     monkeypatch.setenv("CHARM_MODEL_PROFILE", str(fast))
-    assert choose_algo_cached(groups, prob, causal=True) != "charm"
+    assert choice() != "charm"
+    assert choose_algo_cached(groups, prob, causal=True) == choose_algo_cached(
+        groups, prob, None, causal=True)  # cluster=None: generic, whatever the variable says
     assert main(["model", "--seq", "16384"]) == 0
     assert "profile fast (from CHARM_MODEL_PROFILE)" in capsys.readouterr().out

@@ -8,7 +8,7 @@ Definitions (docs/bench.md repeats them):
 * **speedup over ring**: the median over rounds of ``ring time / algorithm time``, both from the
   same round (the contenders alternate inside a round, so slow phases of the machine cancel).
 * **CCR** (the paper's Eq. 7): ring's summed computation over its summed communication, each
-  measured by running ring with the other switched off (``ablate``): ``median(ring
+  measured by running ring with the other switched off (``CPOptions.ablation``): ``median(ring
   compute-only) / median(ring comm-only)``.
 * **lower bound** of an algorithm: ``max(total CPU work / cores, busiest cross link's bytes /
   its rate)``. Total CPU work = the CPU time (all threads) the ranks spend in the algorithm's

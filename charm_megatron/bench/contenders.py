@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from charm_megatron.bench import links
 from charm_megatron.bench.config import BenchConfig, Point
 from charm_megatron.ops.attention import cp_attention
+from charm_megatron.ops.options import CPOptions
 from charm_megatron.plan.registry import uses_topology
 
 aten = torch.ops.aten
@@ -48,10 +49,18 @@ class Contender:
     """One timed algorithm: ``__call__(q, k, v) -> out`` (sbhd, differentiable)."""
 
     name: str = ""
-    ablatable: bool = False  # runs under charm_megatron.ops.executor.ablate
+    ablatable: bool = False  # has ablated variants (ablated())
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def ablated(self, ablation: str) -> Contender:
+        """This contender with ``ablation`` (``none``, ``compute_only`` or ``comm_only``,
+        :class:`~charm_megatron.ops.options.CPOptions`); only ``ablatable`` ones have them."""
+        if ablation == "none":
+            return self
+        raise NotImplementedError(f"bench: contender {self.name!r} has no ablated runs "
+                                  f"({ablation}); only this package's plans do")
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -64,15 +73,24 @@ class PlanContender(Contender):
     ablatable = True
 
     def __init__(self, algo: str, topology: str | None, causal: bool,
-                 packed: dict | None = None) -> None:
+                 packed: dict | None = None, options: CPOptions | None = None) -> None:
         self.name = algo
+        self._args = (algo, topology, causal, packed)
+        # The bench's CHARM_* settings (the job's environment, set before the line-up), read
+        # once here; ablated variants differ only in options.ablation.
+        self.options = options if options is not None else CPOptions.from_env()
         # packed: cu_seqlens / cu_seqlens_padded for THD inputs (the benchmark's packed mode).
         self._fn = functools.partial(cp_attention, algo=algo, causal=causal,
                                      topology=topology if uses_topology(algo) else None,
-                                     **(packed or {}))
+                                     options=self.options, **(packed or {}))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self._fn(q, k, v)
+
+    def ablated(self, ablation: str) -> PlanContender:
+        if ablation == self.options.ablation:
+            return self
+        return PlanContender(*self._args, options=self.options.with_(ablation=ablation))
 
 
 # ----------------------------------------------------------------------------- torch CP

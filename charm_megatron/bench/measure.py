@@ -18,7 +18,6 @@ Afterwards one untimed forward+backward per algorithm measures peak memory
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import time
@@ -34,7 +33,6 @@ from charm_megatron.bench.contenders import DTYPES, Contender, Lineup, line_up
 from charm_megatron.bench.memory import PeakMeter
 from charm_megatron.bench.packing import cumulative, doc_lengths
 from charm_megatron.bench.progress import Progress
-from charm_megatron.ops.executor import ablate
 from charm_megatron.topology import resolve_topology
 
 
@@ -59,10 +57,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _ablation(mode: str):
-    if mode == "full":
-        return contextlib.nullcontext()
-    return ablate(comm=False) if mode == "compute" else ablate(compute=False)
+# bench mode -> CPOptions.ablation: "compute" runs without communication, "comm" without
+# kernels.
+ABLATION = {"full": "none", "compute": "compute_only", "comm": "comm_only"}
 
 
 class Timing(NamedTuple):
@@ -81,7 +78,8 @@ def _run_once(c: Contender, mode: str, inputs: tuple[torch.Tensor, ...], backwar
     # Fresh leaves sharing the inputs' storage (detach() copies nothing).
     qa, ka, va = (t.detach().requires_grad_(backward) for t in (q, k, v))
     fwd = bwd = fcpu = bcpu = 0.0
-    with c.session(), _ablation(mode), torch.set_grad_enabled(backward):
+    c = c.ablated(ABLATION[mode])
+    with c.session(), torch.set_grad_enabled(backward):
         dist.barrier()
         _sync(device)
         c0, t0 = time.process_time(), time.perf_counter()

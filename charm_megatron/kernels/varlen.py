@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from dataclasses import dataclass
 
 import torch
@@ -51,22 +50,24 @@ class Segments:
         return max((b - a for a, b in zip(self.cu_k, self.cu_k[1:])), default=0)
 
 
-def _use_varlen(q: torch.Tensor) -> bool:
-    return (q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-            and not os.environ.get("CHARM_ATTN_BACKEND"))
+def _use_varlen(q: torch.Tensor, varlen: bool) -> bool:
+    # varlen=False: the caller forced a block backend (CPOptions.backend / CHARM_ATTN_BACKEND,
+    # resolved at the API edge), which then runs every document itself.
+    return varlen and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def segmented_forward(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, seg: Segments, scale: float
+                      v: torch.Tensor, seg: Segments, scale: float, *, varlen: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [sq, 1, hq, d], lse [1, hq, sq] fp32)`` of the tile, by document."""
+    """``(out [sq, 1, hq, d], lse [1, hq, sq] fp32)`` of the tile, by document; ``varlen``
+    allows the one-call CUDA varlen kernel (fp16/bf16 on CUDA), else ``backend`` per document."""
     sq, _, hq, d = q.shape
     out = torch.zeros_like(q)
     lse = torch.full((1, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
     if seg.q_index.numel() == 0:
         return out, lse
     qg, kg, vg = q[seg.q_index], k[seg.k_index], v[seg.k_index]
-    if _use_varlen(q):
+    if _use_varlen(q, varlen):
         og, lg = _cuda_varlen().forward(qg, kg, vg, seg, scale)
     else:
         og = torch.empty_like(qg)
@@ -82,9 +83,10 @@ def segmented_forward(backend: AttentionBackend, q: torch.Tensor, k: torch.Tenso
 
 def segmented_backward(backend: AttentionBackend, dout: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                       seg: Segments, scale: float
+                       seg: Segments, scale: float, *, varlen: bool = True
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of the tile (zeros at unlisted rows); ``lse [1, hq, sq]``."""
+    """``(dq, dk, dv)`` of the tile (zeros at unlisted rows); ``lse [1, hq, sq]``; ``varlen``
+    as in :func:`segmented_forward`."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if seg.q_index.numel() == 0:
         return dq, dk, dv
@@ -92,7 +94,7 @@ def segmented_backward(backend: AttentionBackend, dout: torch.Tensor, q: torch.T
     qg, dog, og = q[qi], dout[qi], out[qi]
     lg = lse.index_select(2, qi)
     kg, vg = k[ki], v[ki]
-    if _use_varlen(q):
+    if _use_varlen(q, varlen):
         dqg, dkg, dvg = _cuda_varlen().backward(dog, qg, kg, vg, og, lg, seg, scale)
     else:
         dqg, dkg, dvg = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)

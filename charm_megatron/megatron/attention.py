@@ -31,8 +31,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
+from charm_megatron.kernels import check_qkv
 from charm_megatron.megatron.args import our_comm_types
 from charm_megatron.megatron.comm_types import is_ours, layer_comm_type
+from charm_megatron.ops.options import CPOptions
+from charm_megatron.ops.streams import create_stream_groups
+from charm_megatron.plan.registry import uses_topology
 from charm_megatron.topology import Topology, resolve_topology
 
 __all__ = [
@@ -83,6 +87,10 @@ class CharmDotProductAttention(MegatronModule):
     * ``topology``: a topology string (``auto``, ``node``, ``numa``, ``flat``, ``2x8``,
       ``0-7,8-15`` ...) or ``None`` (``CHARM_TOPOLOGY``, else the probe; ``ring`` / ``rmplus``:
       flat).
+    * Settings: :class:`~charm_megatron.ops.options.CPOptions` built from the ``CHARM_*``
+      variables once, at construction (``self.options``), and passed to every ``cp_attention``
+      call; the CP group's stream communicators are created at construction too
+      (:func:`~charm_megatron.ops.streams.create_stream_groups`).
     * CP group: ``pg_collection.cp``, else ``parallel_state.get_context_parallel_group()``;
       its size must equal ``config.context_parallel_size``. CP size 1 is local attention.
       Dynamic CP: ``packed_seq_params.cp_group`` / ``local_cp_size`` replace it for one call
@@ -159,6 +167,10 @@ class CharmDotProductAttention(MegatronModule):
         self.cp_group = cp_group
         self.cp_size = int(config.context_parallel_size)
         self._check_cp_group()
+        # Every setting of the cp_attention calls (pass order, timeout, kernel backend, checks,
+        # default topology), read from the CHARM_* variables once, here, so that a bad value
+        # fails at model build on every rank and all micro-batches run with the same settings.
+        self.options: CPOptions = CPOptions.from_env()
 
         # Heads per tensor-parallel partition, exactly as megatron-core's DotProductAttention
         # (Attention hands us a config whose num_query_groups is raised to the TP size when
@@ -204,6 +216,13 @@ class CharmDotProductAttention(MegatronModule):
         # operator's own rule (explicit, CHARM_TOPOLOGY, probe); the probe is one all-gather
         # over the CP group, which every CP rank reaches here.
         self.topology = self._topology_for(self.cp_group, self.cp_size)
+        if self.cp_group is not None:
+            # The CP group's stream and control communicators, made here where every rank
+            # builds the model (a collective of the CP group alone, named by an id its first
+            # rank broadcasts), so they never depend on the order of later calls; the layers
+            # of a model share them (cached per CP group). Dynamic CP groups
+            # (packed_seq_params.cp_group) get theirs at their first cp_attention call.
+            create_stream_groups(self.cp_group, self.options.timeout_s)
 
     # ------------------------------------------------------------------ checks
     @staticmethod
@@ -289,8 +308,13 @@ class CharmDotProductAttention(MegatronModule):
         key = _group_ranks(group) or (0,)
         topo = self._topologies.get(key)
         if topo is None:
+            spec = self.topology_spec
+            if spec is None and uses_topology(self.algo):
+                # The options' default (CHARM_TOPOLOGY, read once at build), else the probe;
+                # ring / rmplus without an explicit topology get flat from resolve_topology.
+                spec = self.options.topology or "auto"
             try:
-                topo = resolve_topology(self.topology_spec, group, self.algo, cp_size)
+                topo = resolve_topology(spec, group, self.algo, cp_size)
             except ValueError as exc:
                 if group is self.cp_group:
                     raise
@@ -347,24 +371,23 @@ class CharmDotProductAttention(MegatronModule):
         if getattr(packed_seq_params, "qkv_format", None) == "thd":
             return self._forward_thd(query, key, value, packed_seq_params, mask_type)
         group, cp_size = self.call_group(packed_seq_params)
-        if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
-            raise ValueError(
-                "CharmDotProductAttention expects sbhd tensors [s, b, heads, d], got "
-                f"query {tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-            )
-        if query.shape[0] != key.shape[0]:
+        causal = mask_type == AttnMaskType.causal
+        if (isinstance(query, Tensor) and isinstance(key, Tensor) and query.dim() == 4
+                and key.dim() == 4 and query.shape[0] != key.shape[0]):
+            # Layer-specific: in Megatron a shorter query than key means a KV cache.
             raise _unsupported(
                 f"query length {query.shape[0]} != key length {key.shape[0]} (inference with a "
                 "KV cache)",
                 "is not supported",
             )
+        check_qkv(query, key, value, causal=causal, equal_lengths=True,
+                  who="CharmDotProductAttention")
         if query.shape[2] != self.num_attention_heads_per_partition:
             raise ValueError(
                 f"CharmDotProductAttention: query has {query.shape[2]} heads, expected "
                 f"{self.num_attention_heads_per_partition} (num_attention_heads / tp)"
             )
 
-        causal = mask_type == AttnMaskType.causal
         if group is None and cp_size == 1:
             # Dynamic CP switched off for this micro-batch (local_cp_size=1, no group).
             out = _local_attention(query, key, value, causal, self.softmax_scale)
@@ -378,6 +401,7 @@ class CharmDotProductAttention(MegatronModule):
                 topology=self._topology_for(group, cp_size),
                 causal=causal,
                 softmax_scale=self.softmax_scale,
+                options=self.options,
             )
         # [s, b, h, d] -> [s, b, h*d]: the layout linear_proj consumes.
         return out.reshape(out.shape[0], out.shape[1], -1)
@@ -480,6 +504,7 @@ class CharmDotProductAttention(MegatronModule):
             query, key, value, group=self.cp_group, algo=self.algo, topology=self.topology,
             causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
             cu_seqlens=psp.cu_seqlens_q, cu_seqlens_padded=psp.cu_seqlens_q_padded,
+            options=self.options,
         )
         return out.reshape(out.shape[0], -1)
 

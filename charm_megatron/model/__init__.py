@@ -9,8 +9,9 @@ Pure Python (no torch). Entry points:
   :func:`ring_ccr` - the paper's computation-to-communication ratio;
 * :func:`choose_algo` (and :func:`choose_algo_cached`) - the fastest of ring / rmplus / charm,
   for ``algo="auto"``;
-* :func:`auto_cluster` - the cluster ``auto`` predicts with (an argument, else
-  ``CHARM_MODEL_PROFILE``, else the generic default);
+* :func:`auto_cluster` - the cluster ``auto`` predicts with (its profile argument, which
+  ``cp_attention`` takes from ``CPOptions.model_profile`` / ``CHARM_MODEL_PROFILE``, else the
+  generic default);
 * :func:`calibrate` - fit a profile to bench output; :func:`load_profile` / :func:`save_profile`
   read and write profile files; :mod:`~charm_megatron.model.effects` the second-order effects,
   :mod:`~charm_megatron.model.accuracy` the comparison with measurements;

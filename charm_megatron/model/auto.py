@@ -1,16 +1,18 @@
-"""Which cluster ``algo="auto"`` predicts with: an argument, ``CHARM_MODEL_PROFILE``, or none.
+"""Which cluster ``algo="auto"`` predicts with: a profile option, or the generic default.
 
 ``cp_attention(..., algo="auto")`` calls::
 
-    choose_algo_cached(groups, problem, auto_cluster(profile), causal=causal)
+    choose_algo_cached(groups, problem, auto_cluster(options.model_profile), causal=causal)
 
-where ``profile`` is the caller's option (a built-in profile name, a profile file written by
-``charm-megatron model --calibrate``, a :class:`Profile` or a :class:`Cluster`) or ``None``.
-With ``None`` the environment variable ``CHARM_MODEL_PROFILE`` (a name or a path) is used, and
-without it the generic :func:`~charm_megatron.model.cluster.default_cluster_for` the topology
-(``auto_cluster`` returns ``None``). Every rank must see the same profile: the choice is made
-without communicating, so a profile that differs between ranks would make them run different
-algorithms.
+where ``options.model_profile`` (:class:`~charm_megatron.ops.options.CPOptions`, resolved at
+the API edge from ``CHARM_MODEL_PROFILE``) is a built-in profile name, a profile file written
+by ``charm-megatron model --calibrate``, or ``None``; a :class:`Profile` or a :class:`Cluster`
+is accepted here too. ``None`` means the generic
+:func:`~charm_megatron.model.cluster.default_cluster_for` the topology (``auto_cluster``
+returns ``None``). This module reads no environment variable: ``cp_attention``'s options and
+the ``charm-megatron model`` command line do. Every rank must see the same profile: the choice
+is made without communicating (``cp_attention``'s agreement check compares the profile's name
+and a digest of its cluster).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from functools import lru_cache
 
 from charm_megatron.model.cluster import Cluster, Profile, get_profile
 
+#: The variable the API edges read the profile from (CPOptions.from_env, the model CLI).
 ENV = "CHARM_MODEL_PROFILE"
 
 
@@ -29,18 +32,18 @@ def _load(name: str, mtime: float) -> Cluster:
     return get_profile(name).cluster
 
 
-def auto_cluster(profile: str | Profile | Cluster | None = None) -> Cluster | None:
+def auto_cluster(profile: str | Profile | Cluster | None = None, *,
+                 where: str = "the model profile option") -> Cluster | None:
     """The cluster ``auto`` should predict with (``None``: the generic default).
 
-    Raises :class:`ValueError` naming the setting when the profile cannot be found or read.
+    Raises :class:`ValueError` naming the setting (``where``) when the profile cannot be found
+    or read.
     """
     if isinstance(profile, Cluster):
         return profile
     if isinstance(profile, Profile):
         return profile.cluster
-    name, where = profile, "the model profile option"
-    if name is None:
-        name, where = os.environ.get(ENV) or None, ENV
+    name = profile.strip() if isinstance(profile, str) else profile
     if not name:
         return None
     try:

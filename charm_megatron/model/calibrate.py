@@ -5,7 +5,7 @@ stays a prediction the fit never saw; ``fit_algos`` widens that):
 
 1. compute - long-tile kernel rate, tile-size rows (kernel rate against tile size), per-op
    cost, backward / forward factor and merge rate - on the compute-only times
-   (``ring_compute_ms``: the executor's ``ablate(comm=False)``);
+   (``ring_compute_ms``: ``CPOptions(ablation="compute_only")``);
 2. communication - per-message CPU cost, per-message latency, CPU cost per byte moved - on the
    communication-only times (``ring_comm_ms``), with the link rates the bench measured
    (``cross_rate_mbps``, ``intra_rate_mbps``) taken as given;

@@ -83,20 +83,16 @@ def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
                 algos: Sequence[str] = ALGOS) -> str:
     """The algorithm of ``algos`` with the smallest predicted forward + backward time.
 
-    A pure function of its arguments (and of ``CHARM_MODEL_PROFILE``), so every rank that
-    calls it with the same topology, problem and cluster gets the same answer without
-    communicating. Ties go to the earlier algorithm of ``algos`` (ring, rmplus, charm).
-    ``cluster=None`` uses the profile named by ``CHARM_MODEL_PROFILE`` (a built-in name or a
-    profile file, :func:`~charm_megatron.model.auto.auto_cluster`) if set, else
-    :func:`default_cluster_for` the topology. ``causal`` defaults to True (GPT training).
+    A pure function of its arguments, so every rank that calls it with the same topology,
+    problem and cluster gets the same answer without communicating. Ties go to the earlier
+    algorithm of ``algos`` (ring, rmplus, charm). ``cluster=None`` means
+    :func:`default_cluster_for` the topology (a profile: pass
+    :func:`~charm_megatron.model.auto.auto_cluster` of it). ``causal`` defaults to True (GPT
+    training).
     """
     if not algos:
         raise ValueError("choose_algo needs at least one algorithm")
     g = _groups(groups)
-    if cluster is None:
-        from charm_megatron.model.auto import auto_cluster
-
-        cluster = auto_cluster()
     cl = cluster if cluster is not None else default_cluster_for(g)
     times = [(predict(a, g, problem, cl, causal).total_s, i, a) for i, a in enumerate(algos)]
     return min(times)[2]
@@ -112,10 +108,6 @@ def choose_algo_cached(groups: Sequence[Sequence[int]], problem: Problem,
                        cluster: Cluster | None = None, *, causal: bool = True,
                        algos: Sequence[str] = ALGOS) -> str:
     """:func:`choose_algo` memoised on its (hashable) arguments: cheap to call every step.
-    ``cluster=None`` is resolved first (``CHARM_MODEL_PROFILE``, else generic), so the cache
-    follows the environment variable and a recalibrated profile file."""
-    if cluster is None:
-        from charm_megatron.model.auto import auto_cluster
-
-        cluster = auto_cluster()
+    ``cluster=None`` is the generic one; :func:`~charm_megatron.model.auto.auto_cluster`
+    re-reads a recalibrated profile file, so the cache follows it."""
     return _choose_cached(_groups(groups), problem, cluster, causal, tuple(algos))

@@ -412,7 +412,7 @@ def simulate(plan: Plan, problem: Problem, cluster: Cluster,
     ``groups`` are the *hardware* groups (which ranks share fast links), whatever groups the
     plan's algorithm used (ring and RM+ plans are built flat). ``compute=False`` makes compute
     free and ``comm=False`` makes messages instantaneous (per-message CPU overhead counts as
-    communication), like the executor's ``ablate``: the two give the CCR's parts.
+    communication), like ``CPOptions.ablation`` in the executor: the two give the CCR's parts.
     """
     eng = _Engine(plan, problem, cluster, groups, compute, comm)
     time_s = eng.run()

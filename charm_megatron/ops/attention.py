@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -92,8 +93,26 @@ def _topology_desc(topology) -> str:
     return repr(tuple(tuple(g) for g in groups)) if groups is not None else repr(topology)
 
 
+def _cluster_desc(cluster) -> str | None:
+    """A digest of the cluster ``auto`` predicts with (``None``: the generic one), so that ranks
+    that read different profile files under one name disagree loudly instead of choosing
+    different algorithms."""
+    if cluster is None:
+        return None
+    return hashlib.sha256(repr(cluster).encode()).hexdigest()[:16]
+
+
+def _auto_cluster(opts: CPOptions):
+    """The cluster of ``opts.model_profile`` (``None``: generic); ValueError names the option."""
+    from charm_megatron.model import auto_cluster
+
+    return auto_cluster(opts.model_profile,
+                        where="model_profile (CPOptions.model_profile / CHARM_MODEL_PROFILE)")
+
+
 def _signature(direction: str, seq: int, q, k, v, algo: str, topology, causal: bool, scale,
-               opts: CPOptions | None, error: BaseException | None) -> Signature:
+               opts: CPOptions | None, error: BaseException | None,
+               cluster=None) -> Signature:
     """What the ranks must agree on. The plan is a pure function of these fields (and of the
     probe's all-gathered result), so agreeing on them is agreeing on the plan; the package
     version stands for the plan builders' code. Add fields at the end (e.g. cu_seqlens)."""
@@ -115,13 +134,16 @@ def _signature(direction: str, seq: int, q, k, v, algo: str, topology, causal: b
             ("kernel backend", opts.backend_name),
             ("default topology (CHARM_TOPOLOGY)", opts.topology),
             ("ablation", opts.ablation),
+            ("model profile (CHARM_MODEL_PROFILE)", (opts.model_profile,
+                                                     _cluster_desc(cluster))),
         )
     return Signature(fields, f"{type(error).__name__}: {error}" if error is not None else "")
 
 
 def _resolve(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch.Tensor,
-             causal: bool) -> tuple[str, tuple[tuple[int, ...], ...]]:
-    """The algorithm to run and its groups (one flat group for ring and rmplus)."""
+             causal: bool, cluster=None) -> tuple[str, tuple[tuple[int, ...], ...]]:
+    """The algorithm to run and its groups (one flat group for ring and rmplus); ``auto``
+    predicts with ``cluster`` (``None``: the generic one for the topology)."""
     flat = (tuple(range(cp_size)),)
     if algo == "ring":
         return algo, flat
@@ -135,7 +157,7 @@ def _resolve(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch
         # A pure function of shapes and topology: every rank picks the same algorithm.
         problem = Problem(q.shape[1], q.shape[0] * cp_size, q.shape[2], k.shape[2], q.shape[3],
                           q.element_size())
-        algo = choose_algo_cached(groups, problem, causal=causal)
+        algo = choose_algo_cached(groups, problem, cluster, causal=causal)
     return algo, (groups if uses_topology(algo) else flat)
 
 
@@ -165,8 +187,9 @@ def cp_attention(
         algo: ``"ring"`` (TransformerEngine's p2p ring), ``"rmplus"`` (RM+ over a flat group),
             ``"charm"`` (CHARM+: RM+ inside each topology group, queries across groups),
             ``"auto"`` (the fastest of the three for this topology and shape, as predicted by
-            :func:`charm_megatron.model.choose_algo` on a generic cluster: intra-group links
-            8x the cross-group ones).
+            :func:`charm_megatron.model.choose_algo` on the cluster of
+            ``options.model_profile`` / ``CHARM_MODEL_PROFILE`` if set, else on a generic
+            cluster: intra-group links 8x the cross-group ones).
         topology: a :class:`charm_megatron.Topology`, a string (``"2x4"``, ``"0-3,4-7"``,
             ``"flat"``, ``"auto"``) or ``None`` (flat for rmplus; ``CHARM_TOPOLOGY`` or the
             probe for charm). Ignored by ``ring``.
@@ -178,7 +201,7 @@ def cp_attention(
             (int32, same on every rank), Megatron's THD CP layout; out ``[t_local, h_q, d]``,
             lse ``[h_q, t_local]``. See :mod:`charm_megatron.ops.packed` and docs/api.md.
         options: a :class:`~charm_megatron.ops.options.CPOptions` (pass order, timeout, kernel
-            backend, checks, ablation); ``None`` reads them from the ``CHARM_*`` environment
+            backend, checks, ablation, model profile); ``None`` reads them from the ``CHARM_*`` environment
             variables, once, here (docs/api.md).
 
     Returns:
@@ -209,7 +232,7 @@ def cp_attention(
                                    softmax_scale=softmax_scale, return_lse=return_lse,
                                    options=resolve(options))
     cp_size = dist.get_world_size(group)
-    opts, scale, error = None, softmax_scale, None
+    opts, scale, error, cluster = None, softmax_scale, None, None
     try:  # this rank's own checks; the verdict is shared by the agreement check below
         opts = resolve(options)
         if algo not in ALGOS:
@@ -218,6 +241,8 @@ def cp_attention(
         _check_inputs(q, k, v, causal, cp_size)
         scale = _check_scale(softmax_scale, q.shape[-1])
         _check_backend(opts, q)
+        if algo == "auto":  # a profile this rank cannot read fails every rank, before any data
+            cluster = _auto_cluster(opts)
     except (TypeError, ValueError) as exc:
         error = exc
     timeout_s = opts.timeout_s if opts is not None else CPOptions().timeout_s
@@ -225,7 +250,8 @@ def cp_attention(
     seq = sg.calls
     sg.calls += 1
     if cp_size > 1 and (opts is None or opts.check != "off"):
-        sig = _signature("forward", seq, q, k, v, algo, topology, causal, scale, opts, error)
+        sig = _signature("forward", seq, q, k, v, algo, topology, causal, scale, opts, error,
+                         cluster)
         agreement.agree(sig, sg.control, cp_size, timeout_s, error)
     elif error is not None:
         raise error
@@ -233,7 +259,7 @@ def cp_attention(
         # The options' default (CHARM_TOPOLOGY) or the probe, passed explicitly so that the
         # topology code never reads the environment behind the options' back.
         topology = opts.topology or "auto"
-    algo, groups = _resolve(algo, topology, group, cp_size, q, k, causal)
+    algo, groups = _resolve(algo, topology, group, cp_size, q, k, causal, cluster)
     call = _Call(group, algo, groups, causal, scale, opts, seq)
     out, lse = _CPAttention.apply(q, k, v, call)
     return (out, lse) if return_lse else out

@@ -13,9 +13,7 @@ Own blocks are the caller's tensors themselves (no packing copies).
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -42,24 +40,6 @@ from charm_megatron.plan.vocab import BLOCKS, Dtype, as_loc
 
 class CommError(RuntimeError):
     """A transfer of a plan did not complete (timed out, or its peer went away)."""
-
-
-@contextlib.contextmanager
-def ablate(comm: bool = True, compute: bool = True) -> Iterator[None]:
-    """Deprecated spelling of ``cp_attention(..., options=CPOptions(ablation=...))``: runs the
-    ``cp_attention`` calls inside it with communication or computation switched off (for
-    timing a plan's parts, e.g. the benchmark's CCR). Results are then meaningless.
-
-    Only ``cp_attention``'s edge reads it, once per call, into the call's options (a context
-    variable: per thread and task, no module-level switch)."""
-    from charm_megatron.ops.options import ABLATION_CONTEXT
-
-    mode = "none" if comm and compute else ("compute_only" if compute else "comm_only")
-    token = ABLATION_CONTEXT.set(mode)
-    try:
-        yield
-    finally:
-        ABLATION_CONTEXT.reset(token)
 
 
 @dataclass

@@ -10,7 +10,6 @@ then.
 
 from __future__ import annotations
 
-import contextvars
 import math
 import os
 from collections.abc import Mapping
@@ -31,6 +30,8 @@ ENV_VARS = {
     "CHARM_ATTN_BACKEND": ("backend", "kernel backend: torch, flash_attn or reference"),
     "CHARM_TOPOLOGY": ("topology", "topology for algo charm/auto when the argument is None"),
     "CHARM_CHECK": ("check", "agreement/status checks: every_call (default) or off"),
+    "CHARM_MODEL_PROFILE": ("model_profile", "performance-model profile for algo auto: a "
+                            "built-in name or a profile file (default: a generic cluster)"),
 }
 
 
@@ -51,6 +52,9 @@ class CPOptions:
             mismatch is then undetected and a rank-local error leaves peers with garbage).
         ablation: ``"none"``; ``"compute_only"`` (no communication) or ``"comm_only"`` (no
             kernels) for timing a plan's parts; results are then meaningless.
+        model_profile: the cluster ``algo="auto"`` predicts with: a built-in profile name or a
+            profile file written by ``charm-megatron model --calibrate``
+            (:func:`charm_megatron.model.auto_cluster`); ``None``: a generic cluster.
     """
 
     pass_order: str = "split"
@@ -59,6 +63,7 @@ class CPOptions:
     topology: str | None = None
     check: str = "every_call"
     ablation: str = "none"
+    model_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.pass_order not in PASS_ORDERS:
@@ -71,6 +76,10 @@ class CPOptions:
         if self.check not in CHECKS:
             raise ValueError(f"cp_attention: check={self.check!r} (CHARM_CHECK); choose one of "
                              f"{', '.join(CHECKS)}")
+        if self.model_profile is not None and not (isinstance(self.model_profile, str)
+                                                   and self.model_profile.strip()):
+            raise ValueError(f"cp_attention: model_profile={self.model_profile!r} "
+                             "(CHARM_MODEL_PROFILE) must be a profile name or file, or None")
         if self.ablation not in ABLATIONS:
             raise ValueError(f"cp_attention: ablation={self.ablation!r}; choose one of "
                              f"{', '.join(ABLATIONS)}")
@@ -126,19 +135,9 @@ def kernel_backend(options: CPOptions, device: torch.device,
     return get_backend(device, dtype, name=options.backend, environ={})
 
 
-# Set only by the deprecated ``ops.executor.ablate`` context manager; read once per call at the
-# API edge (``resolve``) and only when the options ask for no ablation themselves.
-ABLATION_CONTEXT: contextvars.ContextVar[str] = contextvars.ContextVar("charm_ablation",
-                                                                      default="none")
-
-
 def resolve(options: CPOptions | None) -> CPOptions:
-    """The options of one call: ``options`` as given, else :meth:`CPOptions.from_env`; a
-    surrounding ``ablate()`` block applies when the options name no ablation."""
+    """The options of one call: ``options`` as given, else :meth:`CPOptions.from_env`."""
     opts = options if options is not None else CPOptions.from_env()
     if not isinstance(opts, CPOptions):
         raise TypeError(f"cp_attention: options must be a CPOptions, got {type(opts).__name__}")
-    ctx = ABLATION_CONTEXT.get()
-    if ctx != "none" and opts.ablation == "none":
-        opts = opts.with_(ablation=ctx)
     return opts

@@ -239,19 +239,21 @@ class PackedExecutor(Executor):
     """The plan executor with tiles computed by document (everything else unchanged)."""
 
     def __init__(self, streams, backend, shape: BlockShape, scale: float,
-                 layout: THDLayout, **options) -> None:
+                 layout: THDLayout, *, varlen: bool = True, **options) -> None:
         super().__init__(streams, backend, shape, scale, **options)
         self.layout = layout
+        self.varlen = varlen  # False: a forced backend runs every document (kernels.varlen)
 
     def _segments(self, spec: TileSpec) -> Segments:
         return tile_segments(self.layout, spec, self.shape.device)
 
     def _kernel_forward(self, spec, q, k, v):
-        return segmented_forward(self.backend, q, k, v, self._segments(spec), self.scale)
+        return segmented_forward(self.backend, q, k, v, self._segments(spec), self.scale,
+                                 varlen=self.varlen)
 
     def _kernel_backward(self, spec, dout, q, k, v, out, lse):
         return segmented_backward(self.backend, dout, q, k, v, out, lse, self._segments(spec),
-                                  self.scale)
+                                  self.scale, varlen=self.varlen)
 
 
 def _make_executor(group, q, k, scale: float, layout: THDLayout,
@@ -259,7 +261,8 @@ def _make_executor(group, q, k, scale: float, layout: THDLayout,
     shape = BlockShape(q.shape[0], 1, q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device)
     return PackedExecutor(stream_groups(group, opts.timeout_s),
                           kernel_backend(opts, q.device, q.dtype), shape, scale, layout,
-                          compute=opts.compute, comm=opts.comm, timeout_s=opts.timeout_s)
+                          varlen=opts.backend is None, compute=opts.compute, comm=opts.comm,
+                          timeout_s=opts.timeout_s)
 
 
 class _PackedCPAttention(torch.autograd.Function):
@@ -312,7 +315,7 @@ class _LocalPacked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, seg, scale, opts):
         backend = kernel_backend(opts, q.device, q.dtype)
-        out, lse = segmented_forward(backend, q, k, v, seg, scale)
+        out, lse = segmented_forward(backend, q, k, v, seg, scale, varlen=opts.backend is None)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = (seg, scale, opts)
         lse_ht = lse[0].contiguous()
@@ -325,7 +328,7 @@ class _LocalPacked(torch.autograd.Function):
         seg, scale, opts = ctx.cfg
         backend = kernel_backend(opts, q.device, q.dtype)
         dq, dk, dv = segmented_backward(backend, dout.to(q.dtype).contiguous(), q, k, v, out,
-                                        lse, seg, scale)
+                                        lse, seg, scale, varlen=opts.backend is None)
         return dq, dk, dv, None, None, None
 
 
@@ -357,7 +360,7 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
                         softmax_scale: float | None, return_lse: bool,
                         options: CPOptions | None = None):
     """:func:`charm_megatron.cp_attention` for packed THD tensors (see its docstring)."""
-    from charm_megatron.ops.attention import _check_scale, _resolve
+    from charm_megatron.ops.attention import _auto_cluster, _check_scale, _resolve
 
     opts = options if options is not None else CPOptions.from_env()
 
@@ -386,7 +389,8 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
     q4 = q.unsqueeze(1)
     if topology is None and uses_topology(algo):
         topology = opts.topology or "auto"  # the options' default, as in cp_attention
-    algo, groups = _resolve(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal)
+    cluster = _auto_cluster(opts) if algo == "auto" else None
+    algo, groups = _resolve(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal, cluster)
     perm, inv = _permutation(layout, str(q.device))
     qi, ki, vi = (t.index_select(0, perm).unsqueeze(1) for t in (q, k, v))
     out, lse = _PackedCPAttention.apply(qi, ki, vi, group, algo, groups, causal, float(scale),
