@@ -27,6 +27,7 @@ from charm_megatron.plan.core import (
     tile_spec,
 )
 from charm_megatron.plan.pairing import group_rounds, rmplus_rounds
+from charm_megatron.plan.roles import Decision, RoleChoice, choose, row_bytes
 from charm_megatron.plan.vocab import Direction, Role
 
 
@@ -160,7 +161,8 @@ class _Return:
 @dataclass(frozen=True)
 class _Unit:
     """One RM+ round of a pass as one rank runs it: exchange ``role`` blocks with ``peer``,
-    which holds the q blocks of ``peer_owners`` in this pass; receive into copy ``slot``.
+    which holds the q blocks of ``peer_owners`` in this pass; receive into copy ``slot``;
+    post on ``stream`` (by the round's parity, whatever the role: both streams stay busy).
 
     Steps (see :meth:`_CharmRank._pass`): *post* the exchange one unit ahead, *compute* its
     tiles once it arrived, *return* the partials it produced to their owners (completed one
@@ -172,6 +174,7 @@ class _Unit:
     peer: int
     peer_owners: tuple[int, ...]
     slot: int
+    stream: Stream
 
 
 ORDERS = ("split", "joint")
@@ -204,7 +207,8 @@ class _CharmRank:
     """
 
     def __init__(self, rank: int, groups: tuple[tuple[int, ...], ...], causal: bool,
-                 backward: bool, order: str = "split") -> None:
+                 backward: bool, order: str = "split",
+                 roles: RoleChoice | None = None) -> None:
         if order not in ORDERS:
             raise ValueError(f"unknown CHARM+ pass order {order!r}; choose one of {ORDERS}")
         self.rank = rank
@@ -212,6 +216,8 @@ class _CharmRank:
         self.causal = causal
         self.bwd = backward
         self.order = order
+        self.roles = roles or RoleChoice()
+        self.decisions: list[Decision] = []  # the role of every exchange, for printouts
         self.g = next(i for i, grp in enumerate(groups) if rank in grp)
         self.group = groups[self.g]
         self.local = self.group.index(rank)
@@ -219,6 +225,7 @@ class _CharmRank:
         self.cross = group_rounds(len(groups))
         self.p = _Program()
         direction = Direction.BACKWARD if backward else Direction.FORWARD
+        self.direction = direction
         self.qkind = direction.query
         self.pkind = direction.query_partial  # what comes back for a q block
         self.own_q = Loc.own(self.qkind)
@@ -265,10 +272,34 @@ class _CharmRank:
             if self.local not in rd.partner:
                 continue
             peer_local = rd.partner[self.local]
-            slot = 1 - units[-1].slot if units and units[-1].role is rd.role else 0
-            units.append(_Unit(len(units), rd.role, self.group[peer_local],
-                               tuple(self._owners(ps, peer_local)), slot))
+            peer_owners = tuple(self._owners(ps, peer_local))
+            role = self._pair_role(rd.role, self.group[peer_local], peer_owners,
+                                   self._owners(ps, self.local))
+            slot = 1 - units[-1].slot if units and units[-1].role is role else 0
+            stream = Stream.KV if i % 2 == 0 else Stream.Q
+            units.append(_Unit(len(units), role, self.group[peer_local], peer_owners, slot,
+                               stream))
         return units
+
+    def _pair_role(self, paper: Role, peer: int, peer_owners: Sequence[int],
+                   owners: Sequence[int]) -> Role:
+        """The role of the RM+ pair (us, ``peer``) in a pass: the paper's, forced, or by the
+        bytes both alternatives move in both directions (computed alike on both sides)."""
+        kv_b = q_b = None
+        shape = self.roles.shape
+        if shape is not None:
+            kv_b = q_b = 0.0
+            kv_kinds = (Kind.KV, Kind.DKV) if self.bwd else (Kind.KV,)
+            q_kinds = (self.qkind, self.pkind)
+            for src, dst, held, other in ((self.rank, peer, owners, peer_owners),
+                                          (peer, self.rank, peer_owners, owners)):
+                half = self._kv_half(src, other)
+                kv_b += sum(row_bytes(k, shape, half) for k in kv_kinds)
+                for o in held:  # our q blocks served by the peer's kv, partials back
+                    q_b += sum(row_bytes(k, shape, self._q_half(o, [dst])) for k in q_kinds)
+        role = choose(self.roles, paper, kv_b, q_b)
+        self.decisions.append(Decision("pair", peer, role, kv_b, q_b))
+        return role
 
     # -- message halves --------------------------------------------------------------------------
     def _q_half(self, owner: int, kv_owners: Sequence[int]) -> Half:
@@ -399,13 +430,13 @@ class _CharmRank:
         r, y = self.rank, u.peer
         if u.role is Role.KV:
             return self.p.comm(
-                Stream.KV,
+                u.stream,
                 sends=[Xfer(y, _OWN_KV, Kind.KV, r, self._kv_half(r, u.peer_owners))],
                 recvs=[Xfer(y, _KV_RX.at(u.slot), Kind.KV, y,
                             self._kv_half(y, [it.owner for it in items]))],
             )
         return self.p.comm(
-            Stream.Q,
+            u.stream,
             sends=[Xfer(y, it.q_loc, self.qkind, it.owner, self._q_half(it.owner, [y]))
                    for it in items],
             recvs=[Xfer(y, _Q_RX.at(u.slot, i), self.qkind, o, self._q_half(o, [r]))
@@ -433,7 +464,7 @@ class _CharmRank:
         if self.bwd:
             back = _KV_DRET.at(u.slot)
             h = self.p.comm(
-                Stream.KV,
+                u.stream,
                 sends=[Xfer(y, dkv, Kind.DKV, y, self._kv_half(y, [it.owner for it in items]))],
                 recvs=[Xfer(y, back, Kind.DKV, r, self._kv_half(r, u.peer_owners))],
             )
@@ -457,6 +488,6 @@ class _CharmRank:
             sends.append(Xfer(y, acc, self.pkind, o, self._q_half(o, [r])))
         recvs = [Xfer(y, _Q_RET.at(u.slot, i), self.pkind, it.owner,
                       self._q_half(it.owner, [y])) for i, it in enumerate(items)]
-        h = self.p.comm(Stream.Q, sends=sends, recvs=recvs)
+        h = self.p.comm(u.stream, sends=sends, recvs=recvs)
         returns.append(_Return(u.index, h, tuple(Merge(it.acc, _Q_RET.at(u.slot, i))
                                                  for i, it in enumerate(items))))
