@@ -15,6 +15,7 @@ from charm_megatron.ops.streams import stream_groups
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.registry import CHOICES, build_plan, uses_topology
+from charm_megatron.plan.roles import RoleShape, check_roles
 from charm_megatron.plan.validate import validate
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -22,16 +23,20 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 ALGOS = CHOICES
 
 
-def _plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool) -> tuple[Plan, Plan]:
-    """Forward and backward plans, validated once per (algo, topology, mask, pass order)."""
-    return _validated_plans(algo, groups, causal, os.environ.get("CHARM_PASS_ORDER", "split"))
+def _plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool, roles: str = "paper",
+           shape: RoleShape | None = None) -> tuple[Plan, Plan]:
+    """Forward and backward plans, validated once per (algo, topology, mask, pass order, role
+    mix, and the shape the byte rule reads: every rank derives the same plans from them)."""
+    return _validated_plans(algo, groups, causal, os.environ.get("CHARM_PASS_ORDER", "split"),
+                            roles, shape)
 
 
 @functools.lru_cache(maxsize=256)
 def _validated_plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool,
-                     order: str) -> tuple[Plan, Plan]:
-    fwd = build_plan(algo, "forward", groups, causal, order)
-    bwd = build_plan(algo, "backward", groups, causal, order)
+                     order: str, roles: str = "paper",
+                     shape: RoleShape | None = None) -> tuple[Plan, Plan]:
+    fwd = build_plan(algo, "forward", groups, causal, order, roles, shape)
+    bwd = build_plan(algo, "backward", groups, causal, order, roles, shape)
     validate(fwd)
     validate(bwd)
     return fwd, bwd
@@ -114,6 +119,7 @@ def cp_attention(
     return_lse: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
+    roles: str = "bytes",
 ):
     """Context-parallel attention over the CP process group ``group``.
 
@@ -138,6 +144,10 @@ def cp_attention(
             k, v ``[t_local, h_kv, d]``, global cumulative real / padded document lengths
             (int32, same on every rank), Megatron's THD CP layout; out ``[t_local, h_q, d]``,
             lse ``[h_q, t_local]``. See :mod:`charm_megatron.ops.packed` and docs/api.md.
+        roles: what the exchanges of rmplus / charm move (:mod:`charm_megatron.plan.roles`):
+            ``"bytes"`` (default: per exchange the role that moves fewer bytes for this shape
+            and direction), ``"paper"`` (the paper's Algorithm 1), ``"kv"`` or ``"q"`` (every
+            exchange passes kv / q). Packed sequences run the paper's roles.
 
     Returns:
         ``out [s_local, b, h_q, d]`` in q's dtype; with ``return_lse`` also
@@ -146,6 +156,7 @@ def cp_attention(
     if algo not in ALGOS:
         raise ValueError(f"cp_attention: unknown algo {algo!r}; choose one of "
                          f"{', '.join(ALGOS)}")
+    check_roles(roles, "cp_attention roles")
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("cp_attention: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group (or run under torchrun) first")
@@ -161,7 +172,10 @@ def cp_attention(
     _check_inputs(q, k, v, causal, cp_size)
     algo, groups = _resolve(algo, topology, group, cp_size, q, k, causal)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _CPAttention.apply(q, k, v, group, algo, groups, causal, float(scale))
+    # The byte rule reads the shape; every rank has the same shapes, so the same plans.
+    shape = RoleShape(q.shape[2], k.shape[2], q.shape[3], q.element_size())
+    out, lse = _CPAttention.apply(q, k, v, group, algo, groups, causal, float(scale),
+                                  (roles, shape))
     return (out, lse) if return_lse else out
 
 
@@ -175,8 +189,8 @@ class _CPAttention(torch.autograd.Function):
     """Forward and backward plans under one autograd node (the kernels' lse has no autograd)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, algo, groups, causal, scale):
-        fwd, _ = _plans(algo, groups, causal)
+    def forward(ctx, q, k, v, group, algo, groups, causal, scale, role_key):
+        fwd, _ = _plans(algo, groups, causal, *role_key)
         rank = dist.get_rank(group)
         ex = _make_executor(group, q, k, scale)
         ex.set_own("own.q", "q", q)
@@ -185,7 +199,7 @@ class _CPAttention(torch.autograd.Function):
         acc_out, acc_lse = ex.result(Plan.OUT)
         out = acc_out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.cfg = (group, algo, groups, causal, scale)
+        ctx.cfg = (group, algo, groups, causal, scale, role_key)
         lse = acc_lse.permute(1, 2, 0).contiguous()
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -193,8 +207,8 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse_sbh = ctx.saved_tensors
-        group, algo, groups, causal, scale = ctx.cfg
-        _, bwd = _plans(algo, groups, causal)
+        group, algo, groups, causal, scale, role_key = ctx.cfg
+        _, bwd = _plans(algo, groups, causal, *role_key)
         rank = dist.get_rank(group)
         ex = _make_executor(group, q, k, scale)
         dout = dout.to(q.dtype)
@@ -206,4 +220,5 @@ class _CPAttention(torch.autograd.Function):
         ex.run(bwd.ops[rank])
         (dq,) = ex.result(Plan.DQ)
         dk, dv = ex.result(Plan.DKV)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None,
+                None)
