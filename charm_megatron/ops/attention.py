@@ -87,7 +87,7 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 
 def _resolve(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch.Tensor,
-             causal: bool) -> tuple[str, tuple[tuple[int, ...], ...]]:
+             causal: bool, roles: str = "paper") -> tuple[str, tuple[tuple[int, ...], ...]]:
     """The algorithm to run and its groups (one flat group for ring and rmplus)."""
     flat = (tuple(range(cp_size)),)
     if algo == "ring":
@@ -102,7 +102,7 @@ def _resolve(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch
         # A pure function of shapes and topology: every rank picks the same algorithm.
         problem = Problem(q.shape[1], q.shape[0] * cp_size, q.shape[2], k.shape[2], q.shape[3],
                           q.element_size())
-        algo = choose_algo_cached(groups, problem, causal=causal)
+        algo = choose_algo_cached(groups, problem, causal=causal, roles=roles)
     return algo, (groups if uses_topology(algo) else flat)
 
 
@@ -170,7 +170,7 @@ def cp_attention(
                                    softmax_scale=softmax_scale, return_lse=return_lse)
     cp_size = dist.get_world_size(group)
     _check_inputs(q, k, v, causal, cp_size)
-    algo, groups = _resolve(algo, topology, group, cp_size, q, k, causal)
+    algo, groups = _resolve(algo, topology, group, cp_size, q, k, causal, roles)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     # The byte rule reads the shape; every rank has the same shapes, so the same plans.
     shape = RoleShape(q.shape[2], k.shape[2], q.shape[3], q.element_size())

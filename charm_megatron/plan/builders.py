@@ -353,7 +353,9 @@ class _CharmRank:
                 for o in held:  # these q blocks served by the other kv, partials back
                     q_b += sum(row_bytes(k, shape, self._q_half(o, [dst])) for k in q_kinds)
         role = choose(self.roles, paper, kv_b, q_b)
-        self.decisions.append(Decision("pair", peer, role, kv_b, q_b))
+        context = (f"q[{','.join(map(str, owners))}] x kv[{self.kv.owner}]"
+                   f" | q[{','.join(map(str, peer_owners))}] x kv[{peer_kv}]")
+        self.decisions.append(Decision("pair", peer, role, kv_b, q_b, context))
         return role
 
     # -- message halves --------------------------------------------------------------------------

@@ -87,13 +87,14 @@ class Decision:
 
     ``where``: ``pair`` (an RM+ pair) or ``cross`` (the cross-group phase); ``kv_bytes`` /
     ``q_bytes``: bytes per token of a block that the two alternatives move (both directions
-    together; None without a shape)."""
+    together; None without a shape); ``context``: which blocks the pass holds."""
 
     where: str
     peer: int
     role: Role
     kv_bytes: float | None
     q_bytes: float | None
+    context: str = ""
 
 
 def choose(choice: RoleChoice, paper: Role, kv_bytes: float | None,
