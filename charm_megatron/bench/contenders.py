@@ -64,12 +64,14 @@ class PlanContender(Contender):
     ablatable = True
 
     def __init__(self, algo: str, topology: str | None, causal: bool,
-                 packed: dict | None = None) -> None:
+                 packed: dict | None = None, roles: str = "bytes") -> None:
         self.name = algo
         # packed: cu_seqlens / cu_seqlens_padded for THD inputs (the benchmark's packed mode).
+        # roles: the role mix (packed sequences run the paper's, cp_attention has no choice).
+        extra = dict(packed) if packed else {"roles": roles}
         self._fn = functools.partial(cp_attention, algo=algo, causal=causal,
                                      topology=topology if uses_topology(algo) else None,
-                                     **(packed or {}))
+                                     **extra)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self._fn(q, k, v)
@@ -230,7 +232,8 @@ def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
     lineup = Lineup({}, {}, {})
     for algo in cfg.algos:
         if algo != "torch":
-            lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed)
+            lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed,
+                                                    cfg.roles)
             continue
         if packed is not None:
             lineup.skipped[algo] = ("PyTorch's context-parallel attention cannot run packed "
