@@ -343,6 +343,8 @@ class _CharmRank:
         kv_b = q_b = None
         shape = self.roles.shape
         if shape is not None:
+            # Sums of whole and half row sizes are exact in floating point, so the peer,
+            # which adds the same terms in the other order, gets the same bytes.
             kv_b = q_b = 0.0
             kv_kinds = (Kind.KV, Kind.DKV) if self.bwd else (Kind.KV,)
             q_kinds = (self.qkind, self.pkind)
