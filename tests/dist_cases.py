@@ -114,7 +114,8 @@ def bad_input(rank: int, world: int, case: str):
 
 
 def run_matrix(rank: int, world: int, cases: list[tuple]):
-    """Run many (algo, topology, causal, dtype, hkv) cases in one process group.
+    """Run many (algo, topology, causal, dtype, hkv[, roles]) cases in one process group
+    (``roles``: cp_attention's role mix; absent: its default).
 
     Returns per case the max relative errors vs the float64 reference and vs ring's result on
     the same inputs. The float64 reference sees the inputs after rounding to the test dtype,
@@ -123,7 +124,9 @@ def run_matrix(rank: int, world: int, cases: list[tuple]):
     results = {}
     ring_out = {}
     s, b, hq, d = 8 * world, 2, 8, 16
-    for algo, topology, causal, dtype, hkv in cases:
+    for case in cases:
+        algo, topology, causal, dtype, hkv = case[:5]
+        extra = {"roles": case[5]} if len(case) > 5 else {}
         dt = DTYPES[dtype]
         q, k, v, dout = (t.to(dt).double() for t in make_inputs(7, s, b, hq, hkv, d))
         scale = d ** -0.5
@@ -131,7 +134,7 @@ def run_matrix(rank: int, world: int, cases: list[tuple]):
         ql, kl, vl = (local_part(t, rank, world, causal).to(dt).requires_grad_()
                       for t in (q, k, v))
         out, lse = cp_attention(ql, kl, vl, algo=algo, topology=topology, causal=causal,
-                                return_lse=True)
+                                return_lse=True, **extra)
         out.backward(local_part(dout, rank, world, causal).to(dt))
         want = [local_part(ref[0], rank, world, causal),
                 local_part(ref[1], rank, world, causal, 2)]
@@ -143,7 +146,7 @@ def run_matrix(rank: int, world: int, cases: list[tuple]):
             ring_out[key] = [t.detach().clone() for t in got]
         elif key in ring_out:
             errs["vs_ring"] = max(rel_err(g, w) for g, w in zip(got, ring_out[key]))
-        results[(algo, topology, causal, dtype, hkv)] = errs
+        results[tuple(case)] = errs
     return results
 
 

@@ -168,6 +168,8 @@ def _mismatched_call(rank: int, world: int, case: str):
     elif case == "pass_order":
         kw.update(algo="charm", topology="2x2")
         kw["options"] = opts(pass_order="joint" if odd else "split")
+    elif case == "roles":
+        kw.update(algo="rmplus", roles="kv" if odd else "q")
     elif case == "bad_input_one_rank" and odd:
         shapes = {"q": (3, b, h, d), "kv": (3, b, h, d)}  # odd length under causal
     g = torch.Generator().manual_seed(rank)

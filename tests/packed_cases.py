@@ -198,7 +198,9 @@ def wire_sizes(rank: int, world: int, algo: str, topology):
         out.sum().backward()
         packed, sent[:] = list(sent), []
         q4, k4, v4 = (x.detach().unsqueeze(1).requires_grad_() for x in (q, k, v))
-        cp_attention(q4, k4, v4, algo=algo, topology=topology).sum().backward()
+        # Packed sequences run the paper's roles; compare with the same plans unpacked.
+        cp_attention(q4, k4, v4, algo=algo, topology=topology,
+                     roles="paper").sum().backward()
         return packed, list(sent)
     finally:
         ex.dist.batch_isend_irecv = real_batch

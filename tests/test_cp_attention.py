@@ -24,13 +24,35 @@ SETUPS = {
 }
 
 
+# Forced role mixes (issue 12) on top of the default (roles="bytes": pass-kv and kv pairs for
+# h_kv < h_q, pass-q for MHA): h_q = 8 with h_kv in {8, 4, 2, 1}, pass-kv and pass-q cross
+# phases in both directions, G = 2, 3 and 4. Same process groups as the matrix above.
+ROLE_SETUPS = {
+    4: [("rmplus", None), ("charm", "2x2")],
+    6: [("charm", "3x2")],
+    8: [("charm", "4x2"), ("charm", "2x4")],
+}
+
+
+def _role_cases(world):
+    return [
+        (algo, topo, causal, dtype, hkv, roles)
+        for (algo, topo) in ROLE_SETUPS.get(world, [])
+        for roles in ("paper", "kv", "q")
+        for causal in (True, False)
+        for dtype, hkvs in (("fp32", (8, 4, 2, 1)), ("bf16", (2,)))
+        for hkv in hkvs
+    ]
+
+
 @pytest.mark.parametrize("world", sorted(SETUPS))
 def test_matrix_against_float64_reference(world):
     cases = [
         (algo, topo, causal, dtype, hkv)
         for (algo, topo), causal, dtype, hkv in itertools.product(
-            SETUPS[world], (True, False), ("fp32", "bf16"), (8, 2, 1))
+            SETUPS[world], (True, False), ("fp32", "bf16"), (8, 4, 2, 1))
     ]
+    cases += _role_cases(world)
     per_rank = run_ranks(dist_cases.run_matrix, world, cases, timeout_s=600)
     failures = []
     for case in cases:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from charm_megatron.bench.config import PASSES, BenchConfig, Point, element_size
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.registry import build_plan, uses_topology
+from charm_megatron.plan.roles import RoleShape
 
 COLUMNS = [
     "point", "batch", "seq", "heads", "kv_heads", "head_dim", "dtype", "causal", "world",
@@ -90,17 +91,20 @@ def _pass_series(per_rank: Sequence[dict], pos: int, key: str, cpu: bool = False
 
 def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
                hw_groups: Sequence[Sequence[int]], causal: bool, point: Point, dtype: str,
-               nic: str) -> dict[tuple[str, int], float]:
-    """Bytes per direction of every cross-node link for one call of ``algo``'s plan.
+               nic: str, roles: str = "bytes") -> dict[tuple[str, int], float]:
+    """Bytes per direction of every cross-node link for one call of ``algo``'s plan (with the
+    role mix ``roles``, for this point's head shape).
 
     Keys: ``("out", owner)`` / ``("in", owner)``, owner = node index (``nic="node"``: a node's
     ranks share its link) or rank (``nic="rank"``). Message sizes come from
     :meth:`charm_megatron.plan.cost.Problem.xfer_bytes`, counted as
     :func:`charm_megatron.plan.cost.traffic` counts the sender's side, plus the receiver's.
     """
-    plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal)
     problem = Problem(point.batch, point.seq, point.heads, point.kv_heads, point.head_dim,
                       elem=element_size(dtype))
+    shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem)
+    plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal, roles=roles,
+                      shape=shape)
     group_of = {r: gi for gi, g in enumerate(hw_groups) for r in g}
 
     def owner(r: int) -> int:
@@ -117,10 +121,10 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
 
 def busiest_link_bytes(algo: str, plan_groups: Sequence[Sequence[int]],
                        hw_groups: Sequence[Sequence[int]], causal: bool, point: Point,
-                       dtype: str, nic: str) -> dict[str, float]:
+                       dtype: str, nic: str, roles: str = "bytes") -> dict[str, float]:
     """Bytes over the most loaded cross-link direction, per pass (fwd, bwd, fwdbwd)."""
-    fwd = link_loads(algo, "forward", plan_groups, hw_groups, causal, point, dtype, nic)
-    bwd = link_loads(algo, "backward", plan_groups, hw_groups, causal, point, dtype, nic)
+    fwd = link_loads(algo, "forward", plan_groups, hw_groups, causal, point, dtype, nic, roles)
+    bwd = link_loads(algo, "backward", plan_groups, hw_groups, causal, point, dtype, nic, roles)
     both: dict[tuple[str, int], float] = defaultdict(float)
     for d in (fwd, bwd):
         for k, v in d.items():
@@ -172,7 +176,8 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
             if algo != "torch" and info.hw_groups and len(info.hw_groups) > 1:
                 plan_groups = charm_groups if uses_topology(algo) else flat
                 bytes_by_pass = busiest_link_bytes(algo, plan_groups, info.hw_groups,
-                                                   cfg.causal, point, cfg.dtype, info.nic or "node")
+                                                   cfg.causal, point, cfg.dtype, info.nic or "node",
+                                                   cfg.roles)
             for p in passes:
                 row = {**base, "algo": algo, "pass": p, "status": "ok",
                        "note": rec0["notes"].get(algo, "")}

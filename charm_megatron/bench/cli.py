@@ -32,6 +32,7 @@ from charm_megatron.bench.config import (
 from charm_megatron.bench.measure import Job
 from charm_megatron.bench.report import format_table, plot, write_csv, write_json
 from charm_megatron.emulate import available, parse_rate
+from charm_megatron.plan.roles import ROLE_MIXES
 
 _DEFAULT_COMM_TIMEOUT_S = 300
 
@@ -61,6 +62,10 @@ def register(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument_group("what is timed")
     a.add_argument("--algos", default=",".join(ALGOS),
                    help=f"contenders, from {','.join(ALGOS)} (torch: PyTorch's own CP ring)")
+    a.add_argument("--roles", choices=ROLE_MIXES, default="bytes",
+                   help="what the rmplus / charm exchanges move: bytes (default: the cheaper "
+                        "role per exchange), paper (Algorithm 1), kv or q (forced); run once "
+                        "per mix to compare them")
     a.add_argument("--topology", help="CHARM+ topology (GxM, 0-3,4-7, auto); default: the "
                                       "--emulate shape, 'auto' under torchrun, else 2x(n/2)")
     a.add_argument("--warmup", type=int, help="warm-up rounds per point")
@@ -128,6 +133,7 @@ def _config(args: argparse.Namespace, cuda: bool) -> BenchConfig:
         threads=args.threads,
         torch_rotate=args.torch_rotate,
         packed_mean=args.packed,
+        roles=args.roles,
     )
 
 
@@ -181,7 +187,8 @@ def _header(cfg: BenchConfig, world: int, topology: str, where: str, points, dro
     log(f"charm-megatron bench: {len(points)} point(s) x {len(cfg.algos)} algorithm(s) "
         f"({','.join(cfg.algos)}), {world} ranks {where}, {cfg.dtype}, "
         f"{'causal' if cfg.causal else 'full attention'}, "
-        f"{'forward + backward' if cfg.backward else 'forward only'}, CHARM+ topology {topology}; "
+        f"{'forward + backward' if cfg.backward else 'forward only'}, CHARM+ topology {topology}, "
+        f"roles {cfg.roles}; "
         f"{cfg.warmup} warm-up + {cfg.iters} timed rounds per point")
     if cfg.packed_mean:
         from charm_megatron.bench.packing import describe

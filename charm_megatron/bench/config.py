@@ -108,6 +108,7 @@ class BenchConfig:
     torch_rotate: str = "alltoall"
     seed: int = 0
     packed_mean: int = 0  # > 0: packed documents (THD) of this mean length (bench/packing.py)
+    roles: str = "bytes"  # role mix of rmplus / charm (charm_megatron.plan.roles.ROLE_MIXES)
 
     def points(self, world: int) -> tuple[list[Point], list[str]]:
         """The grid for a CP group of ``world`` ranks, and a line per point left out (why)."""

@@ -73,16 +73,20 @@ class PlanContender(Contender):
     ablatable = True
 
     def __init__(self, algo: str, topology: str | None, causal: bool,
-                 packed: dict | None = None, options: CPOptions | None = None) -> None:
+                 packed: dict | None = None, options: CPOptions | None = None,
+                 roles: str = "bytes") -> None:
         self.name = algo
         self._args = (algo, topology, causal, packed)
+        self.roles = roles
         # The bench's CHARM_* settings (the job's environment, set before the line-up), read
         # once here; ablated variants differ only in options.ablation.
         self.options = options if options is not None else CPOptions.from_env()
         # packed: cu_seqlens / cu_seqlens_padded for THD inputs (the benchmark's packed mode).
+        # roles: the role mix (packed sequences run the paper's, cp_attention has no choice).
+        extra = dict(packed) if packed else {"roles": roles}
         self._fn = functools.partial(cp_attention, algo=algo, causal=causal,
                                      topology=topology if uses_topology(algo) else None,
-                                     options=self.options, **(packed or {}))
+                                     options=self.options, **extra)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return self._fn(q, k, v)
@@ -90,7 +94,8 @@ class PlanContender(Contender):
     def ablated(self, ablation: str) -> PlanContender:
         if ablation == self.options.ablation:
             return self
-        return PlanContender(*self._args, options=self.options.with_(ablation=ablation))
+        return PlanContender(*self._args, options=self.options.with_(ablation=ablation),
+                             roles=self.roles)
 
 
 # ----------------------------------------------------------------------------- torch CP
@@ -248,7 +253,8 @@ def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
     lineup = Lineup({}, {}, {})
     for algo in cfg.algos:
         if algo != "torch":
-            lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed)
+            lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed,
+                                                    cfg.roles)
             continue
         if packed is not None:
             lineup.skipped[algo] = ("PyTorch's context-parallel attention cannot run packed "

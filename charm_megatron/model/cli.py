@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"# ring CCR (compute time / communication time, each alone): forward "
           f"{ccr_f.ratio:.2f} ({_ms(ccr_f.compute_s)} / {_ms(ccr_f.comm_s)} ms), backward "
           f"{ccr_b.ratio:.2f} ({_ms(ccr_b.compute_s)} / {_ms(ccr_b.comm_s)} ms)")
-    preds = predict_all(groups, problem, cluster, args.causal)
+    preds = predict_all(groups, problem, cluster, args.causal, roles=args.roles)
     ring = preds["ring"]
     print(f"{'':8} {'time ms':^29}   {'speedup over ring':^17}   {'busy':^9}   "
           f"{'MiB sent per rank (max)':^27}")
@@ -262,7 +262,7 @@ def _grid(args: argparse.Namespace, groups: list[list[int]], cluster: Cluster,
         problem = _problem(args, seq)
         cf = ring_ccr(groups, problem, cluster, args.causal, "forward").ratio
         cb = ring_ccr(groups, problem, cluster, args.causal, "backward").ratio
-        preds = predict_all(groups, problem, cluster, args.causal, ALGOS)
+        preds = predict_all(groups, problem, cluster, args.causal, ALGOS, roles=args.roles)
         ring, rmp, ch = preds["ring"], preds["rmplus"], preds["charm"]
         print(f"{seq:>8} {cf:7.2f} {cb:5.2f}  {_ms(ring.total_s):>9} {_ms(rmp.total_s):>9} "
               f"{_ms(ch.total_s):>9}  {ring.total_s / rmp.total_s:8.2f}  "

@@ -12,6 +12,7 @@ from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
 from charm_megatron.plan.registry import build_plan
+from charm_megatron.plan.roles import RoleShape, check_roles
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -20,10 +21,22 @@ def _groups(groups: Sequence[Sequence[int]]) -> Groups:
     return tuple(tuple(int(r) for r in g) for g in groups)
 
 
-@lru_cache(maxsize=128)
-def _plan(algo: str, direction: str, groups: Groups, causal: bool) -> Plan:
-    # Plans depend only on the topology and mask, not on sizes: build each once.
-    return build_plan(algo, direction, groups, causal)
+@lru_cache(maxsize=256)
+def _plan(algo: str, direction: str, groups: Groups, causal: bool, roles: str = "paper",
+          shape: RoleShape | None = None) -> Plan:
+    # Plans depend on the topology, mask, role mix and (for roles="bytes") the head shape,
+    # not on the sequence length: build each once.
+    return build_plan(algo, direction, groups, causal, roles=roles, shape=shape)
+
+
+def role_shape(problem: Problem) -> RoleShape:
+    """What the role rule reads of ``problem``."""
+    return RoleShape(problem.hq, problem.hkv, problem.d, problem.elem)
+
+
+def _role_key(roles: str, problem: Problem) -> tuple[str, RoleShape | None]:
+    check_roles(roles)
+    return roles, (role_shape(problem) if roles == "bytes" else None)
 
 
 @dataclass(frozen=True)
@@ -41,18 +54,22 @@ class Prediction:
 
 
 def predict(algo: str, groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
-            causal: bool) -> Prediction:
-    """Simulate ``algo``'s forward and backward plans on ``cluster`` with hardware ``groups``."""
+            causal: bool, roles: str = "paper") -> Prediction:
+    """Simulate ``algo``'s forward and backward plans on ``cluster`` with hardware ``groups``
+    (``roles``: the role mix of rmplus / charm, :data:`charm_megatron.plan.roles.ROLE_MIXES`;
+    ``bytes`` is what ``cp_attention`` runs by default)."""
     g = _groups(groups)
-    fwd = simulate(_plan(algo, "forward", g, causal), problem, cluster, g)
-    bwd = simulate(_plan(algo, "backward", g, causal), problem, cluster, g)
+    key = _role_key(roles, problem)
+    fwd = simulate(_plan(algo, "forward", g, causal, *key), problem, cluster, g)
+    bwd = simulate(_plan(algo, "backward", g, causal, *key), problem, cluster, g)
     return Prediction(algo, fwd, bwd)
 
 
 def predict_all(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
-                causal: bool, algos: Iterable[str] = ALGOS) -> dict[str, Prediction]:
+                causal: bool, algos: Iterable[str] = ALGOS,
+                roles: str = "paper") -> dict[str, Prediction]:
     """:func:`predict` for each of ``algos`` (default ring, rmplus, charm), in that order."""
-    return {a: predict(a, groups, problem, cluster, causal) for a in algos}
+    return {a: predict(a, groups, problem, cluster, causal, roles) for a in algos}
 
 
 @dataclass(frozen=True)
@@ -80,8 +97,9 @@ def ring_ccr(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster
 
 def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
                 cluster: Cluster | None = None, *, causal: bool = True,
-                algos: Sequence[str] = ALGOS) -> str:
-    """The algorithm of ``algos`` with the smallest predicted forward + backward time.
+                algos: Sequence[str] = ALGOS, roles: str = "paper") -> str:
+    """The algorithm of ``algos`` with the smallest predicted forward + backward time
+    (rmplus and charm with the role mix ``roles``: pass the one that will run).
 
     A pure function of its arguments, so every rank that calls it with the same topology,
     problem and cluster gets the same answer without communicating. Ties go to the earlier
@@ -94,20 +112,21 @@ def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
         raise ValueError("choose_algo needs at least one algorithm")
     g = _groups(groups)
     cl = cluster if cluster is not None else default_cluster_for(g)
-    times = [(predict(a, g, problem, cl, causal).total_s, i, a) for i, a in enumerate(algos)]
+    times = [(predict(a, g, problem, cl, causal, roles).total_s, i, a)
+             for i, a in enumerate(algos)]
     return min(times)[2]
 
 
 @lru_cache(maxsize=256)
 def _choose_cached(groups: Groups, problem: Problem, cluster: Cluster | None, causal: bool,
-                   algos: tuple[str, ...]) -> str:
-    return choose_algo(groups, problem, cluster, causal=causal, algos=algos)
+                   algos: tuple[str, ...], roles: str = "paper") -> str:
+    return choose_algo(groups, problem, cluster, causal=causal, algos=algos, roles=roles)
 
 
 def choose_algo_cached(groups: Sequence[Sequence[int]], problem: Problem,
                        cluster: Cluster | None = None, *, causal: bool = True,
-                       algos: Sequence[str] = ALGOS) -> str:
+                       algos: Sequence[str] = ALGOS, roles: str = "paper") -> str:
     """:func:`choose_algo` memoised on its (hashable) arguments: cheap to call every step.
     ``cluster=None`` is the generic one; :func:`~charm_megatron.model.auto.auto_cluster`
     re-reads a recalibrated profile file, so the cache follows it."""
-    return _choose_cached(_groups(groups), problem, cluster, causal, tuple(algos))
+    return _choose_cached(_groups(groups), problem, cluster, causal, tuple(algos), roles)

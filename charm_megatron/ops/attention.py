@@ -21,23 +21,26 @@ from charm_megatron.ops.streams import StreamGroups, control_timeout_s, rebuild,
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.registry import CHOICES, build_plan, uses_topology
+from charm_megatron.plan.roles import RoleShape, check_roles
 from charm_megatron.plan.validate import validate
 
 # What ``algo`` accepts: the registered algorithms, and ``auto`` (the performance model picks one).
 ALGOS = CHOICES
 
 
-def _plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool,
-           order: str) -> tuple[Plan, Plan]:
-    """Forward and backward plans, validated once per (algo, topology, mask, pass order)."""
-    return _validated_plans(algo, groups, causal, order)
+def _plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool, order: str,
+           roles: str = "paper", shape: RoleShape | None = None) -> tuple[Plan, Plan]:
+    """Forward and backward plans, validated once per (algo, topology, mask, pass order, role
+    mix, and the shape the byte rule reads: every rank derives the same plans from them)."""
+    return _validated_plans(algo, groups, causal, order, roles, shape)
 
 
 @functools.lru_cache(maxsize=256)
 def _validated_plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool,
-                     order: str) -> tuple[Plan, Plan]:
-    fwd = build_plan(algo, "forward", groups, causal, order)
-    bwd = build_plan(algo, "backward", groups, causal, order)
+                     order: str, roles: str = "paper",
+                     shape: RoleShape | None = None) -> tuple[Plan, Plan]:
+    fwd = build_plan(algo, "forward", groups, causal, order, roles, shape)
+    bwd = build_plan(algo, "backward", groups, causal, order, roles, shape)
     validate(fwd)
     validate(bwd)
     return fwd, bwd
@@ -112,7 +115,7 @@ def _auto_cluster(opts: CPOptions):
 
 def _signature(direction: str, seq: int, q, k, v, algo: str, topology, causal: bool, scale,
                opts: CPOptions | None, error: BaseException | None,
-               cluster=None) -> Signature:
+               cluster=None, roles: str | None = None) -> Signature:
     """What the ranks must agree on. The plan is a pure function of these fields (and of the
     probe's all-gathered result), so agreeing on them is agreeing on the plan; the package
     version stands for the plan builders' code. Add fields at the end (e.g. cu_seqlens)."""
@@ -137,11 +140,14 @@ def _signature(direction: str, seq: int, q, k, v, algo: str, topology, causal: b
             ("model profile (CHARM_MODEL_PROFILE)", (opts.model_profile,
                                                      _cluster_desc(cluster))),
         )
+    # The role mix picks the plans of rmplus / charm as much as the algorithm does.
+    fields += (("roles", roles),)
     return Signature(fields, f"{type(error).__name__}: {error}" if error is not None else "")
 
 
 def _resolve(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch.Tensor,
-             causal: bool, cluster=None) -> tuple[str, tuple[tuple[int, ...], ...]]:
+             causal: bool, cluster=None,
+             roles: str = "paper") -> tuple[str, tuple[tuple[int, ...], ...]]:
     """The algorithm to run and its groups (one flat group for ring and rmplus); ``auto``
     predicts with ``cluster`` (``None``: the generic one for the topology)."""
     flat = (tuple(range(cp_size)),)
@@ -157,7 +163,7 @@ def _resolve(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch
         # A pure function of shapes and topology: every rank picks the same algorithm.
         problem = Problem(q.shape[1], q.shape[0] * cp_size, q.shape[2], k.shape[2], q.shape[3],
                           q.element_size())
-        algo = choose_algo_cached(groups, problem, cluster, causal=causal)
+        algo = choose_algo_cached(groups, problem, cluster, causal=causal, roles=roles)
     return algo, (groups if uses_topology(algo) else flat)
 
 
@@ -175,6 +181,7 @@ def cp_attention(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
     options: CPOptions | None = None,
+    roles: str = "bytes",
 ):
     """Context-parallel attention over the CP process group ``group``.
 
@@ -203,6 +210,10 @@ def cp_attention(
         options: a :class:`~charm_megatron.ops.options.CPOptions` (pass order, timeout, kernel
             backend, checks, ablation, model profile); ``None`` reads them from the ``CHARM_*`` environment
             variables, once, here (docs/api.md).
+        roles: what the exchanges of rmplus / charm move (:mod:`charm_megatron.plan.roles`):
+            ``"bytes"`` (default: per exchange the role that moves fewer bytes for this shape
+            and direction), ``"paper"`` (the paper's Algorithm 1), ``"kv"`` or ``"q"`` (every
+            exchange passes kv / q). Packed sequences run the paper's roles.
 
     Returns:
         ``out [s_local, b, h_q, d]`` in q's dtype; with ``return_lse`` also
@@ -238,6 +249,7 @@ def cp_attention(
         if algo not in ALGOS:
             raise ValueError(f"cp_attention: unknown algo {algo!r}; choose one of "
                              f"{', '.join(ALGOS)}")
+        check_roles(roles, "cp_attention roles")
         _check_inputs(q, k, v, causal, cp_size)
         scale = _check_scale(softmax_scale, q.shape[-1])
         _check_backend(opts, q)
@@ -251,7 +263,7 @@ def cp_attention(
     sg.calls += 1
     if cp_size > 1 and (opts is None or opts.check != "off"):
         sig = _signature("forward", seq, q, k, v, algo, topology, causal, scale, opts, error,
-                         cluster)
+                         cluster, roles)
         agreement.agree(sig, sg.control, cp_size, timeout_s, error)
     elif error is not None:
         raise error
@@ -259,8 +271,10 @@ def cp_attention(
         # The options' default (CHARM_TOPOLOGY) or the probe, passed explicitly so that the
         # topology code never reads the environment behind the options' back.
         topology = opts.topology or "auto"
-    algo, groups = _resolve(algo, topology, group, cp_size, q, k, causal, cluster)
-    call = _Call(group, algo, groups, causal, scale, opts, seq)
+    algo, groups = _resolve(algo, topology, group, cp_size, q, k, causal, cluster, roles)
+    # The byte rule reads the shape; the ranks agreed on the shapes, so on the plans too.
+    shape = RoleShape(q.shape[2], k.shape[2], q.shape[3], q.element_size())
+    call = _Call(group, algo, groups, causal, scale, opts, seq, roles, shape)
     out, lse = _CPAttention.apply(q, k, v, call)
     return (out, lse) if return_lse else out
 
@@ -276,12 +290,15 @@ class _Call:
     scale: float
     options: CPOptions
     seq: int  # the forward's call number on its CP group
+    roles: str = "paper"  # the role mix of rmplus / charm (plan/roles.py)
+    shape: RoleShape | None = None  # what the byte rule reads
 
     def what(self, direction: str) -> str:
         return f"cp_attention(algo={self.algo}, {direction})"
 
     def plans(self) -> tuple[Plan, Plan]:
-        return _plans(self.algo, self.groups, self.causal, self.options.pass_order)
+        return _plans(self.algo, self.groups, self.causal, self.options.pass_order, self.roles,
+                      self.shape)
 
 
 def _make_executor(call: _Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor,
@@ -363,7 +380,7 @@ class _CPAttention(torch.autograd.Function):
         sg = stream_groups(call.group, call.options.timeout_s)
         if sg.size > 1 and call.options.check != "off":
             sig = _signature("backward", call.seq, q, k, v, call.algo, call.groups,
-                             call.causal, call.scale, call.options, None)
+                             call.causal, call.scale, call.options, None, roles=call.roles)
             agreement.agree(sig, sg.control, sg.size, call.options.timeout_s)
         rank = dist.get_rank(call.group)
         ex = _make_executor(call, sg, q, k, "backward")

@@ -27,6 +27,7 @@ from charm_megatron.plan.core import (
     tile_spec,
 )
 from charm_megatron.plan.pairing import group_rounds, rmplus_rounds
+from charm_megatron.plan.roles import Decision, RoleChoice, choose, row_bytes
 from charm_megatron.plan.vocab import Direction, Role
 
 
@@ -121,6 +122,8 @@ _SERVED = Loc("acc.svc")  # the partial of a tile served for a q unit's peer (se
 _CROSS_Q = Loc("cross.q")  # the counterpart's q block (slot: the cross round's parity)
 _CROSS_ACC = Loc("acc.cross")  # the counterpart's partial, accumulated here
 _CROSS_RET = Loc("cross.ret")  # our partial coming home from the counterpart
+_CROSS_KV = Loc("cross.kv")  # pass-kv: the counterpart's visiting kv block
+_VISIT_DKV = Loc("acc.vdkv")  # pass-kv backward: the visiting block's dkv, accumulated here
 
 
 @dataclass(frozen=True)
@@ -137,13 +140,25 @@ class _Pass:
     """One run of (some of) the group's RM+ rounds for the q blocks a rank holds.
 
     ``own``: the rank's own q; ``cross``: the counterpart's q of cross round ``cross_round``;
-    ``rounds``: indices into the group's RM+ rounds; ``own_kv``: also the tiles with own kv.
+    ``rounds``: indices into the group's RM+ rounds; ``own_kv``: also the tiles with the kv
+    block the rank holds in the pass. ``visiting`` (pass-kv): the rank holds the visiting kv
+    block of its counterpart of ``cross_round`` instead of its own, and only its own q.
     """
 
     own: bool
     cross_round: int | None
     rounds: tuple[int, ...]
     own_kv: bool
+    visiting: bool = False
+
+
+@dataclass(frozen=True)
+class _KvHeld:
+    """The kv block a rank holds in a pass: whose, where, where its dkv accumulates."""
+
+    owner: int
+    loc: Loc
+    dkv: Loc
 
 
 @dataclass(frozen=True)
@@ -160,7 +175,8 @@ class _Return:
 @dataclass(frozen=True)
 class _Unit:
     """One RM+ round of a pass as one rank runs it: exchange ``role`` blocks with ``peer``,
-    which holds the q blocks of ``peer_owners`` in this pass; receive into copy ``slot``.
+    which holds the q blocks of ``peer_owners`` in this pass; receive into copy ``slot``;
+    post on ``stream`` (by the round's parity, whatever the role: both streams stay busy).
 
     Steps (see :meth:`_CharmRank._pass`): *post* the exchange one unit ahead, *compute* its
     tiles once it arrived, *return* the partials it produced to their owners (completed one
@@ -172,6 +188,8 @@ class _Unit:
     peer: int
     peer_owners: tuple[int, ...]
     slot: int
+    stream: Stream
+    peer_kv: int  # whose kv block the peer holds in this pass (its own, or a visiting one)
 
 
 ORDERS = ("split", "joint")
@@ -204,7 +222,8 @@ class _CharmRank:
     """
 
     def __init__(self, rank: int, groups: tuple[tuple[int, ...], ...], causal: bool,
-                 backward: bool, order: str = "split") -> None:
+                 backward: bool, order: str = "split",
+                 roles: RoleChoice | None = None) -> None:
         if order not in ORDERS:
             raise ValueError(f"unknown CHARM+ pass order {order!r}; choose one of {ORDERS}")
         self.rank = rank
@@ -212,6 +231,8 @@ class _CharmRank:
         self.causal = causal
         self.bwd = backward
         self.order = order
+        self.roles = roles or RoleChoice()
+        self.decisions: list[Decision] = []  # the role of every exchange, for printouts
         self.g = next(i for i, grp in enumerate(groups) if rank in grp)
         self.group = groups[self.g]
         self.local = self.group.index(rank)
@@ -219,6 +240,7 @@ class _CharmRank:
         self.cross = group_rounds(len(groups))
         self.p = _Program()
         direction = Direction.BACKWARD if backward else Direction.FORWARD
+        self.direction = direction
         self.qkind = direction.query
         self.pkind = direction.query_partial  # what comes back for a q block
         self.own_q = Loc.own(self.qkind)
@@ -228,27 +250,61 @@ class _CharmRank:
         # Cross accumulators and return buffers alternate per pass that has a counterpart's q
         # (an idle group's rounds, when G is odd, do not count).
         self.n_cross_done = 0
+        self.kv = _KvHeld(rank, _OWN_KV, Plan.DKV)  # the kv block held in the current pass
+        self.cross_roles = [self._cross_role(k) for k in range(len(self.cross))]
 
     # -- the passes and which q blocks a rank holds in each ----------------------------------
     def _passes(self) -> list[_Pass]:
         every = tuple(range(len(self.rounds)))
         if not self.cross:
             return [_Pass(True, None, every, True)]
-        if self.order == "joint":
-            return [_Pass(True, 0, every, True)] + [
-                _Pass(False, k, every, True) for k in range(1, len(self.cross))]
+
+        def cross_pass(k: int) -> _Pass:
+            if self.cross_roles[k] is Role.KV:  # pass-kv: own q against the visiting kv
+                return _Pass(True, k, every, True, visiting=True)
+            return _Pass(False, k, every, True)
+
+        if self.order == "joint" and self.cross_roles[0] is Role.Q:
+            return [_Pass(True, 0, every, True)] + [cross_pass(k)
+                                                     for k in range(1, len(self.cross))]
+        if self.order == "joint":  # a pass-kv first round: own kv first, then the visitors
+            return [_Pass(True, None, every, True)] + [cross_pass(k)
+                                                        for k in range(len(self.cross))]
         head = every[: len(every) // 2]
         tail = every[len(head):]
         passes = [_Pass(True, None, head, True)]
-        passes += [_Pass(False, k, every, True) for k in range(len(self.cross))]
+        passes += [cross_pass(k) for k in range(len(self.cross))]
         if tail:
             passes.append(_Pass(True, None, tail, False))
         return passes
 
+    def _cross_role(self, k: int) -> Role:
+        """Pass-q (the paper) or pass-kv for cross round ``k``: forced, or by the bytes both
+        alternatives move between our group and its partner (summed over the group, so every
+        rank of both groups decides alike)."""
+        partner = self.cross[k].get(self.g)
+        if partner is None:
+            return Role.Q
+        shape = self.roles.shape
+        kv_b = q_b = None
+        other = self.groups[partner]
+        if shape is not None:
+            kv_b = q_b = 0.0
+            kv_kinds = (Kind.KV, Kind.DKV) if self.bwd else (Kind.KV,)
+            q_kinds = (self.qkind, self.pkind)
+            for a, b in ((self.group, other), (other, self.group)):
+                for x in a:
+                    kv_b += sum(row_bytes(kd, shape, self._kv_half(x, b)) for kd in kv_kinds)
+                    q_b += sum(row_bytes(kd, shape, self._q_half(x, b)) for kd in q_kinds)
+            kv_b, q_b = kv_b / len(self.group), q_b / len(self.group)
+        role = choose(self.roles, Role.Q, kv_b, q_b)
+        self.decisions.append(Decision("cross", other[self.local], role, kv_b, q_b))
+        return role
+
     def _owners(self, ps: _Pass, local: int) -> list[int]:
         """Owners of the q blocks that local index ``local`` of our group holds in pass ``ps``."""
         owners = [self.group[local]] if ps.own else []
-        if ps.cross_round is not None:
+        if ps.cross_round is not None and not ps.visiting:
             partner = self.cross[ps.cross_round].get(self.g)
             if partner is not None:
                 owners.append(self.groups[partner][local])
@@ -265,10 +321,44 @@ class _CharmRank:
             if self.local not in rd.partner:
                 continue
             peer_local = rd.partner[self.local]
-            slot = 1 - units[-1].slot if units and units[-1].role is rd.role else 0
-            units.append(_Unit(len(units), rd.role, self.group[peer_local],
-                               tuple(self._owners(ps, peer_local)), slot))
+            peer_owners = tuple(self._owners(ps, peer_local))
+            role = self._pair_role(rd.role, self.group[peer_local], peer_owners,
+                                   self._owners(ps, self.local), self._kv_owner(ps, peer_local))
+            slot = 1 - units[-1].slot if units and units[-1].role is role else 0
+            stream = Stream.KV if i % 2 == 0 else Stream.Q
+            units.append(_Unit(len(units), role, self.group[peer_local], peer_owners, slot,
+                               stream, self._kv_owner(ps, peer_local)))
         return units
+
+    def _kv_owner(self, ps: _Pass, local: int) -> int:
+        """Whose kv block local index ``local`` of our group holds in pass ``ps``."""
+        if ps.visiting:
+            return self.groups[self.cross[ps.cross_round][self.g]][local]
+        return self.group[local]
+
+    def _pair_role(self, paper: Role, peer: int, peer_owners: Sequence[int],
+                   owners: Sequence[int], peer_kv: int) -> Role:
+        """The role of the RM+ pair (us, ``peer``) in a pass: the paper's, forced, or by the
+        bytes both alternatives move in both directions (computed alike on both sides)."""
+        kv_b = q_b = None
+        shape = self.roles.shape
+        if shape is not None:
+            # Sums of whole and half row sizes are exact in floating point, so the peer,
+            # which adds the same terms in the other order, gets the same bytes.
+            kv_b = q_b = 0.0
+            kv_kinds = (Kind.KV, Kind.DKV) if self.bwd else (Kind.KV,)
+            q_kinds = (self.qkind, self.pkind)
+            for src, dst, held, other in ((self.kv.owner, peer_kv, owners, peer_owners),
+                                          (peer_kv, self.kv.owner, peer_owners, owners)):
+                half = self._kv_half(src, other)
+                kv_b += sum(row_bytes(k, shape, half) for k in kv_kinds)
+                for o in held:  # these q blocks served by the other kv, partials back
+                    q_b += sum(row_bytes(k, shape, self._q_half(o, [dst])) for k in q_kinds)
+        role = choose(self.roles, paper, kv_b, q_b)
+        context = (f"q[{','.join(map(str, owners))}] x kv[{self.kv.owner}]"
+                   f" | q[{','.join(map(str, peer_owners))}] x kv[{peer_kv}]")
+        self.decisions.append(Decision("pair", peer, role, kv_b, q_b, context))
+        return role
 
     # -- message halves --------------------------------------------------------------------------
     def _q_half(self, owner: int, kv_owners: Sequence[int]) -> Half:
@@ -309,6 +399,13 @@ class _CharmRank:
         if partner is None:
             return
         r, cp = self.rank, self.groups[partner][self.local]
+        if self.cross_roles[k] is Role.KV:  # our kv visits the counterpart's group
+            self.cross_in[k] = self.p.comm(
+                Stream.CROSS,
+                sends=[Xfer(cp, _OWN_KV, Kind.KV, r, self._kv_half(r, self.groups[partner]))],
+                recvs=[Xfer(cp, _CROSS_KV.at(k % 2), Kind.KV, cp, self._kv_half(cp, self.group))],
+            )
+            return
         self.cross_in[k] = self.p.comm(
             Stream.CROSS,
             sends=[Xfer(cp, self.own_q, self.qkind, r, self._q_half(r, self.groups[partner]))],
@@ -320,6 +417,13 @@ class _CharmRank:
         p, r, k = self.p, self.rank, ps.cross_round
         if k is not None:
             self._post_cross_exchange(k + 1)  # the next counterpart's q travels during this pass
+        if ps.visiting:
+            partner = self.cross[k].get(self.g)
+            if partner is None:
+                return
+            self._run_visiting_pass(ps, k, partner)
+            return
+        self.kv = _KvHeld(r, _OWN_KV, Plan.DKV)
         owners = self._owners(ps, self.local)
         if not owners:
             return
@@ -347,6 +451,32 @@ class _CharmRank:
         while len(self.going_home) > 1:
             p.finish(self.going_home.pop(0))
 
+    def _run_visiting_pass(self, ps: _Pass, k: int, partner: int) -> None:
+        """Pass-kv: the group's queries against the visiting kv blocks of cross round ``k``
+        (each rank holds its counterpart's, routed through the RM+ rounds like the own kv);
+        backward, the visiting block's dkv (summed over every tile it served in our group)
+        goes home and ours comes back."""
+        p, r = self.p, self.rank
+        cp = self.groups[partner][self.local]
+        slot = self.n_cross_done % 2
+        self.kv = _KvHeld(cp, _CROSS_KV.at(k % 2), _VISIT_DKV.at(slot) if self.bwd else Plan.DKV)
+        p.add(Wait(self.cross_in[k]))
+        if self.bwd:
+            p.add(Reset(self.kv.dkv, Kind.DKV, cp))
+        self._pass(ps, [_Item(r, self.own_q, self.own_acc)], None)
+        if self.bwd:
+            ret_loc = _CROSS_RET.at(slot)
+            h = p.comm(
+                Stream.CROSS,
+                sends=[Xfer(cp, self.kv.dkv, Kind.DKV, cp, self._kv_half(cp, self.group))],
+                recvs=[Xfer(cp, ret_loc, Kind.DKV, r, self._kv_half(r, self.groups[partner]))],
+            )
+            self.going_home.append(_Return(-1, h, (Merge(Plan.DKV, ret_loc),)))
+        self.n_cross_done += 1
+        self.kv = _KvHeld(r, _OWN_KV, Plan.DKV)
+        while len(self.going_home) > 1:
+            p.finish(self.going_home.pop(0))
+
     def _pass(self, ps: _Pass, items: list[_Item], cross_handle: int | None) -> list[Op]:
         """Emit the units of ``ps`` for ``items``; return the ops held back until the
         counterpart's partial has been sent home (the own q's last tile, forward, joint)."""
@@ -361,9 +491,10 @@ class _CharmRank:
             self._await_cross(cross_handle, cross)
             awaiting = False
         pending = self._post(units[0], items) if units else None
+        kv = self.kv
         if ps.own_kv:
             for it in own:
-                p.add(self._tile(it.owner, it.q_loc, r, _OWN_KV, it.acc, Plan.DKV))
+                p.add(self._tile(it.owner, it.q_loc, kv.owner, kv.loc, it.acc, kv.dkv))
         if awaiting:
             self._await_cross(cross_handle, cross)
         if ps.own_kv and cross is not None:
@@ -396,19 +527,20 @@ class _CharmRank:
 
     def _post(self, u: _Unit, items: list[_Item]) -> int:
         """Post unit ``u``'s exchange: our kv block, or our q blocks of this pass."""
-        r, y = self.rank, u.peer
+        y, mine, theirs = u.peer, self.kv, u.peer_kv
         if u.role is Role.KV:
             return self.p.comm(
-                Stream.KV,
-                sends=[Xfer(y, _OWN_KV, Kind.KV, r, self._kv_half(r, u.peer_owners))],
-                recvs=[Xfer(y, _KV_RX.at(u.slot), Kind.KV, y,
-                            self._kv_half(y, [it.owner for it in items]))],
+                u.stream,
+                sends=[Xfer(y, mine.loc, Kind.KV, mine.owner,
+                            self._kv_half(mine.owner, u.peer_owners))],
+                recvs=[Xfer(y, _KV_RX.at(u.slot), Kind.KV, theirs,
+                            self._kv_half(theirs, [it.owner for it in items]))],
             )
         return self.p.comm(
-            Stream.Q,
-            sends=[Xfer(y, it.q_loc, self.qkind, it.owner, self._q_half(it.owner, [y]))
+            u.stream,
+            sends=[Xfer(y, it.q_loc, self.qkind, it.owner, self._q_half(it.owner, [theirs]))
                    for it in items],
-            recvs=[Xfer(y, _Q_RX.at(u.slot, i), self.qkind, o, self._q_half(o, [r]))
+            recvs=[Xfer(y, _Q_RX.at(u.slot, i), self.qkind, o, self._q_half(o, [mine.owner]))
                    for i, o in enumerate(u.peer_owners)],
         )
 
@@ -416,16 +548,16 @@ class _CharmRank:
                     hold_own: bool) -> list[Op]:
         """Our q blocks against the peer's kv; backward, the peer's dkv partial goes back.
         Returns the own q's tile if ``hold_own`` (held back by the caller)."""
-        r, y = self.rank, u.peer
+        r, y, theirs = self.rank, u.peer, u.peer_kv
         buf, dkv = _KV_RX.at(u.slot), _PEER_DKV.at(u.slot)
         # One q block: the peer's dk/dv partial is one tile's, sent as the kernel made it.
         fresh_dkv = self.bwd and len(items) == 1
         if self.bwd and not fresh_dkv:
-            self.p.add(Reset(dkv, Kind.DKV, y))
+            self.p.add(Reset(dkv, Kind.DKV, theirs))
         held: list[Op] = []
         # Counterpart's q first: its partial must travel home, the own q's need not.
         for it in sorted(items, key=lambda it: it.owner == r):
-            op = self._tile(it.owner, it.q_loc, y, buf, it.acc, dkv, fresh_dkv=fresh_dkv)
+            op = self._tile(it.owner, it.q_loc, theirs, buf, it.acc, dkv, fresh_dkv=fresh_dkv)
             if hold_own and it.owner == r:
                 held.append(op)
             else:
@@ -433,30 +565,31 @@ class _CharmRank:
         if self.bwd:
             back = _KV_DRET.at(u.slot)
             h = self.p.comm(
-                Stream.KV,
-                sends=[Xfer(y, dkv, Kind.DKV, y, self._kv_half(y, [it.owner for it in items]))],
-                recvs=[Xfer(y, back, Kind.DKV, r, self._kv_half(r, u.peer_owners))],
+                u.stream,
+                sends=[Xfer(y, dkv, Kind.DKV, theirs,
+                            self._kv_half(theirs, [it.owner for it in items]))],
+                recvs=[Xfer(y, back, Kind.DKV, self.kv.owner,
+                            self._kv_half(self.kv.owner, u.peer_owners))],
             )
-            returns.append(_Return(u.index, h, (Merge(Plan.DKV, back),)))
+            returns.append(_Return(u.index, h, (Merge(self.kv.dkv, back),)))
         return held
 
     def _compute_q(self, u: _Unit, items: list[_Item], returns: list[_Return]) -> None:
         """Serve the peer's q blocks with our kv and send the partials back; ours come back
         from the peer into ``q.ret``."""
-        r, y = self.rank, u.peer
+        y, kv = u.peer, self.kv
         sends = []
         for i, o in enumerate(u.peer_owners):
             acc, q_loc = _SERVED.at(u.slot, i), _Q_RX.at(u.slot, i)
             if self.bwd:
-                self.p.add(self._tile(o, q_loc, r, _OWN_KV, acc, Plan.DKV,
-                                      fresh_dq=True))
+                self.p.add(self._tile(o, q_loc, kv.owner, kv.loc, acc, kv.dkv, fresh_dq=True))
             else:
                 # A served tile is one partial sent straight back: no accumulator.
-                self.p.add(Tile(tile_spec(o, r, self.causal), q_loc, _OWN_KV, acc,
+                self.p.add(Tile(tile_spec(o, kv.owner, self.causal), q_loc, kv.loc, acc,
                                 fresh=True))
-            sends.append(Xfer(y, acc, self.pkind, o, self._q_half(o, [r])))
+            sends.append(Xfer(y, acc, self.pkind, o, self._q_half(o, [kv.owner])))
         recvs = [Xfer(y, _Q_RET.at(u.slot, i), self.pkind, it.owner,
-                      self._q_half(it.owner, [y])) for i, it in enumerate(items)]
-        h = self.p.comm(Stream.Q, sends=sends, recvs=recvs)
+                      self._q_half(it.owner, [u.peer_kv])) for i, it in enumerate(items)]
+        h = self.p.comm(u.stream, sends=sends, recvs=recvs)
         returns.append(_Return(u.index, h, tuple(Merge(it.acc, _Q_RET.at(u.slot, i))
                                                  for i, it in enumerate(items))))

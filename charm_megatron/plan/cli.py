@@ -1,11 +1,19 @@
-"""``charm-megatron plan``: print a schedule and compare ring / rmplus / charm costs."""
+"""``charm-megatron plan``: print a schedule and compare ring / rmplus / charm costs.
+
+With ``--rank`` it also prints the role of each exchange of that rank (RM+ pair or cross
+phase) and the bytes of both alternatives, so the byte rule of
+:mod:`charm_megatron.plan.roles` can be checked by eye.
+"""
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 
-from charm_megatron.plan.cost import add_problem_args, problem_from_args, traffic
+from charm_megatron.plan.core import Plan
+from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args, traffic
 from charm_megatron.plan.registry import ALGORITHM_NAMES, build_plan, get, names
+from charm_megatron.plan.roles import Decision, RoleShape
 from charm_megatron.plan.validate import validate
 from charm_megatron.topology import Topology
 
@@ -26,31 +34,66 @@ def _mb(x: float) -> str:
     return f"{x / 2**20:10.1f}"
 
 
+def _decision_line(d: Decision, problem: Problem, n: int) -> str:
+    """``pair with 3: kv   (kv 1.5 MiB, q 6.1 MiB)``: the bytes of one exchange's two
+    alternatives for this problem (both directions of the exchange together)."""
+    what = f"pair {d.peer:<3}" if d.where == "pair" else f"cross {d.peer:<2}"
+    role = f"{d.role}" if d.where == "pair" else f"pass-{d.role}"
+    ctx = f"  {d.context}" if d.context else ""
+    if d.kv_bytes is None:
+        return f"  {what} {role:7} (forced){ctx}"
+    tokens = problem.b * problem.s / n
+    return (f"  {what} {role:7} kv {d.kv_bytes * tokens / 2**20:7.2f}  "
+            f"q {d.q_bytes * tokens / 2**20:7.2f}{ctx}")
+
+
+def _role_summary(plan: Plan) -> str:
+    """The roles a plan uses: its cross phases and the count of kv / q pairs (all ranks)."""
+    if not plan.decisions:
+        return "-"
+    c = Counter((d.where, d.role.value) for ds in plan.decisions for d in ds)
+    cross = "/".join(f"pass-{r}" for r in ("q", "kv") if c[("cross", r)])
+    pairs = f"{c[('pair', 'kv')]}kv {c[('pair', 'q')]}q"
+    return f"{cross} {pairs}" if cross else pairs
+
+
 def run(args: argparse.Namespace) -> int:
     topo = Topology.parse(args.topology, cp_size=args.cp)
     topo.check_size(args.cp)
     groups = [list(g) for g in topo.groups]
     problem = problem_from_args(args)
+    shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem)
     mask = "causal" if args.causal else "full"
     if args.rank is not None:
         if not 0 <= args.rank < args.cp:
             raise SystemExit(f"--rank must be in [0, {args.cp})")
-        plan = build_plan(args.algo, args.direction, groups, args.causal)
+        plan = build_plan(args.algo, args.direction, groups, args.causal, roles=args.roles,
+                          shape=shape)
         validate(plan)
-        print(f"# {args.algo} {args.direction}, topology {topo}, {mask}, rank {args.rank}")
+        print(f"# {args.algo} {args.direction}, topology {topo}, {mask}, rank {args.rank}, "
+              f"roles {args.roles}")
         print(plan.describe(args.rank))
+        if plan.decisions and plan.decisions[args.rank]:
+            print(f"# rank {args.rank}'s exchanges in plan order: peer, role, MiB that the kv "
+                  "and q alternatives move (both ways), blocks held (ours | peer's)")
+            for d in plan.decisions[args.rank]:
+                print(_decision_line(d, problem, args.cp))
         print()
     print(f"# cp={args.cp} topology={topo} mask={mask} b={args.batch} s={args.seq} "
-          f"heads={args.heads}/{problem.hkv} dim={args.head_dim} {args.dtype}")
-    print("# critical path: longest chain of data-dependent messages; MiB sent per rank")
+          f"heads={args.heads}/{problem.hkv} dim={args.head_dim} {args.dtype} "
+          f"roles={args.roles}")
+    print("# critical path: longest chain of data-dependent messages; MiB sent per rank; "
+          "roles: cross phase and RM+ pairs (all ranks)")
     header = (f"{'algo':8} {'dir':8} {'crit.path':>9} {'msgs/rank':>9} {'intra max':>10} "
-              f"{'cross max':>10} {'cross total':>11}")
+              f"{'cross max':>10} {'cross total':>11}  roles")
     print(header)
     for direction in ("forward", "backward"):
         for algo in names():
-            plan = build_plan(algo, direction, groups, args.causal)
+            plan = build_plan(algo, direction, groups, args.causal, roles=args.roles,
+                              shape=shape)
             stats = validate(plan)
             t = traffic(plan, problem, groups)
             print(f"{algo:8} {direction:8} {stats.critical_path:9d} {max(stats.messages):9d} "
-                  f"{_mb(max(t.intra))} {_mb(t.max_cross)} {_mb(t.total_cross):>11}")
+                  f"{_mb(max(t.intra))} {_mb(t.max_cross)} {_mb(t.total_cross):>11}  "
+                  f"{_role_summary(plan)}")
     return 0

@@ -230,6 +230,8 @@ class Plan:
     groups: tuple[tuple[int, ...], ...]
     causal: bool
     ops: list[list[Op]] = field(default_factory=list)
+    #: Per rank, the role of every exchange (``roles.Decision``), for algorithms with roles.
+    decisions: list[list] = field(default_factory=list)
 
     # Where the executor finds the results on every rank.
     OUT = RESULT[Kind.OUT]

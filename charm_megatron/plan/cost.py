@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from charm_megatron.plan.core import Kind, Plan, Xfer
+from charm_megatron.plan.roles import ROLE_MIXES
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,11 @@ def add_problem_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", choices=sorted(ELEM_BYTES), default="bf16")
+    parser.add_argument("--roles", choices=ROLE_MIXES, default="bytes",
+                        help="what the rmplus / charm exchanges move: bytes (default: per "
+                             "exchange the role moving fewer bytes for this shape), paper "
+                             "(Algorithm 1: alternating kv / q pairs, queries across groups), "
+                             "kv or q (forced for every exchange)")
 
 
 def problem_from_args(args: argparse.Namespace, seq: int | None = None) -> Problem:

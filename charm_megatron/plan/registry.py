@@ -22,6 +22,7 @@ from typing import Any
 
 from charm_megatron.plan.builders import _CharmRank, _ring
 from charm_megatron.plan.core import Op, Plan
+from charm_megatron.plan.roles import ROLE_MIXES, RoleChoice, RoleShape, check_roles
 
 __all__ = [
     "ALGORITHM_NAMES",
@@ -39,6 +40,7 @@ __all__ = [
     "get",
     "names",
     "register",
+    "ROLE_MIXES",
     "unregister",
     "uses_topology",
 ]
@@ -64,6 +66,9 @@ class Algorithm:
     build_rank: RankBuilder
     uses_topology: bool
     description: str
+    #: The builder takes ``roles=`` (a :class:`~charm_megatron.plan.roles.RoleChoice`) and
+    #: returns ``(ops, decisions)``: its exchanges' roles are chosen by bytes or forced.
+    uses_roles: bool = False
 
 
 _REGISTRY: dict[str, Algorithm] = {}
@@ -166,11 +171,19 @@ def build_plan(
     groups: Sequence[Sequence[int]],
     causal: bool,
     order: str = "split",
+    roles: str = "paper",
+    shape: RoleShape | None = None,
 ) -> Plan:
     """The plan of the registered ``algo`` for ``direction`` (``forward`` or ``backward``) on CP
     ranks partitioned into ``groups`` (CP-local ranks); an algorithm that does not use the
-    topology gets one flat group. ``order`` is the CHARM+ pass order (``split`` or ``joint``)."""
+    topology gets one flat group. ``order`` is the CHARM+ pass order (``split`` or ``joint``).
+
+    ``roles`` is the role mix of RM+ / CHARM+ exchanges (:data:`ROLE_MIXES`; ``bytes`` needs
+    ``shape``); algorithms without roles ignore both. Without a shape the default is the
+    paper's Algorithm 1, so a shape-free plan is the paper's."""
     entry = get(algo)
+    check_roles(roles)
+    choice = RoleChoice(roles, shape)
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     groups_t = tuple(tuple(g) for g in groups)
@@ -180,7 +193,13 @@ def build_plan(
     plan = Plan(algo, direction, n, groups_t, causal)
     backward = direction == "backward"
     for rank in range(n):
-        plan.ops.append(entry.build_rank(rank, groups_t, causal, backward, order))
+        if entry.uses_roles:
+            ops, decisions = entry.build_rank(rank, groups_t, causal, backward, order,
+                                              roles=choice)
+            plan.decisions.append(decisions)
+        else:
+            ops = entry.build_rank(rank, groups_t, causal, backward, order)
+        plan.ops.append(ops)
     return plan
 
 
@@ -189,13 +208,15 @@ def _ring_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: s
     return _ring(rank, sum(len(g) for g in groups), causal, backward)
 
 
-def _charm_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: str) -> list[Op]:
-    return _CharmRank(rank, groups, causal, backward, order).build()
+def _charm_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: str,
+                roles: RoleChoice | None = None) -> tuple[list[Op], list]:
+    builder = _CharmRank(rank, groups, causal, backward, order, roles)
+    return builder.build(), builder.decisions
 
 
 register(Algorithm("ring", _ring_rank, uses_topology=False,
                    description="TransformerEngine's p2p ring over a flat group"))
-register(Algorithm("rmplus", _charm_rank, uses_topology=False,
+register(Algorithm("rmplus", _charm_rank, uses_topology=False, uses_roles=True,
                    description="RM+ over a flat group (CHARM+ with one group)"))
-register(Algorithm("charm", _charm_rank, uses_topology=True,
+register(Algorithm("charm", _charm_rank, uses_topology=True, uses_roles=True,
                    description="CHARM+: RM+ inside each topology group, queries across groups"))
