@@ -304,8 +304,10 @@ def auto_with_profile(rank: int, world: int):
     x = torch.randn(16, 1, 2, 8)
     algos = {}
     for profile in (None, "l20-pcie"):
+        # The paper's role mix: the test needs a shape where the two clusters pick different
+        # algorithms, and auto predicts with the mix that runs.
         out = cp_attention(x.clone().requires_grad_(), x, x, algo="auto", topology="2x2",
-                           options=CPOptions(model_profile=profile))
+                           options=CPOptions(model_profile=profile), roles="paper")
         algos[profile] = out.grad_fn.call.algo
     try:
         cp_attention(x, x, x, algo="auto", topology="2x2", options=CPOptions(

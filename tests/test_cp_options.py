@@ -70,7 +70,8 @@ def test_auto_predicts_with_the_options_profile():
     from charm_megatron.plan.cost import Problem
 
     groups, problem = ((0, 1), (2, 3)), Problem(1, 64, 2, 2, 8, 4)
-    expected = {p: choose_algo_cached(groups, problem, auto_cluster(p), causal=True)
+    expected = {p: choose_algo_cached(groups, problem, auto_cluster(p), causal=True,
+                                      roles="paper")
                 for p in (None, "l20-pcie")}
     assert expected[None] != expected["l20-pcie"]  # else the test could not fail
     res = run_ranks(cases.auto_with_profile, 4, timeout_s=120)

@@ -1,6 +1,7 @@
 """Roles by bytes (issue 12): the rule, the forced mixes, pass-kv across groups, and the
 validator on every grouping up to 64 ranks under every role mix."""
 
+import contextlib
 import math
 
 import pytest
@@ -165,8 +166,21 @@ def test_cp_attention_rejects_unknown_roles_before_communicating():
     from charm_megatron import cp_attention
 
     q = torch.randn(4, 1, 2, 8)
-    with pytest.raises(ValueError, match=r"roles 'pairs'.*choose one of bytes, paper, kv, q"):
+    # A one-rank gloo group: the error must come from the roles check, not from a missing group.
+    with _one_rank_group(), pytest.raises(
+            ValueError, match=r"roles 'pairs'.*choose one of bytes, paper, kv, q"):
         cp_attention(q, q, q, algo="charm", roles="pairs")
+
+
+@contextlib.contextmanager
+def _one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("roles", ROLE_MIXES)

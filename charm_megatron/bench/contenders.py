@@ -254,7 +254,7 @@ def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
     for algo in cfg.algos:
         if algo != "torch":
             lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed,
-                                                    cfg.roles)
+                                                    roles=cfg.roles)
             continue
         if packed is not None:
             lineup.skipped[algo] = ("PyTorch's context-parallel attention cannot run packed "
