@@ -32,20 +32,29 @@ class AttentionBackend(Protocol):
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
-              equal_lengths: bool, who: str = "attention") -> None:
-    """The one check of attention inputs (``cp_attention``, the kernels, the Megatron layer).
+_LAYOUTS = {  # layout -> (tensor rank, how the shape reads, the hint for a wrong rank)
+    "sbhd": (4, "[s, b, heads, head_dim]", "Megatron's sbhd layout"),
+    "thd": (3, "[t_local, heads, head_dim]", "packed THD, with cu_seqlens"),
+}
 
-    ``q [s_q, b, h_q, d]``, ``k, v [s_k, b, h_kv, d]`` (sbhd), one float dtype and device,
-    ``h_q`` a multiple of ``h_kv``; ``s_q == s_k`` when ``equal_lengths`` or ``causal``.
-    Raises ``TypeError`` / ``ValueError`` whose message starts with ``who``.
+
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
+              equal_lengths: bool, who: str = "attention", layout: str = "sbhd") -> None:
+    """The one check of attention inputs (``cp_attention`` sbhd and packed, the kernels, the
+    Megatron layer).
+
+    sbhd: ``q [s_q, b, h_q, d]``, ``k, v [s_k, b, h_kv, d]``; thd (packed documents, no batch
+    dimension): ``q [t_q, h_q, d]``, ``k, v [t_k, h_kv, d]``. One float dtype and device,
+    ``h_q`` a multiple of ``h_kv``; equal q and kv lengths when ``equal_lengths`` or
+    ``causal``. Raises ``TypeError`` / ``ValueError`` whose message starts with ``who``.
     """
+    dims, form, hint = _LAYOUTS[layout]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{who}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(f"{who}: {name} must be 4-D [s, b, heads, head_dim] (Megatron's "
-                             f"sbhd layout), got shape {tuple(t.shape)}")
+        if t.dim() != dims:
+            raise ValueError(f"{who}: {name} must be {dims}-D {form} ({hint}), got shape "
+                             f"{tuple(t.shape)}")
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{who}: {name} has dtype {t.dtype}; use float16, bfloat16, "
                             "float32 or float64")
@@ -62,13 +71,14 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         what = "causal blocks need equal q and kv lengths" if causal and not equal_lengths else (
             "all three must be this rank's shard of one sequence")
         raise ValueError(f"{who}: q has {q.shape[0]} tokens but k/v have {k.shape[0]}; {what}")
-    if q.shape[1] != k.shape[1]:
+    if layout == "sbhd" and q.shape[1] != k.shape[1]:
         raise ValueError(f"{who}: batch sizes differ (q {q.shape[1]}, k/v {k.shape[1]})")
-    if q.shape[3] != k.shape[3]:
-        raise ValueError(f"{who}: head dims differ (q {q.shape[3]}, k/v {k.shape[3]})")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"{who}: h_q={q.shape[2]} is not a multiple of h_kv={k.shape[2]}; GQA "
-                         "needs each kv head to serve a whole group of query heads (set "
+    # Heads and head dim are the last two axes in both layouts.
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{who}: head dims differ (q {q.shape[-1]}, k/v {k.shape[-1]})")
+    if q.shape[-2] % k.shape[-2]:
+        raise ValueError(f"{who}: h_q={q.shape[-2]} is not a multiple of h_kv={k.shape[-2]}; "
+                         "GQA needs each kv head to serve a whole group of query heads (set "
                          "num_query_groups to a divisor of the head count)")
 
 

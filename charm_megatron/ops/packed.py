@@ -27,14 +27,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from charm_megatron.kernels.base import check_qkv
 from charm_megatron.kernels.varlen import Segments, segmented_backward, segmented_forward
 from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent
 from charm_megatron.ops.options import CPOptions, kernel_backend
 from charm_megatron.ops.streams import stream_groups
 from charm_megatron.plan.core import Half, Plan, TileSpec
 from charm_megatron.plan.registry import uses_topology
-
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 # --------------------------------------------------------------------------------- layout
@@ -179,34 +178,6 @@ def make_layout(cu_seqlens, cu_seqlens_padded, cp_size: int, t_local: int) -> TH
                          f"{t_local} tokens per rank x cp_size {cp_size} = {t_local * cp_size}; "
                          "q, k, v must be this rank's THD shard of the packed sequence")
     return THDLayout(cp_size, real, padded)
-
-
-def _check_tensors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"cp_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3:
-            raise ValueError(f"cp_attention: with cu_seqlens (packed THD) {name} must be 3-D "
-                             f"[t_local, heads, head_dim], got shape {tuple(t.shape)}")
-        if t.dtype not in _FLOAT_DTYPES:
-            raise TypeError(f"cp_attention: {name} has dtype {t.dtype}; use float16, bfloat16, "
-                            "float32 or float64")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"cp_attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype}); "
-                        "cast them to one dtype")
-    if not (q.device == k.device == v.device):
-        raise ValueError("cp_attention: q, k, v are on different devices; move them to one")
-    if k.shape != v.shape:
-        raise ValueError(f"cp_attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have "
-                         "the same shape")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"cp_attention: q has {q.shape[0]} local tokens but k/v have "
-                         f"{k.shape[0]}; all three must be this rank's shard of one sequence")
-    if q.shape[2] != k.shape[2]:
-        raise ValueError(f"cp_attention: head dims differ (q {q.shape[2]}, k/v {k.shape[2]})")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"cp_attention: h_q={q.shape[1]} is not a multiple of h_kv="
-                         f"{k.shape[1]}; GQA needs each kv head to serve a whole group")
 
 
 def _agree(layout: THDLayout | None, error: str | None, group, device: torch.device,
@@ -365,7 +336,7 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
     opts = options if options is not None else CPOptions.from_env()
 
     cp_size = dist.get_world_size(group)
-    _check_tensors(q, k, v)
+    check_qkv(q, k, v, causal=causal, equal_lengths=True, who="cp_attention", layout="thd")
     if cu_seqlens is None:
         raise ValueError("cp_attention: cu_seqlens_padded given without cu_seqlens; pass both "
                          "(cu_seqlens are the real document lengths)")
