@@ -490,11 +490,9 @@ class CharmDotProductAttention(MegatronModule):
                 "packed_seq_params.cp_group differing from the layer's CP group (hybrid "
                 "context parallelism)", "is not supported",
             )
-        if query.dim() != 3 or key.dim() != 3 or value.dim() != 3:
-            raise ValueError(
-                "CharmDotProductAttention with qkv_format='thd' expects [t, heads, d] tensors, "
-                f"got query {tuple(query.shape)}, key {tuple(key.shape)}"
-            )
+        check_qkv(query, key, value, causal=mask_type == AttnMaskType.causal,
+                  equal_lengths=True, who="CharmDotProductAttention (qkv_format='thd')",
+                  layout="thd")
         if query.shape[1] != self.num_attention_heads_per_partition:
             raise ValueError(
                 f"CharmDotProductAttention: query has {query.shape[1]} heads, expected "
