@@ -78,7 +78,7 @@ def _real_mask(real: list[int], padded: list[int]) -> torch.Tensor:
 
 
 def one_case(rank: int, world: int, algo: str, topology, causal: bool, dtype: str, hkv: int,
-             docs: str, seed: int = 0):
+             docs: str, seed: int = 0, options=None):
     """One packed forward+backward; returns (errors vs float64, padding-is-zero, results)."""
     dt = DTYPES[dtype]
     real, padded = doc_lengths(docs, world)
@@ -102,7 +102,7 @@ def one_case(rank: int, world: int, algo: str, topology, causal: bool, dtype: st
     out, lse = cp_attention(ql, kl, vl, algo=algo, topology=topology, causal=causal,
                             cu_seqlens=cumulative(real),
                             cu_seqlens_padded=None if padded is None else cumulative(padded),
-                            return_lse=True)
+                            return_lse=True, options=options)
     out.backward(local(dout).to(dt))
     assert out.shape == ql.shape and out.dtype == dt
     assert lse.shape == (hq, ql.shape[0]) and lse.dtype == torch.float32
@@ -204,3 +204,73 @@ def wire_sizes(rank: int, world: int, algo: str, topology):
         return packed, list(sent)
     finally:
         ex.dist.batch_isend_irecv = real_batch
+
+
+# ------------------------------------------------------------------- the failure model
+def _opts(**kw):
+    from charm_megatron.ops.options import CPOptions
+
+    return CPOptions(timeout_s=4.0, **kw)  # short bound: a broken case fails in seconds
+
+
+def packed_mismatch(rank: int, world: int, case: str):
+    """The last rank's packed call differs in ``case`` (algo, causal, cu_seqlens, dtype,
+    backward_order); returns (exception type, message, seconds) of every rank."""
+    import time
+
+    c = 2 * world
+    real, padded = [3 * c - 1, c], [3 * c, c]
+    kw = dict(algo="ring", causal=True, options=_opts())
+    odd = rank == world - 1
+    dtype = torch.float32
+    if case == "algo" and odd:
+        kw["algo"] = "rmplus"
+    elif case == "causal" and odd:
+        kw["causal"] = False
+    elif case == "cu_seqlens" and odd:  # same totals, other document boundaries
+        real, padded = [c - 1, 3 * c], [c, 3 * c]
+    elif case == "dtype" and odd:
+        dtype = torch.float64
+    t = sum(padded) // world
+    g = torch.Generator().manual_seed(rank)
+    q = torch.randn(t, 4, 8, generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(t, 2, 8, generator=g).to(dtype) for _ in range(2))
+    kw.update(cu_seqlens=cumulative(real), cu_seqlens_padded=cumulative(padded))
+    t0 = time.monotonic()
+    try:
+        if case == "backward_order":  # two calls, backwards in different orders
+            qs = [q.detach().clone().requires_grad_() for _ in range(2)]
+            outs = [cp_attention(x, k, v, **kw) for x in qs]
+            for o in (outs[::-1] if odd else outs):
+                o.sum().backward()
+        else:
+            cp_attention(q, k, v, **kw).sum().backward()
+    except Exception as exc:  # noqa: BLE001 - the type is part of what the test checks
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+    return "no error", "", time.monotonic() - t0
+
+
+def packed_failure_then_normal_call(rank: int, world: int, algo: str, topology, where: str,
+                                    bad_rank: int):
+    """``bad_rank``'s 2nd ``where`` kernel call raises in a packed call; then every rank makes
+    ordinary packed calls. Returns (error text of the failed call, its seconds, max error of
+    the next calls vs the float64 reference)."""
+    import time
+
+    from dist_failure_cases import FailingBackend
+
+    backend = FailingBackend(where, 2) if rank == bad_rank else "torch"
+    t0 = time.monotonic()
+    text = "no error"
+    try:
+        one_case(rank, world, algo, topology, True, "fp32", 2, "unequal",
+                 options=_opts(backend=backend))
+    except (RuntimeError, ValueError) as exc:  # CPAttentionError is a RuntimeError
+        text = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - t0
+    err = 0.0
+    for seed, causal in ((11, True), (12, False)):
+        errs, zero, _ = one_case(rank, world, algo, topology, causal, "fp32", 2, "unequal",
+                                 seed=seed, options=_opts())
+        err = max(err, *errs.values(), 0.0 if zero else 1.0)
+    return text, took, err

@@ -77,7 +77,7 @@ def test_packed_messages_are_the_unpacked_ones():
 BAD = {
     "decreasing": "not increasing",
     "length": "tensors hold",
-    "mismatch": "differ between CP ranks",
+    "mismatch": "disagree on cu_seqlens \\(real document lengths\\)",
     "padded_multiple": "padded length .* not a multiple of 2\\*cp_size",
     "unpadded_multiple": "no cu_seqlens_padded given.* not a multiple of 2\\*cp_size",
     "padded_shorter": "padded length",
@@ -92,6 +92,45 @@ def test_bad_packed_input_raises_on_every_rank():
         got = [e[case] for e in errors]
         assert all(g is not None for g in got), (case, got)
         assert any(re.search(pattern, g) for g in got), (case, got)
+
+
+# -------------------------------------------------------------------- the failure model
+PACKED_MISMATCH = {  # case -> the field the message names
+    "algo": "algo",
+    "causal": "causal",
+    "cu_seqlens": "cu_seqlens \\(real document lengths\\)",
+    "dtype": "q shape/dtype",
+    "backward_order": "call number",
+}
+
+
+@pytest.mark.parametrize("case", sorted(PACKED_MISMATCH))
+def test_packed_mismatch_is_an_error_on_every_rank(case):
+    # The same agreement check as unpacked calls (docs/api.md, failure model): every rank
+    # raises CPMismatchError naming the field and the odd rank, within the 4 s bound.
+    res = run_ranks(packed_cases.packed_mismatch, 2, case, timeout_s=90)
+    for rank, (kind, text, took) in enumerate(res):
+        assert kind == "CPMismatchError", (rank, kind, text)
+        assert re.search(PACKED_MISMATCH[case], text), (rank, text)
+        assert "rank 1" in text, (rank, text)
+        assert took < 20, (rank, took)
+
+
+@pytest.mark.parametrize("algo,topology,world", [("ring", None, 2), ("charm", "2x2", 4)])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_packed_kernel_failure_mid_call_then_normal_call(algo, topology, world, where):
+    bad = world - 1
+    res = run_ranks(packed_cases.packed_failure_then_normal_call, world, algo, topology, where,
+                    bad, timeout_s=120)
+    for rank, (text, took, err) in enumerate(res):
+        if rank == bad:
+            assert text.startswith("RuntimeError: injected"), text
+        else:
+            assert text.startswith("CPAttentionError"), text
+            assert f"CP rank(s) [{bad}]" in text and "injected" in text, text
+            assert f"algo={algo}, {where}" in text, text
+        assert took < 30, (rank, took)
+        assert err < 1e-5, (rank, err)  # the next packed calls are correct on every rank
 
 
 # ------------------------------------------------------------------ single-process pieces

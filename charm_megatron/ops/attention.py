@@ -115,10 +115,12 @@ def _auto_cluster(opts: CPOptions):
 
 def _signature(direction: str, seq: int, q, k, v, algo: str, topology, causal: bool, scale,
                opts: CPOptions | None, error: BaseException | None,
-               cluster=None, roles: str | None = None) -> Signature:
+               cluster=None, roles: str | None = None,
+               extra: tuple[tuple[str, object], ...] = ()) -> Signature:
     """What the ranks must agree on. The plan is a pure function of these fields (and of the
     probe's all-gathered result), so agreeing on them is agreeing on the plan; the package
-    version stands for the plan builders' code. Add fields at the end (e.g. cu_seqlens)."""
+    version stands for the plan builders' code. ``extra`` fields go at the end (the packed
+    path's document lengths, ops/packed.py)."""
     fields: tuple[tuple[str, object], ...] = (
         ("charm_megatron version", charm_megatron.__version__),
         ("direction", direction),
@@ -141,7 +143,7 @@ def _signature(direction: str, seq: int, q, k, v, algo: str, topology, causal: b
                                                      _cluster_desc(cluster))),
         )
     # The role mix picks the plans of rmplus / charm as much as the algorithm does.
-    fields += (("roles", roles),)
+    fields += (("roles", roles),) + tuple(extra)
     return Signature(fields, f"{type(error).__name__}: {error}" if error is not None else "")
 
 
@@ -230,8 +232,8 @@ def cp_attention(
         raise RuntimeError("cp_attention: torch.distributed is not initialised; call "
                            "torch.distributed.init_process_group (or run under torchrun) first")
     if cu_seqlens is not None or cu_seqlens_padded is not None:
-        # Packed documents (THD): its own module, the same plans (ops/packed.py), its own
-        # agreement on the lengths (the checks of the failure model are not wired there yet).
+        # Packed documents (THD): its own module, the same plans and the same failure model
+        # (agreement with the document lengths as extra fields, status exchange; ops/packed.py).
         from charm_megatron.ops.packed import packed_cp_attention
 
         if algo not in ALGOS:

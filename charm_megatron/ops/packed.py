@@ -20,8 +20,8 @@ tokens depends on the rank (the chunk index).
 
 from __future__ import annotations
 
-import datetime
 import functools
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -29,9 +29,11 @@ import torch.distributed as dist
 
 from charm_megatron.kernels.base import check_qkv
 from charm_megatron.kernels.varlen import Segments, segmented_backward, segmented_forward
+from charm_megatron.ops import agreement
 from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent
+from charm_megatron.ops.failsafe import GuardedBackend
 from charm_megatron.ops.options import CPOptions, kernel_backend
-from charm_megatron.ops.streams import stream_groups
+from charm_megatron.ops.streams import StreamGroups, stream_groups
 from charm_megatron.plan.core import Half, Plan, TileSpec
 from charm_megatron.plan.registry import uses_topology
 
@@ -180,34 +182,28 @@ def make_layout(cu_seqlens, cu_seqlens_padded, cp_size: int, t_local: int) -> TH
     return THDLayout(cp_size, real, padded)
 
 
-def _agree(layout: THDLayout | None, error: str | None, group, device: torch.device,
-           timeout_s: float) -> None:
-    """Every rank learns whether any rank's cu_seqlens were invalid or differ from the others'
-    (one small all-reduce, before the attention's own communication); all raise together."""
-    fp = hash((layout.real, layout.padded)) if layout is not None else 0
-    fp &= (1 << 62) - 1
-    dev = device if device.type == "cuda" else torch.device("cpu")
-    t = torch.tensor([fp, -fp, 1 if error else 0], dtype=torch.int64, device=dev)
-    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
-    if dev.type == "cuda":
-        work.wait()
-    else:
-        work.wait(datetime.timedelta(seconds=timeout_s))
-    hi, neg_lo, any_bad = t.tolist()
-    if error:
-        raise ValueError(error)
-    if any_bad:
-        raise ValueError("cp_attention: another CP rank's cu_seqlens / cu_seqlens_padded are "
-                         "invalid (its error names the problem)")
-    if hi != -neg_lo:
-        raise ValueError("cp_attention: cu_seqlens / cu_seqlens_padded differ between CP ranks; "
-                         "they are the global cumulative lengths and must be identical on every "
-                         "rank of the CP group")
+def layout_fields(layout: THDLayout | None) -> tuple[tuple[str, object], ...]:
+    """The agreement check's extra fields for packed calls (ops/attention._signature): the real
+    and padded document lengths, each as count, total and a digest (bounded size however many
+    documents; ``None`` where this rank's own cu_seqlens were invalid, its error says why)."""
+    def desc(lengths: tuple[int, ...]) -> str:
+        digest = hashlib.blake2b(repr(lengths).encode(), digest_size=6).hexdigest()
+        return f"{len(lengths)} documents, {sum(lengths)} tokens, lengths digest {digest}"
+
+    if layout is None:
+        return (("cu_seqlens (real document lengths)", None),
+                ("cu_seqlens_padded (padded document lengths)", None))
+    return (("cu_seqlens (real document lengths)", desc(layout.real)),
+            ("cu_seqlens_padded (padded document lengths)", desc(layout.padded)))
 
 
 # ------------------------------------------------------------------------------ running
 class PackedExecutor(Executor):
-    """The plan executor with tiles computed by document (everything else unchanged)."""
+    """The plan executor with tiles computed by document (everything else unchanged).
+
+    With a :class:`GuardedBackend` a failing tile is recorded and returns an empty partial,
+    also on the one-call CUDA varlen path that does not go through the backend, so that every
+    transfer of the plan still completes (ops/failsafe.py)."""
 
     def __init__(self, streams, backend, shape: BlockShape, scale: float,
                  layout: THDLayout, *, varlen: bool = True, **options) -> None:
@@ -218,54 +214,85 @@ class PackedExecutor(Executor):
     def _segments(self, spec: TileSpec) -> Segments:
         return tile_segments(self.layout, spec, self.shape.device)
 
+    def _failed(self, exc: Exception | None = None) -> bool:
+        guard = self.backend if isinstance(self.backend, GuardedBackend) else None
+        if guard is None:
+            if exc is not None:
+                raise exc
+            return False
+        if exc is not None and guard.error is None:
+            guard.error = exc
+        return guard.error is not None
+
     def _kernel_forward(self, spec, q, k, v):
-        return segmented_forward(self.backend, q, k, v, self._segments(spec), self.scale,
-                                 varlen=self.varlen)
+        if not self._failed():
+            try:
+                return segmented_forward(self.backend, q, k, v, self._segments(spec),
+                                         self.scale, varlen=self.varlen)
+            except Exception as exc:  # noqa: BLE001 - reported after the plan, on every rank
+                self._failed(exc)
+        lse = torch.full((1, q.shape[2], q.shape[0]), float("-inf"), dtype=torch.float32,
+                         device=q.device)
+        return torch.zeros_like(q), lse
 
     def _kernel_backward(self, spec, dout, q, k, v, out, lse):
-        return segmented_backward(self.backend, dout, q, k, v, out, lse, self._segments(spec),
-                                  self.scale, varlen=self.varlen)
+        if not self._failed():
+            try:
+                return segmented_backward(self.backend, dout, q, k, v, out, lse,
+                                          self._segments(spec), self.scale, varlen=self.varlen)
+            except Exception as exc:  # noqa: BLE001 - reported after the plan, on every rank
+                self._failed(exc)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
-def _make_executor(group, q, k, scale: float, layout: THDLayout,
-                   opts: CPOptions) -> PackedExecutor:
+def _make_executor(call, sg: StreamGroups, q, k, layout: THDLayout,
+                   direction: str) -> PackedExecutor:
+    opts = call.options
     shape = BlockShape(q.shape[0], 1, q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device)
-    return PackedExecutor(stream_groups(group, opts.timeout_s),
-                          kernel_backend(opts, q.device, q.dtype), shape, scale, layout,
+    backend = GuardedBackend(kernel_backend(opts, q.device, q.dtype))
+    return PackedExecutor(sg, backend, shape, call.scale, layout,
                           varlen=opts.backend is None, compute=opts.compute, comm=opts.comm,
-                          timeout_s=opts.timeout_s)
+                          timeout_s=opts.timeout_s, what=call.what(direction))
 
 
 class _PackedCPAttention(torch.autograd.Function):
-    """Internal-order tensors ``[t, 1, h, d]``; the same plans as the unpacked operator."""
+    """Internal-order tensors ``[t, 1, h, d]``; the same plans as the unpacked operator, run
+    and failed the same way (``_run`` of ops/attention.py)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, algo, groups, causal, scale, layout, opts):
-        from charm_megatron.ops.attention import _plans
+    def forward(ctx, q, k, v, call, layout):
+        from charm_megatron.ops.attention import _run
 
-        fwd, _ = _plans(algo, groups, causal, opts.pass_order)
-        rank = dist.get_rank(group)
-        ex = _make_executor(group, q, k, scale, layout, opts)
+        fwd, _ = call.plans()
+        sg = stream_groups(call.group, call.options.timeout_s)
+        rank = dist.get_rank(call.group)
+        ex = _make_executor(call, sg, q, k, layout, "forward")
         ex.set_own("own.q", "q", q)
         ex.set_own("own.kv", "kv", k, v)
-        ex.run(fwd.ops[rank])
+        _run(call, sg, ex, fwd.ops[rank], "forward")
         acc_out, acc_lse = ex.result(Plan.OUT)
         out = acc_out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.cfg = (group, algo, groups, causal, scale, layout, opts)
+        ctx.call, ctx.layout = call, layout
         lse = acc_lse[:, 0, :].t().contiguous()  # [h, t]
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        from charm_megatron.ops.attention import _plans
+        from charm_megatron.ops.attention import _run, _signature
 
         q, k, v, out, lse_sbh = ctx.saved_tensors
-        group, algo, groups, causal, scale, layout, opts = ctx.cfg
-        _, bwd = _plans(algo, groups, causal, opts.pass_order)
-        rank = dist.get_rank(group)
-        ex = _make_executor(group, q, k, scale, layout, opts)
+        call, layout = ctx.call, ctx.layout
+        _, bwd = call.plans()
+        sg = stream_groups(call.group, call.options.timeout_s)
+        if sg.size > 1 and call.options.check != "off":
+            sig = _signature("backward", call.seq, q, k, v, call.algo, call.groups,
+                             call.causal, call.scale, call.options, None, roles=call.roles,
+                             extra=layout_fields(layout))
+            agreement.agree(sig, sg.control, sg.size, call.options.timeout_s)
+        rank = dist.get_rank(call.group)
+        ex = _make_executor(call, sg, q, k, layout, "backward")
         dout = dout.to(q.dtype).contiguous()
         # delta scaled by the row's 2**-e, as executor._out_with_delta expects (ops/attention).
         e = delta_exponent(dout)
@@ -273,11 +300,10 @@ class _PackedCPAttention(torch.autograd.Function):
         ex.set_own("own.qgrad", "qgrad", q, dout,
                    torch.stack([lse_sbh, delta.to(lse_sbh.dtype)], -1))
         ex.set_own("own.kv", "kv", k, v)
-        ex.run(bwd.ops[rank])
+        _run(call, sg, ex, bwd.ops[rank], "backward")
         (dq,) = ex.result(Plan.DQ)
         dk, dv = ex.result(Plan.DKV)
-        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
-                None, None, None, None, None, None, None)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 class _LocalPacked(torch.autograd.Function):
@@ -331,26 +357,43 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
                         softmax_scale: float | None, return_lse: bool,
                         options: CPOptions | None = None):
     """:func:`charm_megatron.cp_attention` for packed THD tensors (see its docstring)."""
-    from charm_megatron.ops.attention import _auto_cluster, _check_scale, _resolve
+    from charm_megatron.ops.attention import (
+        _auto_cluster,
+        _Call,
+        _check_backend,
+        _check_scale,
+        _resolve,
+        _signature,
+    )
 
     opts = options if options is not None else CPOptions.from_env()
-
     cp_size = dist.get_world_size(group)
-    check_qkv(q, k, v, causal=causal, equal_lengths=True, who="cp_attention", layout="thd")
-    if cu_seqlens is None:
-        raise ValueError("cp_attention: cu_seqlens_padded given without cu_seqlens; pass both "
-                         "(cu_seqlens are the real document lengths)")
-    layout, error = None, None
-    try:
+    layout, scale, error, cluster = None, softmax_scale, None, None
+    try:  # this rank's own checks; the verdict is shared by the agreement check below
+        check_qkv(q, k, v, causal=causal, equal_lengths=True, who="cp_attention", layout="thd")
+        if cu_seqlens is None:
+            raise ValueError("cp_attention: cu_seqlens_padded given without cu_seqlens; pass "
+                             "both (cu_seqlens are the real document lengths)")
         layout = make_layout(cu_seqlens, cu_seqlens_padded, cp_size, q.shape[0])
+        scale = _check_scale(softmax_scale, q.shape[-1])
+        _check_backend(opts, q)
+        if algo == "auto" and cp_size > 1:
+            cluster = _auto_cluster(opts)
     except (ValueError, TypeError) as exc:
-        if cp_size == 1:
-            raise
-        error = str(exc)
-    if cp_size > 1:
-        _agree(layout, error, group, q.device, opts.timeout_s)
+        error = exc
+    sg = stream_groups(group, opts.timeout_s)
+    seq = sg.calls
+    sg.calls += 1
+    if cp_size > 1 and opts.check != "off":
+        # The same agreement as the unpacked call, the document lengths as extra fields; the
+        # signature's tensors are the THD ones (3-D), so a packed call never matches an
+        # unpacked one.
+        sig = _signature("forward", seq, q, k, v, algo, topology, causal, scale, opts, error,
+                         cluster, "paper", extra=layout_fields(layout))
+        agreement.agree(sig, sg.control, cp_size, opts.timeout_s, error)
+    elif error is not None:
+        raise error
     assert layout is not None
-    scale = _check_scale(softmax_scale, q.shape[-1])
     if cp_size == 1:
         seg = _local_segments(layout, causal, str(q.device))
         out, lse = _LocalPacked.apply(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), seg,
@@ -360,12 +403,12 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
     q4 = q.unsqueeze(1)
     if topology is None and uses_topology(algo):
         topology = opts.topology or "auto"  # the options' default, as in cp_attention
-    cluster = _auto_cluster(opts) if algo == "auto" else None
     algo, groups = _resolve(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal, cluster)
+    # Packed sequences run the paper's roles (no shape for the byte rule).
+    call = _Call(group, algo, groups, causal, float(scale), opts, seq, "paper", None)
     perm, inv = _permutation(layout, str(q.device))
     qi, ki, vi = (t.index_select(0, perm).unsqueeze(1) for t in (q, k, v))
-    out, lse = _PackedCPAttention.apply(qi, ki, vi, group, algo, groups, causal, float(scale),
-                                        layout, opts)
+    out, lse = _PackedCPAttention.apply(qi, ki, vi, call, layout)
     out = out.squeeze(1).index_select(0, inv)
     if not return_lse:
         return out
