@@ -261,9 +261,18 @@ def _ablated_variants(rank: int, world: int) -> dict:
     return out
 
 
+# With computation off nothing is computed, so the output must differ from the full run's.
+# With communication off the receive buffers keep whatever memory they were given (possibly the
+# previous call's peer blocks, so the output can match the full run's by chance): only that the
+# option arrived is checked there.
+MUST_DIFFER = {"compute_only": False, "comm_only": True}
+
+
 def test_plan_contender_ablations_reach_cp_attention():
     from charm_megatron.local_ranks import run_ranks
 
     for res in run_ranks(_ablated_variants, 2, timeout_s=120):
         for (_, ablation), (got, base, differs) in res.items():
-            assert (got, base, differs) == (ablation, "none", True)
+            assert (got, base) == (ablation, "none")
+            if MUST_DIFFER[ablation]:
+                assert differs, ablation
