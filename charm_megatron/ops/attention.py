@@ -354,20 +354,57 @@ def _run(call: _Call, sg: StreamGroups, ex: Executor, ops, direction: str) -> No
                                "the CP group is ready for the next call")
 
 
+def run_forward(call: _Call, make_executor, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's forward plan (shared by the sbhd and the packed operator): ``out`` in q's
+    dtype and the accumulated lse ``[s, b, h]``. ``make_executor(sg, direction)`` builds the
+    executor (the packed one adds its document layout)."""
+    fwd, _ = call.plans()
+    sg = stream_groups(call.group, call.options.timeout_s)
+    ex = make_executor(sg, "forward")
+    ex.set_own("own.q", "q", q)
+    ex.set_own("own.kv", "kv", k, v)
+    _run(call, sg, ex, fwd.ops[dist.get_rank(call.group)], "forward")
+    acc_out, acc_lse = ex.result(Plan.OUT)
+    return acc_out.to(q.dtype), acc_lse
+
+
+def run_backward(call: _Call, make_executor, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, out: torch.Tensor, lse_sbh: torch.Tensor,
+                 dout: torch.Tensor, extra: tuple = ()) -> tuple[torch.Tensor, ...]:
+    """This rank's backward plan after the ranks agree again (``extra``: more signature
+    fields, e.g. the packed layout): dq, dk, dv in the inputs' dtypes."""
+    _, bwd = call.plans()
+    sg = stream_groups(call.group, call.options.timeout_s)
+    if sg.size > 1 and call.options.check != "off":
+        sig = _signature("backward", call.seq, q, k, v, call.algo, call.groups, call.causal,
+                         call.scale, call.options, None, roles=call.roles, extra=extra)
+        agreement.agree(sig, sg.control, sg.size, call.options.timeout_s)
+    ex = make_executor(sg, "backward")
+    dout = dout.to(q.dtype)
+    # delta = rowsum(dout * out) is all the tiles' backward needs of the output (see
+    # executor._out_with_delta), so the q-side bundle carries it instead of out, scaled by
+    # the row's power of two 2**-e (e from max|dout|) so that it never overflows or
+    # underflows; the receiver recomputes e from the dout it receives.
+    wide = torch.float64
+    e = delta_exponent(dout)
+    delta = torch.ldexp((dout.to(wide) * out.to(wide)).sum(-1), -e.to(wide))
+    ex.set_own("own.qgrad", "qgrad", q, dout,
+               torch.stack([lse_sbh, delta.to(lse_sbh.dtype)], -1))
+    ex.set_own("own.kv", "kv", k, v)
+    _run(call, sg, ex, bwd.ops[dist.get_rank(call.group)], "backward")
+    (dq,) = ex.result(Plan.DQ)
+    dk, dv = ex.result(Plan.DKV)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _CPAttention(torch.autograd.Function):
     """Forward and backward plans under one autograd node (the kernels' lse has no autograd)."""
 
     @staticmethod
     def forward(ctx, q, k, v, call: _Call):
-        fwd, _ = call.plans()
-        sg = stream_groups(call.group, call.options.timeout_s)
-        rank = dist.get_rank(call.group)
-        ex = _make_executor(call, sg, q, k, "forward")
-        ex.set_own("own.q", "q", q)
-        ex.set_own("own.kv", "kv", k, v)
-        _run(call, sg, ex, fwd.ops[rank], "forward")
-        acc_out, acc_lse = ex.result(Plan.OUT)
-        out = acc_out.to(q.dtype)
+        out, acc_lse = run_forward(
+            call, lambda sg, d: _make_executor(call, sg, q, k, d), q, k, v)
         ctx.save_for_backward(q, k, v, out, acc_lse)
         ctx.call = call
         lse = acc_lse.permute(1, 2, 0).contiguous()
@@ -378,26 +415,6 @@ class _CPAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse_sbh = ctx.saved_tensors
         call: _Call = ctx.call
-        _, bwd = call.plans()
-        sg = stream_groups(call.group, call.options.timeout_s)
-        if sg.size > 1 and call.options.check != "off":
-            sig = _signature("backward", call.seq, q, k, v, call.algo, call.groups,
-                             call.causal, call.scale, call.options, None, roles=call.roles)
-            agreement.agree(sig, sg.control, sg.size, call.options.timeout_s)
-        rank = dist.get_rank(call.group)
-        ex = _make_executor(call, sg, q, k, "backward")
-        dout = dout.to(q.dtype)
-        # delta = rowsum(dout * out) is all the tiles' backward needs of the output (see
-        # executor._out_with_delta), so the q-side bundle carries it instead of out, scaled by
-        # the row's power of two 2**-e (e from max|dout|) so that it never overflows or
-        # underflows; the receiver recomputes e from the dout it receives.
-        wide = torch.float64
-        e = delta_exponent(dout)
-        delta = torch.ldexp((dout.to(wide) * out.to(wide)).sum(-1), -e.to(wide))
-        ex.set_own("own.qgrad", "qgrad", q, dout,
-                   torch.stack([lse_sbh, delta.to(lse_sbh.dtype)], -1))
-        ex.set_own("own.kv", "kv", k, v)
-        _run(call, sg, ex, bwd.ops[rank], "backward")
-        (dq,) = ex.result(Plan.DQ)
-        dk, dv = ex.result(Plan.DKV)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        grads = run_backward(call, lambda sg, d: _make_executor(call, sg, q, k, d),
+                             q, k, v, out, lse_sbh, dout)
+        return (*grads, None)

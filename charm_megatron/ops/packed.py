@@ -30,11 +30,11 @@ import torch.distributed as dist
 from charm_megatron.kernels.base import check_qkv
 from charm_megatron.kernels.varlen import Segments, segmented_backward, segmented_forward
 from charm_megatron.ops import agreement
-from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent
+from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.failsafe import GuardedBackend
 from charm_megatron.ops.options import CPOptions, kernel_backend
 from charm_megatron.ops.streams import StreamGroups, stream_groups
-from charm_megatron.plan.core import Half, Plan, TileSpec
+from charm_megatron.plan.core import Half, TileSpec
 from charm_megatron.plan.registry import uses_topology
 
 
@@ -261,17 +261,10 @@ class _PackedCPAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, call, layout):
-        from charm_megatron.ops.attention import _run
+        from charm_megatron.ops.attention import run_forward
 
-        fwd, _ = call.plans()
-        sg = stream_groups(call.group, call.options.timeout_s)
-        rank = dist.get_rank(call.group)
-        ex = _make_executor(call, sg, q, k, layout, "forward")
-        ex.set_own("own.q", "q", q)
-        ex.set_own("own.kv", "kv", k, v)
-        _run(call, sg, ex, fwd.ops[rank], "forward")
-        acc_out, acc_lse = ex.result(Plan.OUT)
-        out = acc_out.to(q.dtype)
+        out, acc_lse = run_forward(
+            call, lambda sg, d: _make_executor(call, sg, q, k, layout, d), q, k, v)
         ctx.save_for_backward(q, k, v, out, acc_lse)
         ctx.call, ctx.layout = call, layout
         lse = acc_lse[:, 0, :].t().contiguous()  # [h, t]
@@ -280,30 +273,13 @@ class _PackedCPAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        from charm_megatron.ops.attention import _run, _signature
+        from charm_megatron.ops.attention import run_backward
 
         q, k, v, out, lse_sbh = ctx.saved_tensors
         call, layout = ctx.call, ctx.layout
-        _, bwd = call.plans()
-        sg = stream_groups(call.group, call.options.timeout_s)
-        if sg.size > 1 and call.options.check != "off":
-            sig = _signature("backward", call.seq, q, k, v, call.algo, call.groups,
-                             call.causal, call.scale, call.options, None, roles=call.roles,
-                             extra=layout_fields(layout))
-            agreement.agree(sig, sg.control, sg.size, call.options.timeout_s)
-        rank = dist.get_rank(call.group)
-        ex = _make_executor(call, sg, q, k, layout, "backward")
-        dout = dout.to(q.dtype).contiguous()
-        # delta scaled by the row's 2**-e, as executor._out_with_delta expects (ops/attention).
-        e = delta_exponent(dout)
-        delta = torch.ldexp((dout.double() * out.double()).sum(-1), -e.double())
-        ex.set_own("own.qgrad", "qgrad", q, dout,
-                   torch.stack([lse_sbh, delta.to(lse_sbh.dtype)], -1))
-        ex.set_own("own.kv", "kv", k, v)
-        _run(call, sg, ex, bwd.ops[rank], "backward")
-        (dq,) = ex.result(Plan.DQ)
-        dk, dv = ex.result(Plan.DKV)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        grads = run_backward(call, lambda sg, d: _make_executor(call, sg, q, k, layout, d),
+                             q, k, v, out, lse_sbh, dout, extra=layout_fields(layout))
+        return (*grads, None, None)
 
 
 class _LocalPacked(torch.autograd.Function):
