@@ -84,6 +84,14 @@ def test_bad_override_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> No
     assert "seq_lenght" in capsys.readouterr().err
 
 
+def test_bad_nic_is_refused_before_anything_runs(tmp_path) -> None:
+    from charm_megatron.train_demo.runner import run_demo
+
+    with pytest.raises(ValueError, match="nic must be 'node'.*or 'rank'"):
+        run_demo(nic="switch", out=tmp_path, stream=io.StringIO())
+    assert not any(tmp_path.iterdir())  # nothing was written, no rank was started
+
+
 def test_demo_end_to_end(tmp_path) -> None:
     """Ring and CHARM+ train the tiny GPT (4 ranks, CP 4, 2x2) for 4 iterations; inside the
     emulated cluster when namespaces are available, else over loopback."""

@@ -46,6 +46,8 @@ DEFAULT_OUT = os.path.join("runs", "demo")
 #: Cross-node link 1/8 of the intra-node one, slow enough that the ring waits on it.
 DEFAULT_CROSS_RATE = "100mbit"
 DEFAULT_INTRA_RATE = "800mbit"
+#: One cross-node link per node (a dual-NUMA PCIe box); ``rank``: one per rank (one NIC per GPU).
+DEFAULT_NIC = "node"
 DEFAULT_TOLERANCE = 1e-4
 COMM_TYPES = ("ring", "charm")
 LOG_NAME = "train-demo.log"
@@ -87,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--intra-rate", default=DEFAULT_INTRA_RATE,
                    help=f"intra-node link per node, 'none' = unshaped loopback (default "
                    f"{DEFAULT_INTRA_RATE})")
+    g.add_argument("--nic", choices=("node", "rank"), default=DEFAULT_NIC,
+                   help="node: a node's ranks share one cross-node link (a dual-NUMA PCIe box); "
+                   f"rank: one cross-node link per rank (one NIC per GPU). Default {DEFAULT_NIC}")
     g.add_argument("--skip", type=int, default=None,
                    help="warm-up iterations left out of the timing (default: compare's, 2)")
     g.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE,
@@ -127,6 +132,7 @@ def run_demo(
     link: str = "auto",
     cross_rate: str = DEFAULT_CROSS_RATE,
     intra_rate: str | None = DEFAULT_INTRA_RATE,
+    nic: str = DEFAULT_NIC,
     skip: int | None = None,
     tolerance: float = DEFAULT_TOLERANCE,
     timeout_s: float = 1800.0,
@@ -156,6 +162,9 @@ def run_demo(
                          f"iterations, lr_warmup_iters {v['lr_warmup_iters']})")
     if world != cp:
         raise ValueError(f"the demo emulates one CP group: world size {world} must equal CP {cp}")
+    if nic not in ("node", "rank"):
+        raise ValueError(f"nic must be 'node' (one cross link per node) or 'rank' (one per "
+                         f"rank), got {nic!r}")
     mode, why = _link_mode(link)
     intra = None if intra_rate in (None, "none", "") else intra_rate
 
@@ -173,7 +182,7 @@ def run_demo(
         + (f"; overrides: {' '.join(f'{k}={x}' for k, x in overrides.items())}"
            if overrides else ""))
 
-    meta_extra: dict[str, Any] = {"link": mode, "topology": str(topology),
+    meta_extra: dict[str, Any] = {"link": mode, "nic": nic, "topology": str(topology),
                                   "overrides": dict(overrides or {})}
     measured_cross: float | None = None
     t_start = time.perf_counter()
@@ -187,12 +196,13 @@ def run_demo(
                              f"topology {topology} is not GxM")
         cluster = EmulatedCluster(groups=topology.num_groups,
                                   ranks_per_group=topology.group_size,
-                                  cross_rate=cross_rate, intra_rate=intra, nic="node")
+                                  cross_rate=cross_rate, intra_rate=intra, nic=nic)
         with cluster:
             rates = cluster.measure_rates(seconds=0.3, concurrent=True)
             say(f"  link: emulated cluster (network namespaces, tc tbf; {why}): "
-                f"{topology.num_groups} nodes x {topology.group_size} ranks, one shared "
-                f"cross-node link per node")
+                f"{topology.num_groups} nodes x {topology.group_size} ranks, "
+                + ("one shared cross-node link per node" if nic == "node"
+                   else "one cross-node link per rank (one NIC per GPU)"))
             say("    measured: " + str(rates).replace("\n", "\n              "))
             measured_cross = rates.cross
             meta_extra.update(cross_rate=cluster.cross_rate, intra_rate=cluster.intra_rate,
@@ -294,7 +304,7 @@ def main(args: argparse.Namespace) -> int:
         result = run_demo(config=args.config, run=args.run,
                           overrides=_parse_overrides(args.overrides), out=args.out,
                           link=args.link, cross_rate=args.cross_rate,
-                          intra_rate=args.intra_rate, skip=args.skip,
+                          intra_rate=args.intra_rate, nic=args.nic, skip=args.skip,
                           tolerance=args.tolerance, timeout_s=args.timeout_s)
     except (ConfigError, ValueError) as exc:
         print(f"charm-megatron demo: {exc}", file=sys.stderr)
