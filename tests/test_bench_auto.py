@@ -74,6 +74,7 @@ def test_analysis_auto_versus_fastest(auto_s, check):
     assert (fwd["auto_pick"], fwd["fastest"], fwd["auto_check"]) == ("charm", "charm", check)
     assert fwd["vs_fastest"] == pytest.approx(auto_s / 1.0)
     assert (fwd["vs_fastest"] > AUTO_SLACK) == (check == "over")
+    assert fwd["pick_vs_fastest"] == pytest.approx(1.0)  # the pick is the fastest here
     # auto's bound is its pick's: charm's compute-only run and charm's plan bytes.
     charm = next(r for r in rows if r["algo"] == "charm" and r["pass"] == "fwd")
     assert fwd["bound_ms"] == pytest.approx(charm["bound_ms"])

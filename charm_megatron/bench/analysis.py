@@ -48,8 +48,9 @@ COLUMNS = [
     # What `charm-megatron model --calibrate` needs beyond the above (older files lack them).
     "cores", "intra_rate_mbps", "cross_burst_kb",
     # The auto contender's rows: what it ran, the fastest of ring / rmplus / charm at this
-    # point and pass, auto's median over that one's, and "over" when that exceeds AUTO_SLACK.
-    "auto_pick", "fastest", "vs_fastest", "auto_check",
+    # point and pass, auto's median over that one's, "over" when that exceeds AUTO_SLACK, and
+    # the pick's own median (as a contender) over the fastest's.
+    "auto_pick", "fastest", "vs_fastest", "auto_check", "pick_vs_fastest",
     "note",
 ]
 
@@ -224,6 +225,10 @@ def _versus_fastest(wall: dict, key: str, p: str, pick: str) -> dict:
     fastest = min(medians, key=lambda a: (medians[a], AUTO_FIELD.index(a)))
     ratio = statistics.median(wall[key][p]) / medians[fastest] if medians[fastest] > 0 else None
     out.update(fastest=fastest, vs_fastest=ratio)
+    if pick in medians and medians[fastest] > 0:
+        # The same plans timed as their own contender: above 1.05 the choice was wrong;
+        # vs_fastest far above this one is noise or overhead of the auto call itself.
+        out["pick_vs_fastest"] = medians[pick] / medians[fastest]
     if ratio is not None:
         out["auto_check"] = "ok" if ratio <= AUTO_SLACK else "over"
     return out

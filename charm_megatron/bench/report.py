@@ -110,7 +110,9 @@ def auto_line(point_rows: Sequence[dict]) -> str | None:
         if r.get("vs_fastest") is None:
             continue
         flag = "  CHECK > 1.05" if r.get("auto_check") == "over" else ""
-        parts.append(f"{r['pass']} {r['vs_fastest']:.3f} of {r['fastest']}{flag}")
+        alone = (f" (the pick as its own contender: {r['pick_vs_fastest']:.3f})"
+                 if r.get("pick_vs_fastest") is not None else "")
+        parts.append(f"{r['pass']} {r['vs_fastest']:.3f} of {r['fastest']}{alone}{flag}")
     return (f"auto picked {auto[0]['auto_pick']}; auto / fastest: "
             + ("; ".join(parts) if parts else "no ring/rmplus/charm timed to compare"))
 

@@ -90,7 +90,9 @@ def _versus(row: dict) -> str:
     v = _num(row.get("vs_fastest", ""))
     if v is None:
         return "-"
-    text = f"{v:.2f} ({row.get('fastest') or '?'})"
+    alone = _num(row.get("pick_vs_fastest", ""))
+    text = f"{v:.2f} ({row.get('fastest') or '?'}" + (
+        f"; pick alone {alone:.2f})" if alone is not None else ")")
     return f"**{text} CHECK**" if row.get("auto_check") == "over" else text
 
 
