@@ -18,6 +18,10 @@ Definitions (docs/bench.md repeats them):
   link's burst (a ``tbf`` bucket lets that much through at once), divided by the measured cross
   rate. On GPUs the compute term is the slowest rank's compute-only time
   (every rank has its own device). ``vs bound`` = median time / bound (1.0 = at the bound).
+* **auto**: the contender ``auto`` runs ``cp_attention(algo="auto")``; its rows name its pick
+  (``auto_pick``), take the pick's bound, and compare its median with the fastest median of
+  ring / rmplus / charm in the same run (``vs_fastest``; ``auto_check`` is ``over`` above
+  :data:`AUTO_SLACK`).
 """
 
 from __future__ import annotations
@@ -43,8 +47,17 @@ COLUMNS = [
     "peak_mem_mb",
     # What `charm-megatron model --calibrate` needs beyond the above (older files lack them).
     "cores", "intra_rate_mbps", "cross_burst_kb",
+    # The auto contender's rows: what it ran, the fastest of ring / rmplus / charm at this
+    # point and pass, auto's median over that one's, "over" when that exceeds AUTO_SLACK, and
+    # the pick's own median (as a contender) over the fastest's.
+    "auto_pick", "fastest", "vs_fastest", "auto_check", "pick_vs_fastest",
     "note",
 ]
+
+#: ``auto`` may be this much slower than the fastest contender (issue 12: 5 %).
+AUTO_SLACK = 1.05
+#: The contenders ``auto`` chooses among (and is compared with).
+AUTO_FIELD = ("ring", "rmplus", "charm")
 
 
 @dataclass
@@ -165,6 +178,7 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                 comp = statistics.median(wall["ring/compute"][p])
                 comm = statistics.median(wall["ring/comm"][p])
                 ccr[p] = (comp / comm if comm > 0 else float("inf"), comp, comm)
+        picks = rec0.get("picks", {})
         for algo in cfg.algos:
             if algo in rec0["skipped"]:
                 for p in passes:
@@ -172,10 +186,12 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                                  "note": rec0["skipped"][algo]})
                 continue
             key = f"{algo}/full"
+            # auto runs its pick's plans: its bytes and its bound are the pick's.
+            plan_algo = picks.get(algo, algo)
             bytes_by_pass = None
             if algo != "torch" and info.hw_groups and len(info.hw_groups) > 1:
-                plan_groups = charm_groups if uses_topology(algo) else flat
-                bytes_by_pass = busiest_link_bytes(algo, plan_groups, info.hw_groups,
+                plan_groups = charm_groups if uses_topology(plan_algo) else flat
+                bytes_by_pass = busiest_link_bytes(plan_algo, plan_groups, info.hw_groups,
                                                    cfg.causal, point, cfg.dtype, info.nic or "node",
                                                    cfg.roles)
             for p in passes:
@@ -186,13 +202,36 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                 if p in ccr:
                     row.update(ring_ccr=ccr[p][0], ring_compute_ms=ccr[p][1] * 1e3,
                                ring_comm_ms=ccr[p][2] * 1e3)
-                row.update(_bound(wall, cpu, algo, p, info, bytes_by_pass, row["median_ms"]))
+                row.update(_bound(wall, cpu, plan_algo, p, info, bytes_by_pass,
+                                  row["median_ms"]))
+                if algo in picks:
+                    row.update(_versus_fastest(wall, key, p, picks[algo]))
                 mem = [r["points"][pos]["memory"].get(algo) for r in per_rank]
                 if mem and all(m is not None for m in mem):
                     which = "fwd" if p == "fwd" else "fwdbwd"
                     row["peak_mem_mb"] = max(m[which] for m in mem) / 2**20
                 rows.append(row)
     return rows, raw
+
+
+def _versus_fastest(wall: dict, key: str, p: str, pick: str) -> dict:
+    """auto's row: its pick, the fastest of :data:`AUTO_FIELD` timed here (by median) and
+    auto's median over that one's (``auto_check`` ``over`` beyond :data:`AUTO_SLACK`)."""
+    out: dict = {"auto_pick": pick}
+    medians = {a: statistics.median(wall[f"{a}/full"][p]) for a in AUTO_FIELD
+               if f"{a}/full" in wall}
+    if not medians:
+        return out
+    fastest = min(medians, key=lambda a: (medians[a], AUTO_FIELD.index(a)))
+    ratio = statistics.median(wall[key][p]) / medians[fastest] if medians[fastest] > 0 else None
+    out.update(fastest=fastest, vs_fastest=ratio)
+    if pick in medians and medians[fastest] > 0:
+        # The same plans timed as their own contender: above 1.05 the choice was wrong;
+        # vs_fastest far above this one is noise or overhead of the auto call itself.
+        out["pick_vs_fastest"] = medians[pick] / medians[fastest]
+    if ratio is not None:
+        out["auto_check"] = "ok" if ratio <= AUTO_SLACK else "over"
+    return out
 
 
 def _link_columns(info: RunInfo) -> dict:

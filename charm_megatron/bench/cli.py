@@ -19,6 +19,7 @@ import time
 from charm_megatron.bench import runners
 from charm_megatron.bench.analysis import analyse
 from charm_megatron.bench.config import (
+    ALGO_CHOICES,
     ALGOS,
     DTYPES,
     PRESETS,
@@ -61,7 +62,8 @@ def register(parser: argparse.ArgumentParser) -> None:
 
     a = parser.add_argument_group("what is timed")
     a.add_argument("--algos", default=",".join(ALGOS),
-                   help=f"contenders, from {','.join(ALGOS)} (torch: PyTorch's own CP ring)")
+                   help=f"contenders, from {','.join(ALGO_CHOICES)} (torch: PyTorch's own CP "
+                        "ring; auto: cp_attention's pick, reported)")
     a.add_argument("--roles", choices=ROLE_MIXES, default="bytes",
                    help="what the rmplus / charm exchanges move: bytes (default: the cheaper "
                         "role per exchange), paper (Algorithm 1), kv or q (forced); run once "

@@ -1,6 +1,8 @@
 """What the benchmark times: one callable per algorithm, all on Megatron's ``[s, b, h, d]``.
 
 * ``ring``, ``rmplus``, ``charm``: :func:`charm_megatron.cp_attention` with that ``algo``.
+* ``auto``: ``cp_attention(algo="auto")``, the performance model's pick for the point
+  (:class:`AutoContender`; the pick is reported beside its times).
 * ``torch``: PyTorch's own context-parallel ring attention
   (``torch.distributed.tensor.experimental``). Two ways to run it:
 
@@ -29,7 +31,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 
 from charm_megatron.bench import links
 from charm_megatron.bench.config import BenchConfig, Point
-from charm_megatron.ops.attention import cp_attention
+from charm_megatron.ops.attention import cp_attention, resolve_algo
 from charm_megatron.ops.options import CPOptions
 from charm_megatron.plan.registry import uses_topology
 
@@ -96,6 +98,37 @@ class PlanContender(Contender):
             return self
         return PlanContender(*self._args, options=self.options.with_(ablation=ablation),
                              roles=self.roles)
+
+
+class AutoContender(PlanContender):
+    """``cp_attention(..., algo="auto")``: the performance model's pick, by the user's code path.
+
+    ``picked`` is what that call runs here (:func:`charm_megatron.ops.attention.resolve_algo`:
+    the same profile, topology, problem and role mix), resolved once per grid point from the
+    point's shapes; a pure function of them, so the same on every rank. The profile is the
+    ranks' ``CHARM_MODEL_PROFILE``, which the emulated launchers point at this run's links
+    (:mod:`charm_megatron.bench.autoprofile`). Not ablatable: its compute-only run would be
+    its pick's, which the bench times already when the pick is a contender too.
+    """
+
+    ablatable = False
+
+    def __init__(self, topology: str | None, causal: bool, point: Point, dtype: torch.dtype,
+                 packed: dict | None = None, roles: str = "bytes") -> None:
+        super().__init__("auto", topology, causal, packed, roles=roles)
+        world = dist.get_world_size()
+        # The shapes cp_attention resolves with: sbhd, or THD as [t, 1, h, d] (packed runs
+        # the paper's roles).
+        rows, batch = ((point.batch * point.seq // world, 1) if packed
+                       else (point.seq // world, point.batch))
+        q, k = (torch.empty(rows, batch, h, point.head_dim, dtype=dtype, device="meta")
+                for h in (point.heads, point.kv_heads))
+        self.picked_roles = "paper" if packed else roles
+        self.picked = resolve_algo(q, k, algo="auto", topology=topology, causal=causal,
+                                   options=self.options, roles=self.picked_roles)
+
+    def ablated(self, ablation: str) -> Contender:
+        return Contender.ablated(self, ablation)
 
 
 # ----------------------------------------------------------------------------- torch CP
@@ -243,6 +276,7 @@ class Lineup:
     contenders: dict[str, Contender]
     skipped: dict[str, str]  # algo -> why it does not run here
     notes: dict[str, str]  # algo -> how it runs (torch: api or core)
+    picks: dict[str, str] = field(default_factory=dict)  # auto -> the algorithm it runs
 
 
 def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
@@ -252,6 +286,13 @@ def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
     holds the point's ``cu_seqlens`` in packed mode."""
     lineup = Lineup({}, {}, {})
     for algo in cfg.algos:
+        if algo == "auto":
+            auto = AutoContender(topology, cfg.causal, point, DTYPES[cfg.dtype], packed,
+                                 roles=cfg.roles)
+            lineup.contenders[algo] = auto
+            lineup.picks[algo] = auto.picked
+            lineup.notes[algo] = f"auto picked {auto.picked} (roles {auto.picked_roles})"
+            continue
         if algo != "torch":
             lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed,
                                                     roles=cfg.roles)

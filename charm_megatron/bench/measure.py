@@ -163,7 +163,7 @@ def _measure_point(job: Job, point: Point, lineup: Lineup, rank: int, world: int
     memory = ({algo: _memory(c, inputs, cfg.backward, device)
                for algo, c in lineup.contenders.items()} if cfg.memory else {})
     return {"point": point.index, "times": times, "memory": memory,
-            "skipped": lineup.skipped, "notes": lineup.notes}
+            "skipped": lineup.skipped, "notes": lineup.notes, "picks": lineup.picks}
 
 
 def _resolve_topology(job: Job, world: int) -> tuple[str, list[list[int]]]:

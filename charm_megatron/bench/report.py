@@ -87,8 +87,47 @@ def format_table(rows: Sequence[dict]) -> str:
         notes = sorted({r["note"] for r in prs if r.get("note") and r["status"] == "ok"})
         for n in notes:
             lines.append(f"  note: {n}")
+        line = auto_line(prs)
+        if line:
+            lines.append(f"  {line}")
+        lines.append("")
+    total = auto_total(rows)
+    if total:
+        lines.append(total)
         lines.append("")
     return "\n".join(lines)
+
+
+def auto_line(point_rows: Sequence[dict]) -> str | None:
+    """One point's ``auto`` summary: its pick, and per pass its median over the fastest
+    contender's, flagged ``CHECK`` above the 5 % slack (None without an auto row)."""
+    auto = [r for r in point_rows if r["algo"] == "auto" and r["status"] == "ok"
+            and r.get("auto_pick")]
+    if not auto:
+        return None
+    parts = []
+    for r in auto:
+        if r.get("vs_fastest") is None:
+            continue
+        flag = "  CHECK > 1.05" if r.get("auto_check") == "over" else ""
+        alone = (f" (the pick as its own contender: {r['pick_vs_fastest']:.3f})"
+                 if r.get("pick_vs_fastest") is not None else "")
+        parts.append(f"{r['pass']} {r['vs_fastest']:.3f} of {r['fastest']}{alone}{flag}")
+    return (f"auto picked {auto[0]['auto_pick']}; auto / fastest: "
+            + ("; ".join(parts) if parts else "no ring/rmplus/charm timed to compare"))
+
+
+def auto_total(rows: Sequence[dict]) -> str | None:
+    """Over the whole grid: the worst ``auto / fastest`` and how many (point, pass) exceed it."""
+    vals = [r for r in rows if r["algo"] == "auto" and r.get("vs_fastest") is not None]
+    if not vals:
+        return None
+    worst = max(vals, key=lambda r: r["vs_fastest"])
+    over = [r for r in vals if r.get("auto_check") == "over"]
+    return (f"auto / fastest of ring, rmplus, charm: worst {worst['vs_fastest']:.3f} (point "
+            f"{worst['point']} {worst['pass']}, picked {worst['auto_pick']}, fastest "
+            f"{worst['fastest']}); {len(over)} of {len(vals)} (point, pass) over 1.05"
+            + (" <- CHECK" if over else ""))
 
 
 PLOT_SKIPPED = ("plot skipped: matplotlib is not installed; the table and CSV have the numbers "
@@ -115,7 +154,7 @@ def plot(rows: Sequence[dict], path: str, title: str = "") -> str | None:
     have_ccr = all(r.get("ring_ccr") is not None for r in ok)
     fig, axes = plt.subplots(1, len(passes), figsize=(4.6 * len(passes), 3.8), squeeze=False)
     algos = list(dict.fromkeys(r["algo"] for r in ok))
-    markers = {"ring": "o", "rmplus": "s", "charm": "^", "torch": "D"}
+    markers = {"ring": "o", "rmplus": "s", "charm": "^", "torch": "D", "auto": "*"}
     for ax, p in zip(axes[0], passes):
         for algo in algos:
             pts = sorted((r.get("ring_ccr") if have_ccr else r["point"], r["speedup_vs_ring"],

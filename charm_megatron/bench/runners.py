@@ -20,6 +20,7 @@ import tempfile
 from typing import Any
 
 from charm_megatron.bench.analysis import RunInfo
+from charm_megatron.bench.autoprofile import run_profile
 from charm_megatron.bench.links import SoftwareLinkSetup
 from charm_megatron.bench.measure import Job, rank_main
 from charm_megatron.emulate import (
@@ -59,9 +60,13 @@ def run_netns(job: Job, groups: int, per_group: int, cross: str, intra: str | No
         rep = cl.measure_rates(seconds=0.3, concurrent=True)
         log("measured link rates (plain TCP, before the benchmark):")
         log("  " + str(rep).replace("\n", "\n  "))
-        results = run_ranks_in_cluster(cl, rank_main, job, timeout_s=timeout_s,
-                                       pg_timeout_s=pg_timeout_s, threads=job.cfg.threads,
-                                       env=job.env)
+        with run_profile(job, nic=nic, cross_Bps=rep.cross or rep.configured_cross,
+                         intra_Bps=(rep.intra or rep.configured_intra) if rep.configured_intra
+                         else None, cross_burst=cl.cross_burst, intra_burst=cl.intra_burst,
+                         cores=_cores(world, job.cfg.threads), emulated=True) as auto_note:
+            results = run_ranks_in_cluster(cl, rank_main, job, timeout_s=timeout_s,
+                                           pg_timeout_s=pg_timeout_s, threads=job.cfg.threads,
+                                           env=job.env)
         name = cl.name
         burst = cl.cross_burst
     left = [n for n in list_netns() if n.startswith(name + "-")]
@@ -73,6 +78,8 @@ def run_netns(job: Job, groups: int, per_group: int, cross: str, intra: str | No
                   "cross_concurrent_total": rep.cross_concurrent,
                   "configured_cross": rep.configured_cross, "configured_intra": rep.configured_intra}
     info.cross_burst = burst
+    if auto_note:
+        info.notes.append(auto_note)
     if rep.cross:
         info.cross_rate, info.cross_rate_source = rep.cross, "measured"
     else:
@@ -86,12 +93,19 @@ def run_software(job: Job, groups: int, per_group: int, cross: str, intra: str |
     world = groups * per_group
     with tempfile.TemporaryDirectory(prefix="charm-bench-links-") as state:
         spec = SoftwareLinks(groups, per_group, cross, intra, nic, state_dir=state)
-        results = run_ranks(rank_main, world, job, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s,
-                            threads=job.cfg.threads, env=job.env, setup=SoftwareLinkSetup(spec))
+        with run_profile(job, nic=nic, cross_Bps=parse_rate(cross),
+                         intra_Bps=parse_rate(intra) if intra else None, cross_burst=0,
+                         intra_burst=0, cores=_cores(world, job.cfg.threads),
+                         emulated=False) as auto_note:
+            results = run_ranks(rank_main, world, job, timeout_s=timeout_s,
+                                pg_timeout_s=pg_timeout_s, threads=job.cfg.threads, env=job.env,
+                                setup=SoftwareLinkSetup(spec))
     info = RunInfo("software", world, "cpu", _cores(world, job.cfg.threads), nic=nic,
                    hw_groups=[list(range(g * per_group, (g + 1) * per_group))
                               for g in range(groups)])
     info.cross_rate, info.cross_rate_source = parse_rate(cross), "configured"
+    if auto_note:
+        info.notes.append(auto_note)
     info.rates = {"configured_cross": parse_rate(cross),
                   "configured_intra": parse_rate(intra) if intra else None}
     booked = [r.get("links_booked_cross_bytes") for r in results]

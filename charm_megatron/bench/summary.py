@@ -54,6 +54,8 @@ def table(runs: Sequence[tuple[str, list[dict]]], passes: Sequence[str]) -> str:
     head = ["run", "S", "heads", "pass", "ring CCR", "ring ms", "ring /bound"]
     for a in algos:
         head += [f"{a} ms", f"{a} vs ring", f"{a} /bound"]
+        if a == "auto":
+            head += ["auto pick", "auto / fastest"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, rows in runs:
         index = {(r["point"], r["algo"], r["pass"]): r for r in rows}
@@ -63,19 +65,53 @@ def table(runs: Sequence[tuple[str, list[dict]]], passes: Sequence[str]) -> str:
                 ring = index.get((str(p), "ring", ps))
                 if ring is None:
                     continue
-                heads = f"{ring['heads']}x{ring['head_dim']}"
+                kv = ring.get("kv_heads") or ring["heads"]
+                heads = (f"{ring['heads']}{'/' + kv if kv != ring['heads'] else ''}"
+                         f"x{ring['head_dim']} {ring.get('dtype', '')}").strip()
                 cells = [label, ring["seq"], heads, ps, _fmt(_num(ring["ring_ccr"]), ".2f"),
                          _fmt(_num(ring["median_ms"]), ".0f"), _fmt(_num(ring["vs_bound"]), ".2f")]
                 for a in algos:
                     r = index.get((str(p), a, ps))
                     if r is None or r["status"] != "ok":
                         cells += ["skipped" if r is not None else "-", "-", "-"]
+                        cells += ["-", "-"] if a == "auto" else []
                         continue
                     cells += [_fmt(_num(r["median_ms"]), ".0f"),
                               _fmt(_num(r["speedup_vs_ring"]), ".2f") + "x",
                               _fmt(_num(r["vs_bound"]), ".2f")]
+                    if a == "auto":
+                        cells += [r.get("auto_pick") or "-", _versus(r)]
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _versus(row: dict) -> str:
+    """``1.02 (charm)``; ``**1.08 (ring) CHECK**`` above the 5 % slack."""
+    v = _num(row.get("vs_fastest", ""))
+    if v is None:
+        return "-"
+    alone = _num(row.get("pick_vs_fastest", ""))
+    text = f"{v:.2f} ({row.get('fastest') or '?'}" + (
+        f"; pick alone {alone:.2f})" if alone is not None else ")")
+    return f"**{text} CHECK**" if row.get("auto_check") == "over" else text
+
+
+def auto_lines(runs: Sequence[tuple[str, list[dict]]], passes: Sequence[str]) -> list[str]:
+    """Below the table: per run, the worst auto / fastest and the (point, pass) over 1.05."""
+    out = []
+    for label, rows in runs:
+        vals = [(r, _num(r.get("vs_fastest", ""))) for r in rows
+                if r["algo"] == "auto" and r["pass"] in passes]
+        vals = [(r, v) for r, v in vals if v is not None]
+        if not vals:
+            continue
+        worst_r, worst = max(vals, key=lambda x: x[1])
+        over = [r for r, _ in vals if r.get("auto_check") == "over"]
+        out.append(f"- {label}: auto / fastest worst {worst:.2f} (S={worst_r['seq']} "
+                   f"{worst_r['pass']}, picked {worst_r.get('auto_pick')}, fastest "
+                   f"{worst_r.get('fastest')}); {len(over)} of {len(vals)} over 1.05"
+                   + ("".join(f"; CHECK S={r['seq']} {r['pass']}" for r in over)))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--passes", default="fwd,fwdbwd", help="passes to show (fwd,bwd,fwdbwd)")
     args = ap.parse_args(argv)
     runs = [load(p) for p in args.csv]
-    print(table(runs, [p for p in args.passes.split(",") if p]))
+    passes = [p for p in args.passes.split(",") if p]
+    print(table(runs, passes))
+    extra = auto_lines(runs, passes)
+    if extra:
+        print()
+        print("\n".join(extra))
     return 0
 
 

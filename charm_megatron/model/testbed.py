@@ -35,3 +35,24 @@ def emulated_cluster(cl: Cluster, nic: str) -> Cluster:
         return replace(cl, nic="node", intra_gbps=UNSHAPED_GBPS, intra_bus_gbps=rate,
                        intra_port_gbps=None)
     return replace(cl, nic="rank", intra_gbps=rate, intra_bus_gbps=None, intra_port_gbps=None)
+
+
+def bench_cluster(base: Cluster, *, nic: str, cross_Bps: float, intra_Bps: float | None,
+                  cross_burst: int = 0, intra_burst: int = 0, cores: int | None = None,
+                  emulated: bool = True) -> Cluster:
+    """``base``'s fitted costs (kernel rate, per-message and per-byte CPU, latency) on the
+    links of one ``charm-megatron bench`` run: its NIC model, its link rates (bytes/s, as the
+    bench measured them, else as configured; ``intra_Bps=None``: unshaped), its ``tbf``
+    buckets (bytes) and the cores its ranks share. ``emulated``: the netns testbed's layout
+    (:func:`emulated_cluster`); otherwise (the software link model) plain per-rank ports.
+
+    This is what the bench's ``auto`` contender predicts with (bench/autoprofile.py): a
+    profile alone describes the links it was calibrated on, not the rates and NIC model a
+    bench run sets.
+    """
+    intra = intra_Bps / 1e9 if intra_Bps else UNSHAPED_GBPS
+    cl = replace(base, cross_gbps=cross_Bps / 1e9, intra_gbps=intra, intra_bus_gbps=None,
+                 intra_port_gbps=None, cross_burst_kb=cross_burst / 1024,
+                 intra_burst_kb=intra_burst / 1024 if intra_Bps else 0.0,
+                 cores=cores if cores else base.cores)
+    return emulated_cluster(cl, nic) if emulated else replace(cl, nic=nic)

@@ -169,6 +169,28 @@ def _resolve(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch
     return algo, (groups if uses_topology(algo) else flat)
 
 
+def resolve_algo(q: torch.Tensor, k: torch.Tensor, *, group: dist.ProcessGroup | None = None,
+                 algo: str = "auto", topology=None, causal: bool = True,
+                 options: CPOptions | None = None, roles: str = "bytes") -> str:
+    """The algorithm ``cp_attention(q, k, v, algo=algo, ...)`` runs with these arguments (sbhd
+    ``q``, ``k``; tensors on the ``meta`` device do): for ``"auto"`` the performance model's pick,
+    made by the same code as the call's (the options' model profile, the same default topology,
+    problem and role mix); any other name unchanged. No communication unless the topology is
+    ``"auto"`` (a probe, then a collective). For reporting what ``auto`` chose (the benchmark's
+    ``auto`` contender); raises what the call would raise for a bad profile or name."""
+    opts = resolve(options)
+    if algo not in ALGOS:
+        raise ValueError(f"cp_attention: unknown algo {algo!r}; choose one of {', '.join(ALGOS)}")
+    check_roles(roles, "cp_attention roles")
+    if algo != "auto":
+        return algo
+    cluster = _auto_cluster(opts)
+    if topology is None:
+        topology = opts.topology or "auto"
+    return _resolve(algo, topology, group, dist.get_world_size(group), q, k, causal, cluster,
+                    roles)[0]
+
+
 def cp_attention(
     q: torch.Tensor,
     k: torch.Tensor,
