@@ -51,17 +51,25 @@ def run_local(job: Job, world: int, *, timeout_s: float, pg_timeout_s: float) ->
 
 
 def run_netns(job: Job, groups: int, per_group: int, cross: str, intra: str | None, nic: str,
-              *, timeout_s: float, pg_timeout_s: float, log=print) -> tuple[list, RunInfo]:
-    """Ranks inside an emulated cluster: real TCP through namespaces and ``tbf`` links."""
+              *, timeout_s: float, pg_timeout_s: float, log=print,
+              **cluster_kw) -> tuple[list, RunInfo]:
+    """Ranks inside an emulated cluster: real TCP through namespaces and tc shapers
+    (``cluster_kw``: link_model, ingress, cross_burst, intra_burst of :class:`EmulatedCluster`)."""
     world = groups * per_group
-    with EmulatedCluster(groups, per_group, cross_rate=cross, intra_rate=intra, nic=nic) as cl:
+    with EmulatedCluster(groups, per_group, cross_rate=cross, intra_rate=intra, nic=nic,
+                         **cluster_kw) as cl:
         log(cl.describe())
         rep = cl.measure_rates(seconds=0.3, concurrent=True)
         log("measured link rates (plain TCP, before the benchmark):")
         log("  " + str(rep).replace("\n", "\n  "))
+        before = [cl.tcp_counters(r) for r in range(world)]
         results = run_ranks_in_cluster(cl, rank_main, job, timeout_s=timeout_s,
                                        pg_timeout_s=pg_timeout_s, threads=job.cfg.threads,
                                        env=job.env)
+        tcp = _tcp_summary(before, [cl.tcp_counters(r) for r in range(world)])
+        log(f"TCP during the benchmark (all ranks): {tcp['OutSegs']} segments sent, "
+            f"{tcp['RetransSegs']} retransmitted, {tcp['TCPTimeouts']} retransmission timeouts, "
+            f"{tcp['TCPLossProbes']} loss probes")
         name = cl.name
         burst = cl.cross_burst
     left = [n for n in list_netns() if n.startswith(name + "-")]
@@ -72,12 +80,22 @@ def run_netns(job: Job, groups: int, per_group: int, cross: str, intra: str | No
     info.rates = {"cross_one_pair": rep.cross, "intra_one_pair": rep.intra,
                   "cross_concurrent_total": rep.cross_concurrent,
                   "configured_cross": rep.configured_cross, "configured_intra": rep.configured_intra}
+    info.rates["tcp"] = tcp
+    if tcp["TCPTimeouts"]:
+        info.notes.append(f"{tcp['TCPTimeouts']} TCP retransmission timeout(s) during the run "
+                          "(each stalls a connection for >= 200 ms): see docs/bench.md")
     info.cross_burst = burst
     if rep.cross:
         info.cross_rate, info.cross_rate_source = rep.cross, "measured"
     else:
         info.cross_rate, info.cross_rate_source = rep.configured_cross, "configured"
     return results, info
+
+
+def _tcp_summary(before: list[dict], after: list[dict]) -> dict[str, int]:
+    """Sum over ranks of how much each TCP counter grew."""
+    keys = ("OutSegs", "RetransSegs", "TCPTimeouts", "TCPLossProbes", "TCPSpuriousRTOs")
+    return {k: sum(a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before)) for k in keys}
 
 
 def run_software(job: Job, groups: int, per_group: int, cross: str, intra: str | None, nic: str,
