@@ -38,6 +38,12 @@ def test_htb_needs_one_nic_per_rank():
         EmulatedCluster(2, 2, link_model="hfsc", nic="rank")
     with pytest.raises(ValueError, match="mtu"):
         EmulatedCluster(2, 2, link_model="htb", nic="rank", mtu=100)
+    with pytest.raises(ValueError, match="intra_burst 2048 B is below"):
+        EmulatedCluster(2, 2, "500mbit", "4gbit", nic="rank", intra_burst="2kb")  # tbf
+    with pytest.raises(ValueError, match="cross_burst 1000 B is below"):
+        EmulatedCluster(2, 2, "500mbit", nic="node", cross_burst=1000)
+    EmulatedCluster(2, 2, "500mbit", "4gbit", nic="rank", link_model="htb", cross_burst="2kb",
+                    intra_burst="2kb")  # htb sends a packet larger than its bucket
     c = EmulatedCluster(2, 2, "500mbit", "4gbit", nic="rank", link_model="htb")  # planned only
     assert not c.ingress and c.cross_burst == 512 * 1024 and c.intra_burst == 4 << 20
     assert EmulatedCluster(2, 2, nic="rank").ingress  # tbf keeps shaping both ways

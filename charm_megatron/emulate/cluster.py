@@ -193,6 +193,8 @@ class EmulatedCluster:
             512 * 1024, int(self.cross_rate / 250))
         self.intra_burst = parse_size(intra_burst) if intra_burst is not None else max(
             4 * 1024 * 1024, int((self.intra_rate or 0) / 250))
+        if link_model == "tbf":
+            self._check_tbf_bursts()
         if hostnames is True:
             self.hostnames: list[str] | None = [f"node{g}" for g in range(groups)]
         elif hostnames is False or hostnames is None:
@@ -206,6 +208,19 @@ class EmulatedCluster:
         self._created: list[str] = []
         self._lock = threading.Lock()
         self.places: tuple[RankPlace, ...] = tuple(self._plan_places())
+
+    def _check_tbf_bursts(self) -> None:
+        """tbf drops every packet longer than its bucket (htb lets one through and owes the
+        tokens), so a bucket below the path's MTU stalls the connection until TCP times out."""
+        eth = (self.mtu or 1500) + 14  # the qdisc counts the Ethernet header
+        intra = (65536 if self.nic == "node" else _INTRA_MTU) + 14  # lo / loc0
+        if self.cross_burst < eth:
+            raise ValueError(f"cross_burst {self.cross_burst} B is below eth0's packet size "
+                             f"{eth} B: tbf would drop every full packet; use at least {eth}")
+        if self.intra_rate is not None and self.intra_burst < intra:
+            raise ValueError(f"intra_burst {self.intra_burst} B is below the intra-node path's "
+                             f"packet size {intra} B (MTU of lo / loc0): tbf would drop every "
+                             f"full packet; use at least {intra} (or link_model='htb')")
 
     # ----------------------------------------------------------------- layout
     @property
