@@ -259,7 +259,8 @@ def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:
             mode = "netns" if ok else "software"
             if not ok and any(v not in (None, "tbf") for v in _link_kw(args).values()):
                 print(f"charm-megatron bench: network namespaces unavailable ({why}); "
-                      "--link-model / --cross-burst / --intra-burst / --link-ingress need them",
+                      "--link-model / --cross-burst / --intra-burst / --link-ingress / --link-mtu "
+                      "need them",
                       file=sys.stderr)
                 return 2
             if not ok:
