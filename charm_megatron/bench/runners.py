@@ -60,18 +60,18 @@ def run_netns(job: Job, groups: int, per_group: int, cross: str, intra: str | No
                          **cluster_kw) as cl:
         log(cl.describe())
         rep = cl.measure_rates(seconds=0.3, concurrent=True)
+        tcp_before = [cl.tcp_counters(r) for r in range(world)]
         log("measured link rates (plain TCP, before the benchmark):")
         log("  " + str(rep).replace("\n", "\n  "))
-        before = [cl.tcp_counters(r) for r in range(world)]
         results = run_ranks_in_cluster(cl, rank_main, job, timeout_s=timeout_s,
                                        pg_timeout_s=pg_timeout_s, threads=job.cfg.threads,
                                        env=job.env)
-        tcp = _tcp_summary(before, [cl.tcp_counters(r) for r in range(world)])
+        name = cl.name
+        burst = cl.cross_burst
+        tcp = _tcp_summary(tcp_before, [cl.tcp_counters(r) for r in range(world)])
         log(f"TCP during the benchmark (all ranks): {tcp['OutSegs']} segments sent, "
             f"{tcp['RetransSegs']} retransmitted, {tcp['TCPTimeouts']} retransmission timeouts, "
             f"{tcp['TCPLossProbes']} loss probes")
-        name = cl.name
-        burst = cl.cross_burst
     left = [n for n in list_netns() if n.startswith(name + "-")]
     log(f"emulated cluster {name} removed" + (f" (LEFT BEHIND: {left})" if left else ""))
     info = RunInfo("netns", world, "cpu", _cores(world, job.cfg.threads), nic=nic,
@@ -80,15 +80,15 @@ def run_netns(job: Job, groups: int, per_group: int, cross: str, intra: str | No
     info.rates = {"cross_one_pair": rep.cross, "intra_one_pair": rep.intra,
                   "cross_concurrent_total": rep.cross_concurrent,
                   "configured_cross": rep.configured_cross, "configured_intra": rep.configured_intra}
-    info.rates["tcp"] = tcp
-    if tcp["TCPTimeouts"]:
-        info.notes.append(f"{tcp['TCPTimeouts']} TCP retransmission timeout(s) during the run "
-                          "(each stalls a connection for >= 200 ms): see docs/bench.md")
     info.cross_burst = burst
     if rep.cross:
         info.cross_rate, info.cross_rate_source = rep.cross, "measured"
     else:
         info.cross_rate, info.cross_rate_source = rep.configured_cross, "configured"
+    info.rates["tcp"] = tcp
+    if tcp["TCPTimeouts"]:
+        info.notes.append(f"{tcp['TCPTimeouts']} TCP retransmission timeout(s) during the run "
+                          "(each stalls a connection for >= 200 ms): see docs/bench.md")
     return results, info
 
 
