@@ -54,7 +54,8 @@ def run_netns(job: Job, groups: int, per_group: int, cross: str, intra: str | No
               *, timeout_s: float, pg_timeout_s: float, log=print,
               **cluster_kw) -> tuple[list, RunInfo]:
     """Ranks inside an emulated cluster: real TCP through namespaces and tc shapers
-    (``cluster_kw``: link_model, ingress, cross_burst, intra_burst of :class:`EmulatedCluster`)."""
+    (``cluster_kw``: link_model, ingress, cross_burst, intra_burst, mtu of
+    :class:`EmulatedCluster`)."""
     world = groups * per_group
     with EmulatedCluster(groups, per_group, cross_rate=cross, intra_rate=intra, nic=nic,
                          **cluster_kw) as cl:
