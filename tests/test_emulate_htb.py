@@ -171,3 +171,21 @@ def test_htb_gloo_ranks(netns_ok):
         assert t["cross"] >= 0.03, times
     for s in sent:  # gloo's 4 MB per pair went through the class of the peer's node
         assert s["intra"] > 2e6 and s["cross"] > 2e6, sent
+
+
+def test_bench_runs_under_htb(tmp_path, capsys, netns_ok):
+    out = str(tmp_path / "htb")
+    argv = ["--preset", "tiny", "--iters", "2", "--warmup", "1", "--quiet", "--no-plot",
+            "--algos", "ring,charm", "--emulate", "2x2", "--cross-rate", "200mbit",
+            "--intra-rate", "1600mbit", "--nic", "rank", "--link-model", "htb",
+            "--cross-burst", "256kb", "--timeout-s", "300", "--comm-timeout-s", "60",
+            "--out", out]
+    assert bench_main(argv) == 0
+    text = capsys.readouterr().out
+    assert "htb (egress only)" in text and "burst 256 KiB" in text
+    assert "TCP during the benchmark (all ranks):" in text and "LEFT BEHIND" not in text
+    with open(os.path.join(out, "results.json")) as f:
+        meta = json.load(f)["meta"]
+    assert meta["link_model"] == "htb" and meta["cross_burst_bytes"] == 256 * 1024
+    assert meta["rates_Bps"]["tcp"]["OutSegs"] > 0
+    assert not [n for n in list_netns() if n.startswith(f"cmemu-{os.getpid()}-")]
