@@ -32,7 +32,7 @@ from charm_megatron.bench.config import (
 )
 from charm_megatron.bench.measure import Job
 from charm_megatron.bench.report import format_table, plot, write_csv, write_json
-from charm_megatron.emulate import available, parse_rate
+from charm_megatron.emulate import LINK_MODELS, available, parse_rate, parse_size
 from charm_megatron.plan.roles import ROLE_MIXES
 
 _DEFAULT_COMM_TIMEOUT_S = 300
@@ -92,6 +92,19 @@ def register(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--intra-rate", help="intra-node rate (default: unshaped loopback)")
     r.add_argument("--nic", choices=("node", "rank"), default="node",
                    help="node: a node's ranks share one cross link; rank: one link per rank")
+    r.add_argument("--link-model", choices=LINK_MODELS, default="tbf",
+                   help="netns shaping: tbf (default: separate shaped veths for cross- and "
+                        "intra-node traffic) or htb (--nic rank only: one veth per rank, htb "
+                        "classes by the peer's node; docs/topology.md)")
+    r.add_argument("--cross-burst", help="cross shaper bucket, e.g. 512kb (netns; default "
+                                         "max(512kb, rate/250))")
+    r.add_argument("--intra-burst", help="intra shaper bucket, e.g. 4mb (netns; default "
+                                         "max(4mb, rate/250))")
+    r.add_argument("--link-ingress", action=argparse.BooleanOptionalAction, default=None,
+                   help="also shape traffic into each rank/node (netns; default: yes with tbf, "
+                        "no with htb, which shapes egress only)")
+    r.add_argument("--link-mtu", type=int, help="MTU of the emulated NICs (eth0 veths; netns; "
+                                                "default 1500)")
     r.add_argument("--emulate-backend", choices=("auto", "netns", "software"), default="auto",
                    help="netns: namespaces + tc (root); software: the link model on gloo P2P; "
                         "auto: netns when available")
@@ -159,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--emulate needs --cross-rate (e.g. 1gbit)")
         if emulate and torchrun:
             raise ValueError("--emulate starts its own ranks; do not run it under torchrun")
+        _check_link_options(args, emulate)
     except ValueError as exc:
         print(f"charm-megatron bench: {exc}", file=sys.stderr)
         return 2
@@ -166,6 +180,37 @@ def run(args: argparse.Namespace) -> int:
         return _run_torchrun(args, cfg, cuda)
     world = emulate[0] * emulate[1] if emulate else args.ranks
     return _run_here(args, cfg, world, emulate)
+
+
+def _check_link_options(args: argparse.Namespace, emulate) -> None:
+    """The netns shaping options: only with --emulate, and htb only with --nic rank."""
+    given = [f"--{n.replace('_', '-')}" for n in ("cross_burst", "intra_burst")
+             if getattr(args, n) is not None]
+    if args.link_ingress is not None:
+        given.append("--link-ingress")
+    if args.link_mtu is not None:
+        given.append("--link-mtu")
+    if args.link_model != "tbf":
+        given.append(f"--link-model {args.link_model}")
+    if given and not emulate:
+        raise ValueError(f"{', '.join(given)}: shaping options of the emulated links; use them "
+                         "with --emulate GxM")
+    if given and args.emulate_backend == "software":
+        raise ValueError(f"{', '.join(given)}: need --emulate-backend netns (the software link "
+                         "model has no shapers)")
+    if args.link_model == "htb" and args.nic != "rank":
+        raise ValueError("--link-model htb models one NIC per rank that carries intra- and "
+                         f"cross-node traffic: add --nic rank (got --nic {args.nic})")
+    for n in ("cross_burst", "intra_burst"):
+        if getattr(args, n) is not None:
+            parse_size(getattr(args, n))
+
+
+def _link_kw(args: argparse.Namespace) -> dict:
+    """EmulatedCluster's shaping arguments from the bench options."""
+    return {"link_model": args.link_model, "ingress": args.link_ingress,
+            "cross_burst": args.cross_burst, "intra_burst": args.intra_burst,
+            "mtu": args.link_mtu}
 
 
 def _topology(args: argparse.Namespace, world: int, emulate) -> str:
@@ -214,12 +259,19 @@ def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:
         if mode == "auto":
             ok, why = available()
             mode = "netns" if ok else "software"
+            if not ok and any(v not in (None, "tbf") for v in _link_kw(args).values()):
+                print(f"charm-megatron bench: network namespaces unavailable ({why}); "
+                      "--link-model / --cross-burst / --intra-burst / --link-ingress / --link-mtu "
+                      "need them",
+                      file=sys.stderr)
+                return 2
             if not ok:
                 print(f"\n*** network namespaces unavailable ({why}): falling back to the "
                       "SOFTWARE LINK MODEL on gloo P2P (see docs/bench.md for what it does not "
                       "model) ***\n", flush=True)
     where = {"local": "on this machine (loopback)",
-             "netns": f"in an emulated {args.emulate} cluster (namespaces + tc, nic={args.nic})",
+             "netns": f"in an emulated {args.emulate} cluster (namespaces + tc "
+                      f"{args.link_model}, nic={args.nic})",
              "software": f"on a {args.emulate} software link model (nic={args.nic})"}[mode]
     _header(cfg, world, topology, where, job.points, dropped, print)
     t0 = time.monotonic()
@@ -228,7 +280,7 @@ def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:
         results, info = runners.run_local(job, world, **kw)
     elif mode == "netns":
         results, info = runners.run_netns(job, emulate[0], emulate[1], args.cross_rate,
-                                         args.intra_rate, args.nic, **kw)
+                                         args.intra_rate, args.nic, **kw, **_link_kw(args))
     else:
         results, info = runners.run_software(job, emulate[0], emulate[1], args.cross_rate,
                                             args.intra_rate, args.nic, **kw)
@@ -280,6 +332,9 @@ def _finish(args, cfg: BenchConfig, job, dropped, results, info, elapsed: float)
         "cross_rate_Bps": info.cross_rate,
         "cross_rate_source": info.cross_rate_source,
         "cross_burst_bytes": info.cross_burst,
+        "link_model": args.link_model if info.mode == "netns" else None,
+        "link_ingress": args.link_ingress if info.mode == "netns" else None,
+        "link_mtu": args.link_mtu if info.mode == "netns" else None,
         "rates_Bps": info.rates,
         "topology": r0["topology"],
         "memory_method": r0["memory_method"],

@@ -52,12 +52,17 @@ def run_local(job: Job, world: int, *, timeout_s: float, pg_timeout_s: float) ->
 
 
 def run_netns(job: Job, groups: int, per_group: int, cross: str, intra: str | None, nic: str,
-              *, timeout_s: float, pg_timeout_s: float, log=print) -> tuple[list, RunInfo]:
-    """Ranks inside an emulated cluster: real TCP through namespaces and ``tbf`` links."""
+              *, timeout_s: float, pg_timeout_s: float, log=print,
+              **cluster_kw) -> tuple[list, RunInfo]:
+    """Ranks inside an emulated cluster: real TCP through namespaces and tc shapers
+    (``cluster_kw``: link_model, ingress, cross_burst, intra_burst, mtu of
+    :class:`EmulatedCluster`)."""
     world = groups * per_group
-    with EmulatedCluster(groups, per_group, cross_rate=cross, intra_rate=intra, nic=nic) as cl:
+    with EmulatedCluster(groups, per_group, cross_rate=cross, intra_rate=intra, nic=nic,
+                         **cluster_kw) as cl:
         log(cl.describe())
         rep = cl.measure_rates(seconds=0.3, concurrent=True)
+        tcp_before = [cl.tcp_counters(r) for r in range(world)]
         log("measured link rates (plain TCP, before the benchmark):")
         log("  " + str(rep).replace("\n", "\n  "))
         with run_profile(job, nic=nic, cross_Bps=rep.cross or rep.configured_cross,
@@ -69,6 +74,10 @@ def run_netns(job: Job, groups: int, per_group: int, cross: str, intra: str | No
                                            env=job.env)
         name = cl.name
         burst = cl.cross_burst
+        tcp = _tcp_summary(tcp_before, [cl.tcp_counters(r) for r in range(world)])
+        log(f"TCP during the benchmark (all ranks): {tcp['OutSegs']} segments sent, "
+            f"{tcp['RetransSegs']} retransmitted, {tcp['TCPTimeouts']} retransmission timeouts, "
+            f"{tcp['TCPLossProbes']} loss probes")
     left = [n for n in list_netns() if n.startswith(name + "-")]
     log(f"emulated cluster {name} removed" + (f" (LEFT BEHIND: {left})" if left else ""))
     info = RunInfo("netns", world, "cpu", _cores(world, job.cfg.threads), nic=nic,
@@ -84,7 +93,17 @@ def run_netns(job: Job, groups: int, per_group: int, cross: str, intra: str | No
         info.cross_rate, info.cross_rate_source = rep.cross, "measured"
     else:
         info.cross_rate, info.cross_rate_source = rep.configured_cross, "configured"
+    info.rates["tcp"] = tcp
+    if tcp["TCPTimeouts"]:
+        info.notes.append(f"{tcp['TCPTimeouts']} TCP retransmission timeout(s) during the run "
+                          "(each stalls a connection for >= 200 ms): see docs/bench.md")
     return results, info
+
+
+def _tcp_summary(before: list[dict], after: list[dict]) -> dict[str, int]:
+    """Sum over ranks of how much each TCP counter grew."""
+    keys = ("OutSegs", "RetransSegs", "TCPTimeouts", "TCPLossProbes", "TCPSpuriousRTOs")
+    return {k: sum(a.get(k, 0) - b.get(k, 0) for a, b in zip(after, before)) for k in keys}
 
 
 def run_software(job: Job, groups: int, per_group: int, cross: str, intra: str | None, nic: str,

@@ -1,7 +1,8 @@
 """Emulate a multi-node cluster on one machine for gloo ranks (docs/topology.md, "Emulation").
 
-* :class:`EmulatedCluster` - network namespaces ("nodes") joined through a bridge by ``tbf``
-  rate-limited veth links; per-node or per-rank NICs; a host name per node. Needs root and
+* :class:`EmulatedCluster` - network namespaces ("nodes") joined through a bridge by rate-limited
+  veth links (``tbf`` per link, or ``htb`` classes on one veth per rank); per-node or per-rank
+  NICs; a host name per node. Needs root and
   iproute2: :func:`available` says whether it works here.
 * :func:`run_ranks_in_cluster` - run a function on every rank inside the cluster (gloo).
 * :class:`LinkModel` / :class:`SoftwareLinks` - the fallback without namespaces: ``wait()``
@@ -10,13 +11,20 @@
 Importing this package does not import torch.
 """
 
-from charm_megatron.emulate.cluster import EmulatedCluster, RankPlace, RateReport, enter
+from charm_megatron.emulate.cluster import (
+    LINK_MODELS,
+    EmulatedCluster,
+    RankPlace,
+    RateReport,
+    enter,
+)
 from charm_megatron.emulate.cluster_ranks import run_ranks_in_cluster
 from charm_megatron.emulate.linkmodel import LinkModel, RankLinks, SoftwareLinks, ThrottledWork
 from charm_megatron.emulate.netns import available, cleanup_stale, list_netns
 from charm_megatron.emulate.rates import format_rate, parse_rate, parse_size
 
 __all__ = [
+    "LINK_MODELS",
     "EmulatedCluster",
     "LinkModel",
     "RankLinks",

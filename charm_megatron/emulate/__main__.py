@@ -1,6 +1,7 @@
 """``python -m charm_megatron.emulate``: check, clean up, or run a command inside a namespace.
 
-* ``check [--groups 2 --ranks 4 --cross-rate 1gbit --intra-rate R --nic node|rank]``: build a
+* ``check [--groups 2 --ranks 4 --cross-rate 1gbit --intra-rate R --nic node|rank
+  --link-model tbf|htb --cross-burst B --intra-burst B --ingress|--no-ingress]``: build a
   cluster, print its layout and the measured rates, remove it.
 * ``cleanup [--all]``: remove namespaces left by killed runs (``--all``: every ``cmemu-`` one,
   also of live processes).
@@ -16,7 +17,7 @@ import socket
 import sys
 
 from charm_megatron.emulate import netns
-from charm_megatron.emulate.cluster import EmulatedCluster
+from charm_megatron.emulate.cluster import LINK_MODELS, EmulatedCluster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument("--cross-rate", default="1gbit")
     chk.add_argument("--intra-rate", default=None)
     chk.add_argument("--nic", choices=("node", "rank"), default="node")
+    chk.add_argument("--link-model", choices=LINK_MODELS, default="tbf",
+                     help="htb: one veth per rank, classes by peer node (needs --nic rank)")
+    chk.add_argument("--cross-burst", default=None, help="cross shaper bucket (e.g. 512kb)")
+    chk.add_argument("--intra-burst", default=None, help="intra shaper bucket (e.g. 4mb)")
+    chk.add_argument("--ingress", action=argparse.BooleanOptionalAction, default=None,
+                     help="also shape traffic into each rank (default: tbf yes, htb no)")
     chk.add_argument("--seconds", type=float, default=0.5)
     cln = sub.add_parser("cleanup", help="remove namespaces left behind")
     cln.add_argument("--all", action="store_true", help="also those of live processes")
@@ -64,7 +71,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"network-namespace emulation not available: {why}")
         return 1
 
-    with EmulatedCluster(args.groups, args.ranks, args.cross_rate, args.intra_rate, args.nic) as c:
+    if args.link_model == "htb" and args.nic != "rank":
+        parser.error("--link-model htb needs --nic rank (one NIC per rank carries both kinds "
+                     "of traffic)")
+    with EmulatedCluster(args.groups, args.ranks, args.cross_rate, args.intra_rate, args.nic,
+                         cross_burst=args.cross_burst, intra_burst=args.intra_burst,
+                         link_model=args.link_model, ingress=args.ingress) as c:
         print(c.describe())
         print(c.measure_rates(args.seconds, concurrent=True))
     return 0

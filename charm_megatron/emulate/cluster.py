@@ -1,4 +1,4 @@
-"""An emulated multi-node cluster on one Linux machine: network namespaces, veths, tc ``tbf``.
+"""An emulated multi-node cluster on one Linux machine: network namespaces, veths, tc shapers.
 
 Layout (addresses come from 10.213.0.0/24 and exist only inside namespaces created here, so two
 clusters alive at once may reuse them without conflict):
@@ -18,6 +18,14 @@ clusters alive at once may reuse them without conflict):
       routes: the addresses of the node's other ranks via loc0 (/32), everything else via eth0
       tbf on eth0 / p<r> = cross rate each way, on loc0 / l<l> = intra rate each way
 
+``nic="rank", link_model="htb"`` - one NIC per rank that carries intra- and cross-node traffic::
+
+    rank namespace R_r
+      eth0 10.213.0.(r+1) --veth--> p<r> in the bridge namespace (br0): every peer, same device
+      htb on eth0: class 1:10 (intra rate) for destinations on the rank's node, 1:20 (cross
+      rate) for the rest (charm_megatron.emulate.htb); egress only unless ``ingress=True``,
+      which adds the same classes by *source* on p<r>
+
 Ranks join with ``GLOO_SOCKET_IFNAME=eth0`` in both models, so gloo advertises the ``eth0``
 address and the kernel's routing decides which link carries each connection.
 """
@@ -36,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from charm_megatron.emulate.htb import CROSS_CLASS, INTRA_CLASS, htb_commands, parse_class_bytes
 from charm_megatron.emulate.netns import (
     CLONE_NEWNET,
     CLONE_NEWUTS,
@@ -50,9 +59,11 @@ from charm_megatron.emulate.netns import (
 )
 from charm_megatron.emulate.rates import format_rate, parse_rate, parse_size
 
-__all__ = ["EmulatedCluster", "RankPlace", "RateReport", "enter"]
+__all__ = ["LINK_MODELS", "EmulatedCluster", "RankPlace", "RateReport", "enter"]
 
 NicModel = Literal["node", "rank"]
+LinkModelName = Literal["tbf", "htb"]
+LINK_MODELS = ("tbf", "htb")
 _SUBNET = "10.213.0"
 _TBF_LATENCY = "100ms"
 _INTRA_MTU = 65535  # like lo: the intra-node path should not pay per-packet costs lo avoids
@@ -99,6 +110,7 @@ class RateReport:
     configured_cross: float
     nic: str
     ranks_per_group: int
+    link_model: str = "tbf"
 
     def __str__(self) -> str:
         def show(v: float | None) -> str:
@@ -106,7 +118,7 @@ class RateReport:
 
         lines = [
             f"cross-node, one pair:   {show(self.cross)}  (configured {format_rate(self.configured_cross)}"
-            f" per {'node' if self.nic == 'node' else 'rank'} link)",
+            f" per {'node' if self.nic == 'node' else 'rank'} link, {self.link_model})",
             f"intra-node, one pair:   {show(self.intra)}  (configured "
             f"{'unlimited' if self.configured_intra is None else format_rate(self.configured_intra)})",
         ]
@@ -128,6 +140,15 @@ class EmulatedCluster:
     per second; ``intra_rate=None`` leaves intra-node traffic unshaped. ``nic``: ``"node"`` (the
     ranks of a node share one link) or ``"rank"`` (one link per rank). ``hostnames``: ``True`` for
     ``node0``, ``node1``, ...; a list of names; or ``False`` to keep the machine's host name.
+
+    ``link_model``: ``"tbf"`` (separate shaped veths for cross- and intra-node traffic, see the
+    module doc) or ``"htb"`` (``nic="rank"`` only: one veth per rank whose ``htb`` classes pick
+    the rate by the peer's node). ``ingress``: also shape traffic *into* each rank (``None``: the
+    model's default, ``True`` for tbf as always, ``False`` for htb, egress-only like a NIC whose
+    peer's egress already paces what it receives). ``cross_burst`` / ``intra_burst``: the
+    shapers' buckets (default ``max(512 KiB, rate/250)`` / ``max(4 MiB, rate/250)``).
+    ``mtu``: of every ``eth0`` veth and its bridge end (default: the kernel's 1500, an Ethernet
+    NIC's; the tbf model's separate intra-node veths always have 65535, like ``lo``).
     """
 
     def __init__(
@@ -141,6 +162,9 @@ class EmulatedCluster:
         *,
         cross_burst: str | int | None = None,
         intra_burst: str | int | None = None,
+        link_model: LinkModelName = "tbf",
+        ingress: bool | None = None,
+        mtu: int | None = None,
     ) -> None:
         if groups < 1 or ranks_per_group < 1:
             raise ValueError(f"need groups >= 1 and ranks_per_group >= 1, got {groups}, {ranks_per_group}")
@@ -148,6 +172,16 @@ class EmulatedCluster:
             raise ValueError("at most 250 ranks (one /24 of addresses)")
         if nic not in ("node", "rank"):
             raise ValueError(f"nic must be 'node' or 'rank', got {nic!r}")
+        if link_model not in LINK_MODELS:
+            raise ValueError(f"link_model must be one of {', '.join(LINK_MODELS)}, got {link_model!r}")
+        if link_model == "htb" and nic != "rank":
+            raise ValueError("link_model='htb' models one NIC per rank (intra- and cross-node "
+                             f"traffic on one device): use nic='rank' with it, not nic={nic!r}")
+        if mtu is not None and not 576 <= int(mtu) <= _INTRA_MTU:
+            raise ValueError(f"mtu must be between 576 and {_INTRA_MTU}, got {mtu}")
+        self.link_model: str = link_model
+        self.mtu: int | None = None if mtu is None else int(mtu)
+        self.ingress: bool = (link_model == "tbf") if ingress is None else bool(ingress)
         self.groups = groups
         self.ranks_per_group = ranks_per_group
         self.nic: str = nic
@@ -159,6 +193,8 @@ class EmulatedCluster:
             512 * 1024, int(self.cross_rate / 250))
         self.intra_burst = parse_size(intra_burst) if intra_burst is not None else max(
             4 * 1024 * 1024, int((self.intra_rate or 0) / 250))
+        if link_model == "tbf":
+            self._check_tbf_bursts()
         if hostnames is True:
             self.hostnames: list[str] | None = [f"node{g}" for g in range(groups)]
         elif hostnames is False or hostnames is None:
@@ -172,6 +208,19 @@ class EmulatedCluster:
         self._created: list[str] = []
         self._lock = threading.Lock()
         self.places: tuple[RankPlace, ...] = tuple(self._plan_places())
+
+    def _check_tbf_bursts(self) -> None:
+        """tbf drops every packet longer than its bucket (htb lets one through and owes the
+        tokens), so a bucket below the path's MTU stalls the connection until TCP times out."""
+        eth = (self.mtu or 1500) + 14  # the qdisc counts the Ethernet header
+        intra = (65536 if self.nic == "node" else _INTRA_MTU) + 14  # lo / loc0
+        if self.cross_burst < eth:
+            raise ValueError(f"cross_burst {self.cross_burst} B is below eth0's packet size "
+                             f"{eth} B: tbf would drop every full packet; use at least {eth}")
+        if self.intra_rate is not None and self.intra_burst < intra:
+            raise ValueError(f"intra_burst {self.intra_burst} B is below the intra-node path's "
+                             f"packet size {intra} B (MTU of lo / loc0): tbf would drop every "
+                             f"full packet; use at least {intra} (or link_model='htb')")
 
     # ----------------------------------------------------------------- layout
     @property
@@ -225,8 +274,12 @@ class EmulatedCluster:
 
     def describe(self) -> str:
         lines = [f"emulated cluster {self.name}: {self.groups} nodes x {self.ranks_per_group} ranks, "
-                 f"nic={self.nic}, cross {format_rate(self.cross_rate)}, intra "
-                 f"{'unlimited' if self.intra_rate is None else format_rate(self.intra_rate)}"]
+                 f"nic={self.nic}, {self.link_model} ("
+                 f"{'egress and ingress' if self.ingress else 'egress only'}), "
+                 f"cross {format_rate(self.cross_rate)} burst {self.cross_burst // 1024} KiB, intra "
+                 f"{'unlimited' if self.intra_rate is None else format_rate(self.intra_rate)}"
+                 + (f" burst {self.intra_burst // 1024} KiB" if self.intra_rate else "")
+                 + f", eth0 mtu {self.mtu or 1500}"]
         for p in self.places:
             lines.append(f"  rank {p.rank}: node {p.group} ({p.hostname or 'host name unchanged'}) "
                          f"netns {p.netns} {p.ifname} {p.address}")
@@ -280,20 +333,26 @@ class EmulatedCluster:
         br = self.bridge_ns
         nodes = [self.node_ns(g) for g in range(G)]
         ranks = [self._rank_ns(r) for r in range(G * M)] if self.nic == "rank" else []
+        if self.link_model == "htb":
+            nodes = []  # no node switch: same-node traffic also goes through the bridge
         self._add_netns([br, *nodes, *ranks])
         cross = self._tbf(self.cross_rate, self.cross_burst)
         intra = self._tbf(self.intra_rate, self.intra_burst) if self.intra_rate else None
         ip: dict[str, list[str]] = {n: [] for n in (br, *nodes, *ranks)}
         tc: dict[str, list[str]] = {n: [] for n in (br, *nodes, *ranks)}
         ip[br] += ["link set lo up", "link add br0 type bridge", "link set br0 up"]
-        if self.nic == "node":
+        if self.link_model == "htb":
+            self._htb_commands(ip, tc)
+        elif self.nic == "node":
             for g, ns in enumerate(nodes):
-                ip[br] += [f"link add p{g} type veth peer name eth0 netns {ns}",
+                ip[br] += [f"link add p{g}{self._mtu_arg()} type veth peer name eth0"
+                           f"{self._mtu_arg()} netns {ns}",
                            f"link set p{g} master br0", f"link set p{g} up"]
                 ip[ns] += ["link set lo up", f"addr add {_SUBNET}.{g + 1}/24 dev eth0",
                            "link set eth0 up"]
                 tc[ns].append(f"qdisc add dev eth0 root {cross}")
-                tc[br].append(f"qdisc add dev p{g} root {cross}")
+                if self.ingress:
+                    tc[br].append(f"qdisc add dev p{g} root {cross}")
                 if intra:
                     tc[ns].append(f"qdisc add dev lo root {intra}")
         else:
@@ -303,7 +362,8 @@ class EmulatedCluster:
             for r, rns in enumerate(ranks):
                 g, li = divmod(r, M)
                 ns = nodes[g]
-                ip[br] += [f"link add p{r} type veth peer name eth0 netns {rns}",
+                ip[br] += [f"link add p{r}{self._mtu_arg()} type veth peer name eth0"
+                           f"{self._mtu_arg()} netns {rns}",
                            f"link set p{r} master br0", f"link set p{r} up"]
                 ip[ns] += [f"link add l{li} mtu {_INTRA_MTU} type veth peer name loc0 mtu {_INTRA_MTU} netns {rns}",
                            f"link set l{li} master br0", f"link set l{li} up"]
@@ -313,10 +373,12 @@ class EmulatedCluster:
                 ip[rns] += [f"route add {_SUBNET}.{g * M + k + 1}/32 dev loc0"
                             for k in range(M) if k != li]
                 tc[rns].append(f"qdisc add dev eth0 root {cross}")
-                tc[br].append(f"qdisc add dev p{r} root {cross}")
+                if self.ingress:
+                    tc[br].append(f"qdisc add dev p{r} root {cross}")
                 if intra:
                     tc[rns].append(f"qdisc add dev loc0 root {intra}")
-                    tc[ns].append(f"qdisc add dev l{li} root {intra}")
+                    if self.ingress:
+                        tc[ns].append(f"qdisc add dev l{li} root {intra}")
         # Order matters: veths are created from the bridge / node side before the peers'
         # namespaces configure them.
         for ns in (br, *nodes, *ranks):
@@ -325,6 +387,56 @@ class EmulatedCluster:
         for ns in (br, *nodes, *ranks):
             if tc[ns]:
                 run_ip(["-n", ns, "-batch", "-"], tool="tc", input_text="\n".join(tc[ns]) + "\n")
+
+    def _mtu_arg(self) -> str:
+        return f" mtu {self.mtu}" if self.mtu else ""
+
+    def _htb_commands(self, ip: dict[str, list[str]], tc: dict[str, list[str]]) -> None:
+        """The htb layout: one veth per rank into the bridge, classes by the peer's node."""
+        M, br = self.ranks_per_group, self.bridge_ns
+        shape = {"cross_rate": self.cross_rate, "cross_burst": self.cross_burst,
+                 "intra_rate": self.intra_rate, "intra_burst": self.intra_burst}
+        for r in range(self.world_size):
+            rns, g = self._rank_ns(r), r // M
+            peers = [f"{_SUBNET}.{g * M + k + 1}" for k in range(M) if g * M + k != r]
+            ip[br] += [f"link add p{r}{self._mtu_arg()} type veth peer name eth0"
+                       f"{self._mtu_arg()} netns {rns}",
+                       f"link set p{r} master br0", f"link set p{r} up"]
+            ip[rns] += ["link set lo up", f"addr add {_SUBNET}.{r + 1}/24 dev eth0",
+                        "link set eth0 up"]
+            tc[rns] += htb_commands("eth0", peers, match="dst", **shape)
+            if self.ingress:
+                tc[br] += htb_commands(f"p{r}", peers, match="src", **shape)
+
+    def link_bytes(self, rank: int) -> dict[str, int | None]:
+        """Bytes ``rank`` has sent so far through its ``"intra"`` and ``"cross"`` shapers (the
+        htb classes, or the tbf qdiscs on loc0 / eth0; ``None``: that path is not shaped). With
+        ``nic="node"`` the cross figure is the whole node's."""
+        if not self._created:
+            raise RuntimeError("the cluster is not running (use it as a context manager)")
+        p = self.places[rank]
+        if self.link_model == "htb":
+            out = run_ip(["-n", p.netns, "-s", "class", "show", "dev", "eth0"], tool="tc").stdout
+            classes = parse_class_bytes(out)
+            return {"intra": classes.get(INTRA_CLASS), "cross": classes[CROSS_CLASS]}
+        intra_dev = "lo" if self.nic == "node" else "loc0"
+        return {"intra": self._qdisc_bytes(p.netns, intra_dev) if self.intra_rate else None,
+                "cross": self._qdisc_bytes(p.netns, "eth0")}
+
+    def tcp_counters(self, rank: int) -> dict[str, int]:
+        """The kernel's TCP counters in ``rank``'s namespace (``/proc/net/snmp`` ``Tcp:`` and
+        ``/proc/net/netstat`` ``TcpExt:``, e.g. ``RetransSegs``, ``TCPTimeouts``,
+        ``TCPLossProbes``), cumulative since the cluster was built."""
+        if not self._created:
+            raise RuntimeError("the cluster is not running (use it as a context manager)")
+        text = run_ip(["netns", "exec", self.places[rank].netns, "cat", "/proc/net/snmp",
+                       "/proc/net/netstat"]).stdout
+        return parse_proc_counters(text, ("Tcp:", "TcpExt:"))
+
+    @staticmethod
+    def _qdisc_bytes(ns: str, dev: str) -> int:
+        words = run_ip(["-n", ns, "-s", "qdisc", "show", "dev", dev], tool="tc").stdout.split()
+        return int(words[words.index("Sent") + 1])
 
     @staticmethod
     def _tbf(rate: float, burst: int) -> str:
@@ -347,7 +459,22 @@ class EmulatedCluster:
         conc = None
         if concurrent and self.groups >= 2:
             conc = sum(_transfer(self.places, [(k, M + k) for k in range(M)], seconds))
-        return RateReport(intra, cross, conc, self.intra_rate, self.cross_rate, self.nic, M)
+        return RateReport(intra, cross, conc, self.intra_rate, self.cross_rate, self.nic, M,
+                          self.link_model)
+
+
+def parse_proc_counters(text: str, sections: Sequence[str]) -> dict[str, int]:
+    """``{name: value}`` from /proc/net/snmp-style text (a header line, then a value line, per
+    section); only integer fields of ``sections``."""
+    out: dict[str, int] = {}
+    lines = text.splitlines()
+    for head, vals in zip(lines, lines[1:]):
+        h, v = head.split(), vals.split()
+        if h and v and h[0] == v[0] and h[0] in sections and not v[1:2] == h[1:2]:
+            for name, value in zip(h[1:], v[1:]):
+                if value.lstrip("-").isdigit():
+                    out[name] = int(value)
+    return out
 
 
 # --------------------------------------------------------------------------- socket transfers
