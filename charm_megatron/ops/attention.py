@@ -215,7 +215,7 @@ def cp_attention(
         roles: what the exchanges of rmplus / charm move (:mod:`charm_megatron.plan.roles`):
             ``"bytes"`` (default: per exchange the role that moves fewer bytes for this shape
             and direction), ``"paper"`` (the paper's Algorithm 1), ``"kv"`` or ``"q"`` (every
-            exchange passes kv / q). Packed sequences run the paper's roles.
+            exchange passes kv / q). The same for packed sequences.
 
     Returns:
         ``out [s_local, b, h_q, d]`` in q's dtype; with ``return_lse`` also
@@ -243,7 +243,7 @@ def cp_attention(
                                    cu_seqlens_padded=cu_seqlens_padded, group=group, algo=algo,
                                    topology=topology, causal=causal,
                                    softmax_scale=softmax_scale, return_lse=return_lse,
-                                   options=resolve(options))
+                                   options=resolve(options), roles=roles)
     cp_size = dist.get_world_size(group)
     opts, scale, error, cluster = None, softmax_scale, None, None
     try:  # this rank's own checks; the verdict is shared by the agreement check below

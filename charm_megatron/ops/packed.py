@@ -36,6 +36,7 @@ from charm_megatron.ops.options import CPOptions, kernel_backend
 from charm_megatron.ops.streams import StreamGroups, stream_groups
 from charm_megatron.plan.core import Half, TileSpec
 from charm_megatron.plan.registry import uses_topology
+from charm_megatron.plan.roles import RoleShape, check_roles
 
 
 # --------------------------------------------------------------------------------- layout
@@ -331,8 +332,10 @@ def _permutation(layout: THDLayout, device: str) -> tuple[torch.Tensor, torch.Te
 def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens,
                         cu_seqlens_padded, group, algo: str, topology, causal: bool,
                         softmax_scale: float | None, return_lse: bool,
-                        options: CPOptions | None = None):
-    """:func:`charm_megatron.cp_attention` for packed THD tensors (see its docstring)."""
+                        options: CPOptions | None = None, roles: str = "bytes"):
+    """:func:`charm_megatron.cp_attention` for packed THD tensors (see its docstring). The role
+    mix ``roles`` picks the plans as for sbhd tensors; the byte rule reads the THD shapes
+    (``q [t, h_q, d]``, ``k [t, h_kv, d]``)."""
     from charm_megatron.ops.attention import (
         _auto_cluster,
         _Call,
@@ -346,6 +349,7 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
     cp_size = dist.get_world_size(group)
     layout, scale, error, cluster = None, softmax_scale, None, None
     try:  # this rank's own checks; the verdict is shared by the agreement check below
+        check_roles(roles, "cp_attention roles")
         check_qkv(q, k, v, causal=causal, equal_lengths=True, who="cp_attention", layout="thd")
         if cu_seqlens is None:
             raise ValueError("cp_attention: cu_seqlens_padded given without cu_seqlens; pass "
@@ -365,7 +369,7 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
         # signature's tensors are the THD ones (3-D), so a packed call never matches an
         # unpacked one.
         sig = _signature("forward", seq, q, k, v, algo, topology, causal, scale, opts, error,
-                         cluster, "paper", extra=layout_fields(layout))
+                         cluster, roles, extra=layout_fields(layout))
         agreement.agree(sig, sg.control, cp_size, opts.timeout_s, error)
     elif error is not None:
         raise error
@@ -379,9 +383,13 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
     q4 = q.unsqueeze(1)
     if topology is None and uses_topology(algo):
         topology = opts.topology or "auto"  # the options' default, as in cp_attention
-    algo, groups = _resolve(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal, cluster)
-    # Packed sequences run the paper's roles (no shape for the byte rule).
-    call = _Call(group, algo, groups, causal, float(scale), opts, seq, "paper", None)
+    algo, groups = _resolve(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal, cluster,
+                            roles)
+    # The byte rule reads the shape (the ranks agreed on the THD shapes, so on the plans too);
+    # the edge permutation keeps every half-block message half-sized, so the bytes it compares
+    # are the bytes that move.
+    shape = RoleShape(q.shape[1], k.shape[1], q.shape[2], q.element_size())
+    call = _Call(group, algo, groups, causal, float(scale), opts, seq, roles, shape)
     perm, inv = _permutation(layout, str(q.device))
     qi, ki, vi = (t.index_select(0, perm).unsqueeze(1) for t in (q, k, v))
     out, lse = _PackedCPAttention.apply(qi, ki, vi, call, layout)
