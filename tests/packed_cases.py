@@ -78,13 +78,14 @@ def _real_mask(real: list[int], padded: list[int]) -> torch.Tensor:
 
 
 def one_case(rank: int, world: int, algo: str, topology, causal: bool, dtype: str, hkv: int,
-             docs: str, seed: int = 0, options=None):
-    """One packed forward+backward; returns (errors vs float64, padding-is-zero, results)."""
+             docs: str, seed: int = 0, options=None, roles: str | None = None, hq: int = 4):
+    """One packed forward+backward; returns (errors vs float64, padding-is-zero, results).
+    ``roles``: cp_attention's role mix (None: its default); ``hq`` query heads."""
     dt = DTYPES[dtype]
     real, padded = doc_lengths(docs, world)
     pad_or_real = padded if padded is not None else real
     total = sum(real)
-    hq, d = 4, 8
+    d = 8
     gen = torch.Generator().manual_seed(seed)
     q, k, v, dout = (torch.randn(total, h, d, generator=gen, dtype=torch.float64).to(dt)
                      for h in (hq, hkv, hkv, hq))
@@ -99,10 +100,11 @@ def one_case(rank: int, world: int, algo: str, topology, causal: bool, dtype: st
         return _pad_rows(x, real, pad_or_real)[idx]
 
     ql, kl, vl = (local(t).to(dt).requires_grad_() for t in (q, k, v))
+    kw = {} if roles is None else {"roles": roles}
     out, lse = cp_attention(ql, kl, vl, algo=algo, topology=topology, causal=causal,
                             cu_seqlens=cumulative(real),
                             cu_seqlens_padded=None if padded is None else cumulative(padded),
-                            return_lse=True, options=options)
+                            return_lse=True, options=options, **kw)
     out.backward(local(dout).to(dt))
     assert out.shape == ql.shape and out.dtype == dt
     assert lse.shape == (hq, ql.shape[0]) and lse.dtype == torch.float32
@@ -122,13 +124,20 @@ def one_case(rank: int, world: int, algo: str, topology, causal: bool, dtype: st
     return errs, zero, [t.detach().clone() for t in got]
 
 
+def _run_case(rank: int, world: int, case: tuple):
+    """``case``: (algo, topology, causal, dtype, hkv, docs[, roles, hq])."""
+    base, extra = case[:6], case[6:]
+    roles, hq = extra if extra else (None, 4)
+    return one_case(rank, world, *base, roles=roles, hq=hq)
+
+
 def run_packed_matrix(rank: int, world: int, cases: list[tuple], repeat: list[tuple]):
     """Many cases in one process group; cases in ``repeat`` also run twice (bitwise check)."""
     results = {}
     for case in cases:
-        errs, zero, got = one_case(rank, world, *case)
+        errs, zero, got = _run_case(rank, world, case)
         if case in repeat:
-            _, _, again = one_case(rank, world, *case)
+            _, _, again = _run_case(rank, world, case)
             errs["bitwise"] = all(torch.equal(a, b) for a, b in zip(got, again))
         results[case] = (errs, zero)
     return results
@@ -161,6 +170,8 @@ def packed_bad_input(rank: int, world: int, case: str):
         kwargs["cu_seqlens"] = cu.float()
     elif case == "not_3d":
         q = q.unsqueeze(1)
+    elif case == "roles":
+        kwargs["roles"] = "pepper"
     try:
         cp_attention(q, k, v, **kwargs)
     except (ValueError, TypeError) as exc:
@@ -174,9 +185,10 @@ def run_bad_inputs(rank: int, world: int, cases: list[str]):
     return {case: packed_bad_input(rank, world, case) for case in cases}
 
 
-def wire_sizes(rank: int, world: int, algo: str, topology):
-    """Element counts of every tensor this rank sends, packed (causal, padding present) and
-    unpacked with the same local length: the plans move the same (half-)blocks."""
+def wire_sizes(rank: int, world: int, algo: str, topology, configs: list[tuple]):
+    """Per ``(roles, hq, hkv)`` of ``configs`` (roles None: the default): element counts of
+    every tensor this rank sends, packed (causal, padding present) and unpacked with the same
+    local length and role mix: the plans move the same (half-)blocks."""
     import charm_megatron.ops.executor as ex
 
     sent: list[int] = []
@@ -187,21 +199,25 @@ def wire_sizes(rank: int, world: int, algo: str, topology):
         return real_batch(ops)
 
     ex.dist.batch_isend_irecv = recording
+    results = {}
     try:
-        real, padded = doc_lengths("unequal", world)
-        t = sum(padded) // world
-        q = torch.randn(t, 4, 8, requires_grad=True)
-        k = torch.randn(t, 2, 8, requires_grad=True)
-        v = torch.randn(t, 2, 8, requires_grad=True)
-        out = cp_attention(q, k, v, algo=algo, topology=topology, cu_seqlens=cumulative(real),
-                           cu_seqlens_padded=cumulative(padded))
-        out.sum().backward()
-        packed, sent[:] = list(sent), []
-        q4, k4, v4 = (x.detach().unsqueeze(1).requires_grad_() for x in (q, k, v))
-        # Packed sequences run the paper's roles; compare with the same plans unpacked.
-        cp_attention(q4, k4, v4, algo=algo, topology=topology,
-                     roles="paper").sum().backward()
-        return packed, list(sent)
+        for roles, hq, hkv in configs:
+            kw = {} if roles is None else {"roles": roles}
+            real, padded = doc_lengths("unequal", world)
+            t = sum(padded) // world
+            q = torch.randn(t, hq, 8, requires_grad=True)
+            k = torch.randn(t, hkv, 8, requires_grad=True)
+            v = torch.randn(t, hkv, 8, requires_grad=True)
+            sent[:] = []
+            out = cp_attention(q, k, v, algo=algo, topology=topology,
+                               cu_seqlens=cumulative(real), cu_seqlens_padded=cumulative(padded),
+                               **kw)
+            out.sum().backward()
+            packed, sent[:] = list(sent), []
+            q4, k4, v4 = (x.detach().unsqueeze(1).requires_grad_() for x in (q, k, v))
+            cp_attention(q4, k4, v4, algo=algo, topology=topology, **kw).sum().backward()
+            results[(roles, hq, hkv)] = (packed, list(sent))
+        return results
     finally:
         ex.dist.batch_isend_irecv = real_batch
 
@@ -214,7 +230,7 @@ def _opts(**kw):
 
 
 def packed_mismatch(rank: int, world: int, case: str):
-    """The last rank's packed call differs in ``case`` (algo, causal, cu_seqlens, dtype,
+    """The last rank's packed call differs in ``case`` (algo, causal, cu_seqlens, dtype, roles,
     backward_order); returns (exception type, message, seconds) of every rank."""
     import time
 
@@ -231,6 +247,10 @@ def packed_mismatch(rank: int, world: int, case: str):
         real, padded = [c - 1, 3 * c], [c, 3 * c]
     elif case == "dtype" and odd:
         dtype = torch.float64
+    elif case == "roles":  # the role mix picks the plans: it is agreed on like the algorithm
+        kw["algo"] = "charm"
+        kw["topology"] = "flat"
+        kw["roles"] = "paper" if odd else "bytes"
     t = sum(padded) // world
     g = torch.Generator().manual_seed(rank)
     q = torch.randn(t, 4, 8, generator=g).to(dtype).requires_grad_()

@@ -52,3 +52,25 @@ def test_list_profiles_and_errors(capsys: pytest.CaptureFixture[str]) -> None:
         assert name in out
     with pytest.raises(SystemExit):
         main(["model", "--seq", "1024"])  # neither a profile nor a topology
+
+
+def _grid_rows(out: str) -> dict[str, list[str]]:
+    return {line.split()[0]: line.split() for line in out.splitlines()
+            if line and line[0] != "#" and line.split()[0] != "seq"}
+
+
+def test_roles_and_compare_roles(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--compare-roles paper`` adds charm's speed-ups under the paper's roles, the same numbers
+    a ``--roles paper`` run prints; with GQA at a short sequence the byte rule is faster."""
+    base = ("--profile", "h100", "--heads", "32", "--kv-heads", "8", "--causal", "--grid", "16k")
+    both = _run(capsys, *base, "--compare-roles", "paper")
+    paper = _run(capsys, *base, "--roles", "paper")
+    assert "roles bytes" in both and "roles paper" in paper and "charm/paper x fwd" in both
+    row, prow = _grid_rows(both)["16384"], _grid_rows(paper)["16384"]
+    assert row[10:13] == prow[7:10]  # paper's charm fwd / bwd / total speed-ups
+    assert row[:4] == prow[:4]  # seq, CCRs and ring ms do not depend on the roles
+    assert float(row[9]) > float(row[12])  # bytes beats paper for 32 q / 8 kv heads at 16k
+    with pytest.raises(SystemExit, match="--compare-roles 'papr'"):
+        main(["model", *base, "--compare-roles", "papr"])
+    with pytest.raises(SystemExit, match="needs --grid"):
+        main(["model", "--profile", "h100", "--compare-roles", "paper"])

@@ -26,6 +26,16 @@ def test_docs_model_md_is_regenerated() -> None:
     assert not changed, f"stale blocks, run python -m charm_megatron.model.docgen: {changed}"
 
 
+def test_docs_performance_md_model_blocks_are_regenerated() -> None:
+    """docs/performance.md's model predictions (the paper's GPT shapes and the Llama-3-like GQA
+    shapes with both role mixes) and headline match a fresh run."""
+    text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    new, changed = regenerate(text, fast=True)
+    assert not changed, ("stale blocks, run python -m charm_megatron.model.docgen "
+                         f"docs/performance.md: {changed}")
+    assert "--kv-heads 8 --causal --grid 16k,32k,64k,128k --compare-roles paper" in text
+
+
 def test_cpu_testbed_profile_was_fitted_on_the_current_bench_files() -> None:
     prof = get_profile("cpu-testbed")
     files = sorted(ROOT.glob(DOCS_BENCH))

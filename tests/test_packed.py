@@ -28,9 +28,22 @@ SETUPS = {
 }
 
 
+# Grouped-query attention under both role mixes (8 query heads, 2 or 1 kv heads, where the byte
+# rule passes kv where the paper passes q: test_byte_rule_changes_the_gqa_plans), causal and
+# full, forward and backward. CHARM+ 2x2 meets every role mix, rmplus and a G=4 CHARM+ one
+# each; the whole group shares the matrix's processes.
+GQA_ROLES = {
+    4: [("charm", "2x2", roles, hkv, causal) for roles in ("bytes", "paper") for hkv in (2, 1)
+        for causal in (True, False)]
+       + [("rmplus", None, "bytes", 2, True), ("rmplus", None, "paper", 1, False)],
+    8: [("charm", "4x2", "bytes", 1, True), ("charm", "2x4", "bytes", 2, False)],
+}
+
+
 def _cases(world):
     """Every (algo, topology) x mask x document mix; dtype and GQA ratio rotate so that each
-    document mix meets both dtypes and several ratios. CP size 1 also takes odd lengths."""
+    document mix meets both dtypes and several ratios. CP size 1 also takes odd lengths. Then
+    the GQA role-mix cases (8 query heads, the ``unequal`` documents, fp32)."""
     cases = []
     docs_here = DOCS + (("odd",) if world == 1 else ())
     for algo, topo in SETUPS[world]:
@@ -38,6 +51,8 @@ def _cases(world):
             dtype = ("fp32", "bf16")[(i + i // 4) % 2]
             hkv = (4, 2, 1)[(i + len(cases)) % 3]
             cases.append((algo, topo, causal, dtype, hkv, docs))
+    for algo, topo, roles, hkv, causal in GQA_ROLES.get(world, []):
+        cases.append((algo, topo, causal, "fp32", hkv, "unequal", roles, 8))
     return cases
 
 
@@ -63,15 +78,41 @@ def test_packed_matrix_against_float64_reference(world):
     assert any("bitwise" in per_rank[0][c][0] for c in cases)
 
 
+def test_byte_rule_changes_the_gqa_plans():
+    """The GQA role-mix cases above are not the paper's plans twice: for 8 query heads and 2 or
+    1 kv heads the byte rule builds other forward and backward plans than Algorithm 1."""
+    from charm_megatron.plan.registry import build_plan
+    from charm_megatron.plan.roles import RoleShape
+
+    for world, setups in GQA_ROLES.items():
+        for algo, topo, roles, hkv, causal in setups:
+            if roles != "bytes":
+                continue
+            n_groups = int(topo.split("x")[0]) if topo else 1
+            size = world // n_groups
+            groups = [list(range(g * size, (g + 1) * size)) for g in range(n_groups)]
+            for direction in ("forward", "backward"):
+                paper = build_plan(algo, direction, groups, causal, roles="paper")
+                byte = build_plan(algo, direction, groups, causal, roles="bytes",
+                                  shape=RoleShape(8, hkv, 8, 4))
+                assert byte.ops != paper.ops, (algo, topo, hkv, causal, direction)
+
+
 def test_packed_messages_are_the_unpacked_ones():
     """Same plans, same message sizes: under causal masking half-block transfers stay
-    half-sized with packing (the edge permutation keeps each half contiguous)."""
-    for rank, (packed, plain) in enumerate(run_ranks(packed_cases.wire_sizes, 4, "charm",
-                                                     "2x2", timeout_s=120)):
-        assert packed == plain and packed, rank
+    half-sized with packing (the edge permutation keeps each half contiguous). The role mix
+    reaches the packed plans: with 8 query / 1 kv heads the byte rule's messages differ from
+    the paper's, packed as unpacked."""
+    configs = [(None, 4, 2), ("bytes", 8, 1), ("paper", 8, 1)]
+    for rank, res in enumerate(run_ranks(packed_cases.wire_sizes, 4, "charm", "2x2", configs,
+                                         timeout_s=120)):
+        for config in configs:
+            packed, plain = res[config]
+            assert packed == plain and packed, (rank, config)
         t = packed_cases.doc_lengths("unequal", 4)[1]
         half_kv = sum(t) // 4 // 2 * 2 * 8  # half a k (or v) block: t/2 rows x 2 heads x 8
-        assert half_kv in packed, rank
+        assert half_kv in res[(None, 4, 2)][0], rank
+        assert res[("bytes", 8, 1)][0] != res[("paper", 8, 1)][0], rank
 
 
 BAD = {
@@ -83,6 +124,7 @@ BAD = {
     "padded_shorter": "padded length",
     "float_cu": "must be int32",
     "not_3d": "must be 3-D",
+    "roles": "unknown cp_attention roles 'pepper'",
 }
 
 
@@ -100,6 +142,7 @@ PACKED_MISMATCH = {  # case -> the field the message names
     "causal": "causal",
     "cu_seqlens": "cu_seqlens \\(real document lengths\\)",
     "dtype": "q shape/dtype",
+    "roles": "disagree on roles \\(rank 0: .bytes., rank 1: .paper.\\)",
     "backward_order": "call number",
 }
 

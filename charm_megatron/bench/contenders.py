@@ -84,8 +84,8 @@ class PlanContender(Contender):
         # once here; ablated variants differ only in options.ablation.
         self.options = options if options is not None else CPOptions.from_env()
         # packed: cu_seqlens / cu_seqlens_padded for THD inputs (the benchmark's packed mode).
-        # roles: the role mix (packed sequences run the paper's, cp_attention has no choice).
-        extra = dict(packed) if packed else {"roles": roles}
+        # roles: the role mix, for packed and unpacked calls alike.
+        extra = {**(packed or {}), "roles": roles}
         self._fn = functools.partial(cp_attention, algo=algo, causal=causal,
                                      topology=topology if uses_topology(algo) else None,
                                      options=self.options, **extra)

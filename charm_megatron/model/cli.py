@@ -17,9 +17,10 @@ import os
 
 from charm_megatron.model.auto import ENV
 from charm_megatron.model.cluster import PROFILES, Cluster, default_cluster_for, get_profile
-from charm_megatron.model.predict import Prediction, predict_all, ring_ccr
+from charm_megatron.model.predict import Prediction, predict, predict_all, ring_ccr
 from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args
 from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
+from charm_megatron.plan.roles import check_roles
 
 # (flag, Cluster field, type, help)
 _CLUSTER_FLAGS: tuple[tuple[str, str, type, str], ...] = (
@@ -71,6 +72,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="sweep sequence lengths (comma list, k suffix allowed; "
                              "default 8k..256k) and print a table")
     parser.add_argument("--ranks", action="store_true", help="per-rank busy / idle detail")
+    parser.add_argument("--compare-roles", default=None, metavar="MIX[,MIX]",
+                        help="with --grid: also predict charm under these role mixes (e.g. "
+                             "paper) and print their speed-ups next to --roles' columns")
     cal = parser.add_argument_group("calibration and accuracy")
     cal.add_argument("--calibrate", nargs="+", metavar="BENCH_CSV", default=None,
                      help="fit a profile to charm-megatron bench results.csv files (ring rows; "
@@ -85,6 +89,19 @@ def register(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--accuracy", nargs="*", metavar="BENCH_CSV", default=None,
                      help="compare --profile with measurements: bench CSVs, or none for the "
                           "paper's Table 5")
+
+
+def _parse_mixes(text: str | None) -> list[str]:
+    """The role mixes of ``--compare-roles`` (a clear error naming the option otherwise)."""
+    if not text:
+        return []
+    mixes = [m.strip() for m in text.split(",") if m.strip()]
+    for m in mixes:
+        try:
+            check_roles(m, "--compare-roles")
+        except ValueError as exc:
+            raise SystemExit(f"charm-megatron model: {exc}") from None
+    return mixes
 
 
 def _parse_seqs(text: str) -> list[int]:
@@ -215,15 +232,19 @@ def run(args: argparse.Namespace) -> int:
         topo, groups, cluster, how = resolve(args)
     except ValueError as exc:  # a bad topology or cluster field: say which, no traceback
         raise SystemExit(f"charm-megatron model: {exc}") from None
+    compare = _parse_mixes(args.compare_roles)
+    if compare and args.grid is None:
+        raise SystemExit("charm-megatron model: --compare-roles needs --grid (it adds columns "
+                         "to the grid table)")
     n = sum(len(g) for g in groups)
     mask = "causal" if args.causal else "full"
     print(f"# cluster: {how}; topology {topo} ({n} ranks, {len(groups)} groups, nic={cluster.nic})")
     print(f"#   {cluster.describe()}")
     if args.grid is not None:
-        return _grid(args, groups, cluster, mask)
+        return _grid(args, groups, cluster, mask, compare)
     problem = _problem(args, args.seq)
     print(f"# problem: b={problem.b} s={problem.s} heads={problem.hq}/{problem.hkv} "
-          f"dim={problem.d} {args.dtype} {mask}")
+          f"dim={problem.d} {args.dtype} {mask}, roles {args.roles}")
     ccr_f = ring_ccr(groups, problem, cluster, args.causal, "forward")
     ccr_b = ring_ccr(groups, problem, cluster, args.causal, "backward")
     print(f"# ring CCR (compute time / communication time, each alone): forward "
@@ -253,20 +274,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _grid(args: argparse.Namespace, groups: list[list[int]], cluster: Cluster,
-          mask: str) -> int:
+          mask: str, compare: list[str]) -> int:
     print(f"# problem: b={args.batch} heads={args.heads}/{args.kv_heads or args.heads} "
-          f"dim={args.head_dim} {args.dtype} {mask}; times are fwd+bwd, speedups over ring")
+          f"dim={args.head_dim} {args.dtype} {mask}, roles {args.roles}; times are fwd+bwd, "
+          "speedups over ring")
+    if compare:
+        print(f"# charm/MIX: charm with role mix MIX ({', '.join(compare)}); 'best' is among "
+              f"ring, rmplus, charm (roles {args.roles})")
+    extra = "".join(f"  {f'charm/{m} x fwd':>{len(m) + 12}} {'bwd':>5} {'total':>5}"
+                    for m in compare)
     print(f"{'seq':>8} {'CCR fwd':>7} {'bwd':>5}  {'ring ms':>9} {'rmplus ms':>9} "
-          f"{'charm ms':>9}  {'rmplus x':>8}  {'charm x fwd':>11} {'bwd':>5} {'total':>5}  best")
+          f"{'charm ms':>9}  {'rmplus x':>8}  {'charm x fwd':>11} {'bwd':>5} {'total':>5}"
+          f"{extra}  best")
     for seq in _parse_seqs(args.grid):
         problem = _problem(args, seq)
         cf = ring_ccr(groups, problem, cluster, args.causal, "forward").ratio
         cb = ring_ccr(groups, problem, cluster, args.causal, "backward").ratio
         preds = predict_all(groups, problem, cluster, args.causal, ALGOS, roles=args.roles)
         ring, rmp, ch = preds["ring"], preds["rmplus"], preds["charm"]
+        cells = ""
+        for m in compare:
+            other = predict("charm", groups, problem, cluster, args.causal, m)
+            cells += (f"  {ring.forward.time_s / other.forward.time_s:>{len(m) + 12}.2f}"
+                      f" {ring.backward.time_s / other.backward.time_s:5.2f}"
+                      f" {ring.total_s / other.total_s:5.2f}")
         print(f"{seq:>8} {cf:7.2f} {cb:5.2f}  {_ms(ring.total_s):>9} {_ms(rmp.total_s):>9} "
               f"{_ms(ch.total_s):>9}  {ring.total_s / rmp.total_s:8.2f}  "
               f"{ring.forward.time_s / ch.forward.time_s:11.2f} "
               f"{ring.backward.time_s / ch.backward.time_s:5.2f} "
-              f"{ring.total_s / ch.total_s:5.2f}  {_best(preds)}")
+              f"{ring.total_s / ch.total_s:5.2f}{cells}  {_best(preds)}")
     return 0

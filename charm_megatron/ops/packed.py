@@ -30,12 +30,21 @@ import torch.distributed as dist
 from charm_megatron.kernels.base import check_qkv
 from charm_megatron.kernels.varlen import Segments, segmented_backward, segmented_forward
 from charm_megatron.ops import agreement
+from charm_megatron.ops.call_setup import (
+    algo_and_groups,
+    check_backend,
+    check_scale,
+    model_cluster,
+    signature,
+)
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.failsafe import GuardedBackend
 from charm_megatron.ops.options import CPOptions, kernel_backend
+from charm_megatron.ops.plan_run import Call, run_backward, run_forward
 from charm_megatron.ops.streams import StreamGroups, stream_groups
 from charm_megatron.plan.core import Half, TileSpec
 from charm_megatron.plan.registry import uses_topology
+from charm_megatron.plan.roles import RoleShape, check_roles
 
 
 # --------------------------------------------------------------------------------- layout
@@ -183,7 +192,7 @@ def make_layout(cu_seqlens, cu_seqlens_padded, cp_size: int, t_local: int) -> TH
 
 
 def layout_fields(layout: THDLayout | None) -> tuple[tuple[str, object], ...]:
-    """The agreement check's extra fields for packed calls (ops/attention._signature): the real
+    """The agreement check's extra fields for packed calls (ops/call_setup.signature): the real
     and padded document lengths, each as count, total and a digest (bounded size however many
     documents; ``None`` where this rank's own cu_seqlens were invalid, its error says why)."""
     def desc(lengths: tuple[int, ...]) -> str:
@@ -257,12 +266,10 @@ def _make_executor(call, sg: StreamGroups, q, k, layout: THDLayout,
 
 class _PackedCPAttention(torch.autograd.Function):
     """Internal-order tensors ``[t, 1, h, d]``; the same plans as the unpacked operator, run
-    and failed the same way (``_run`` of ops/attention.py)."""
+    and failed the same way (ops/plan_run.py)."""
 
     @staticmethod
     def forward(ctx, q, k, v, call, layout):
-        from charm_megatron.ops.attention import run_forward
-
         out, acc_lse = run_forward(
             call, lambda sg, d: _make_executor(call, sg, q, k, layout, d), q, k, v)
         ctx.save_for_backward(q, k, v, out, acc_lse)
@@ -273,8 +280,6 @@ class _PackedCPAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        from charm_megatron.ops.attention import run_backward
-
         q, k, v, out, lse_sbh = ctx.saved_tensors
         call, layout = ctx.call, ctx.layout
         grads = run_backward(call, lambda sg, d: _make_executor(call, sg, q, k, layout, d),
@@ -331,30 +336,24 @@ def _permutation(layout: THDLayout, device: str) -> tuple[torch.Tensor, torch.Te
 def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens,
                         cu_seqlens_padded, group, algo: str, topology, causal: bool,
                         softmax_scale: float | None, return_lse: bool,
-                        options: CPOptions | None = None):
-    """:func:`charm_megatron.cp_attention` for packed THD tensors (see its docstring)."""
-    from charm_megatron.ops.attention import (
-        _auto_cluster,
-        _Call,
-        _check_backend,
-        _check_scale,
-        _resolve,
-        _signature,
-    )
-
+                        options: CPOptions | None = None, roles: str = "bytes"):
+    """:func:`charm_megatron.cp_attention` for packed THD tensors (see its docstring). The role
+    mix ``roles`` picks the plans as for sbhd tensors; the byte rule reads the THD shapes
+    (``q [t, h_q, d]``, ``k [t, h_kv, d]``)."""
     opts = options if options is not None else CPOptions.from_env()
     cp_size = dist.get_world_size(group)
     layout, scale, error, cluster = None, softmax_scale, None, None
     try:  # this rank's own checks; the verdict is shared by the agreement check below
+        check_roles(roles, "cp_attention roles")
         check_qkv(q, k, v, causal=causal, equal_lengths=True, who="cp_attention", layout="thd")
         if cu_seqlens is None:
             raise ValueError("cp_attention: cu_seqlens_padded given without cu_seqlens; pass "
                              "both (cu_seqlens are the real document lengths)")
         layout = make_layout(cu_seqlens, cu_seqlens_padded, cp_size, q.shape[0])
-        scale = _check_scale(softmax_scale, q.shape[-1])
-        _check_backend(opts, q)
+        scale = check_scale(softmax_scale, q.shape[-1])
+        check_backend(opts, q)
         if algo == "auto" and cp_size > 1:
-            cluster = _auto_cluster(opts)
+            cluster = model_cluster(opts)
     except (ValueError, TypeError) as exc:
         error = exc
     sg = stream_groups(group, opts.timeout_s)
@@ -364,8 +363,8 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
         # The same agreement as the unpacked call, the document lengths as extra fields; the
         # signature's tensors are the THD ones (3-D), so a packed call never matches an
         # unpacked one.
-        sig = _signature("forward", seq, q, k, v, algo, topology, causal, scale, opts, error,
-                         cluster, "paper", extra=layout_fields(layout))
+        sig = signature("forward", seq, q, k, v, algo, topology, causal, scale, opts, error,
+                         cluster, roles, extra=layout_fields(layout))
         agreement.agree(sig, sg.control, cp_size, opts.timeout_s, error)
     elif error is not None:
         raise error
@@ -379,9 +378,13 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
     q4 = q.unsqueeze(1)
     if topology is None and uses_topology(algo):
         topology = opts.topology or "auto"  # the options' default, as in cp_attention
-    algo, groups = _resolve(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal, cluster)
-    # Packed sequences run the paper's roles (no shape for the byte rule).
-    call = _Call(group, algo, groups, causal, float(scale), opts, seq, "paper", None)
+    algo, groups = algo_and_groups(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal, cluster,
+                            roles)
+    # The byte rule reads the shape (the ranks agreed on the THD shapes, so on the plans too);
+    # the edge permutation keeps every half-block message half-sized, so the bytes it compares
+    # are the bytes that move.
+    shape = RoleShape(q.shape[1], k.shape[1], q.shape[2], q.element_size())
+    call = Call(group, algo, groups, causal, float(scale), opts, seq, roles, shape)
     perm, inv = _permutation(layout, str(q.device))
     qi, ki, vi = (t.index_select(0, perm).unsqueeze(1) for t in (q, k, v))
     out, lse = _PackedCPAttention.apply(qi, ki, vi, call, layout)

@@ -1,0 +1,127 @@
+"""What a ``cp_attention`` call checks, agrees on and resolves before any plan runs; shared by
+the sbhd entry point (ops/attention.py) and the packed one (ops/packed.py).
+
+* :func:`check_scale`, :func:`check_backend`, :func:`model_cluster`: this rank's own checks
+  (their verdict reaches every rank through the agreement check);
+* :func:`signature`: the fields the ranks must agree on;
+* :func:`algo_and_groups`: the algorithm to run (``auto``: the model's choice) and its groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+import charm_megatron
+from charm_megatron.ops.agreement import Signature
+from charm_megatron.ops.options import CPOptions
+from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.registry import uses_topology
+
+
+def check_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"cp_attention: softmax_scale must be a number or None, got "
+                        f"{type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"cp_attention: softmax_scale={softmax_scale!r} must be a finite "
+                         "number > 0 (None gives 1/sqrt(head_dim)); 0 or a negative scale has "
+                         "no meaning for attention and gives NaN under the causal mask")
+    return scale
+
+
+def check_backend(opts: CPOptions, q: torch.Tensor) -> None:
+    if opts.backend == "flash_attn" and (q.device.type != "cuda"
+                                         or q.dtype not in (torch.float16, torch.bfloat16)):
+        raise ValueError(f"cp_attention: the flash_attn backend runs fp16/bf16 on CUDA only, "
+                         f"not {q.dtype} on {q.device.type}; choose backend 'torch' "
+                         "(CHARM_ATTN_BACKEND / CPOptions.backend) or cast the inputs")
+
+
+def _tensor_desc(t) -> tuple:
+    if not isinstance(t, torch.Tensor):
+        return (type(t).__name__,)
+    return (tuple(t.shape), str(t.dtype), t.device.type)
+
+
+def _topology_desc(topology) -> str:
+    groups = getattr(topology, "groups", None)
+    return repr(tuple(tuple(g) for g in groups)) if groups is not None else repr(topology)
+
+
+def _cluster_desc(cluster) -> str | None:
+    """A digest of the cluster ``auto`` predicts with (``None``: the generic one), so that ranks
+    that read different profile files under one name disagree loudly instead of choosing
+    different algorithms."""
+    if cluster is None:
+        return None
+    return hashlib.sha256(repr(cluster).encode()).hexdigest()[:16]
+
+
+def model_cluster(opts: CPOptions):
+    """The cluster of ``opts.model_profile`` (``None``: generic); ValueError names the option."""
+    from charm_megatron.model import auto_cluster
+
+    return auto_cluster(opts.model_profile,
+                        where="model_profile (CPOptions.model_profile / CHARM_MODEL_PROFILE)")
+
+
+def signature(direction: str, seq: int, q, k, v, algo: str, topology, causal: bool, scale,
+               opts: CPOptions | None, error: BaseException | None,
+               cluster=None, roles: str | None = None,
+               extra: tuple[tuple[str, object], ...] = ()) -> Signature:
+    """What the ranks must agree on. The plan is a pure function of these fields (and of the
+    probe's all-gathered result), so agreeing on them is agreeing on the plan; the package
+    version stands for the plan builders' code. ``extra`` fields go at the end (the packed
+    path's document lengths, ops/packed.py)."""
+    fields: tuple[tuple[str, object], ...] = (
+        ("charm_megatron version", charm_megatron.__version__),
+        ("direction", direction),
+        ("call number on this CP group", seq),
+        ("q shape/dtype/device", _tensor_desc(q)),
+        ("k shape/dtype/device", _tensor_desc(k)),
+        ("v shape/dtype/device", _tensor_desc(v)),
+        ("algo", algo),
+        ("topology", _topology_desc(topology)),
+        ("causal", bool(causal)),
+        ("softmax_scale", scale if isinstance(scale, float) else repr(scale)),
+    )
+    if opts is not None:
+        fields += (
+            ("pass order", opts.pass_order),
+            ("kernel backend", opts.backend_name),
+            ("default topology (CHARM_TOPOLOGY)", opts.topology),
+            ("ablation", opts.ablation),
+            ("model profile (CHARM_MODEL_PROFILE)", (opts.model_profile,
+                                                     _cluster_desc(cluster))),
+        )
+    # The role mix picks the plans of rmplus / charm as much as the algorithm does.
+    fields += (("roles", roles),) + tuple(extra)
+    return Signature(fields, f"{type(error).__name__}: {error}" if error is not None else "")
+
+
+def algo_and_groups(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch.Tensor,
+                 causal: bool, cluster=None,
+                 roles: str = "paper") -> tuple[str, tuple[tuple[int, ...], ...]]:
+    """The algorithm to run and its groups (one flat group for ring and rmplus); ``auto``
+    predicts with ``cluster`` (``None``: the generic one for the topology)."""
+    flat = (tuple(range(cp_size)),)
+    if algo == "ring":
+        return algo, flat
+    from charm_megatron.topology import resolve_topology
+
+    topo = resolve_topology(topology, group, algo, cp_size)
+    groups = tuple(tuple(g) for g in topo.groups)
+    if algo == "auto":
+        from charm_megatron.model import choose_algo_cached
+
+        # A pure function of shapes and topology: every rank picks the same algorithm.
+        problem = Problem(q.shape[1], q.shape[0] * cp_size, q.shape[2], k.shape[2], q.shape[3],
+                          q.element_size())
+        algo = choose_algo_cached(groups, problem, cluster, causal=causal, roles=roles)
+    return algo, (groups if uses_topology(algo) else flat)
