@@ -223,7 +223,7 @@ class _CharmRank:
 
     def __init__(self, rank: int, groups: tuple[tuple[int, ...], ...], causal: bool,
                  backward: bool, order: str = "split",
-                 roles: RoleChoice | None = None) -> None:
+                 roles: RoleChoice | None = None, lean: bool = False) -> None:
         if order not in ORDERS:
             raise ValueError(f"unknown CHARM+ pass order {order!r}; choose one of {ORDERS}")
         self.rank = rank
@@ -232,6 +232,11 @@ class _CharmRank:
         self.bwd = backward
         self.order = order
         self.roles = roles or RoleChoice()
+        # lean: a unit's exchange is posted only once the previous unit's tiles ran and its
+        # partials came home (one unit's blocks in memory instead of two and its returns;
+        # transfers no longer hide behind the previous unit's compute). registry.build_plan asks for it where the plan would
+        # otherwise hold more than plan.memory.BOUND x ring's peak.
+        self.lean = lean
         self.decisions: list[Decision] = []  # the role of every exchange, for printouts
         self.g = next(i for i, grp in enumerate(groups) if rank in grp)
         self.group = groups[self.g]
@@ -506,16 +511,26 @@ class _CharmRank:
         returns: list[_Return] = []
         held_back: list[Op] = []
         for u in units:
-            nxt = self._post(units[u.index + 1], items) if u.index + 1 < len(units) else None
+            if self.lean:  # the previous unit's partials home first, then this unit's blocks
+                if u.index > 0:
+                    while returns:
+                        p.finish(returns.pop(0))
+                    pending = self._post(u, items)
+                nxt = None
+            else:
+                nxt = self._post(units[u.index + 1], items) if u.index + 1 < len(units) else None
             p.add(Wait(pending))
             pending = nxt
+            # Partials of the previous unit have travelled while this unit's blocks arrived;
+            # completing them before this unit's tiles frees the partial we served and the one
+            # that came back before the tiles' own outputs are allocated (memory: at most one
+            # unit's partials alive at a tile).
+            while returns and returns[0].unit < u.index:
+                p.finish(returns.pop(0))
             if u.role is Role.KV:
                 held_back += self._compute_kv(u, items, returns, hold_own and u.index == last_kv)
             else:
                 self._compute_q(u, items, returns)
-            # Partials of the previous unit have had a whole unit of compute to arrive.
-            while returns and returns[0].unit < u.index:
-                p.finish(returns.pop(0))
         # A counterpart's partial must be complete before it goes home.
         for ret in returns:
             p.finish(ret)

@@ -232,6 +232,9 @@ class Plan:
     ops: list[list[Op]] = field(default_factory=list)
     #: Per rank, the role of every exchange (``roles.Decision``), for algorithms with roles.
     decisions: list[list] = field(default_factory=list)
+    #: Built lean (one unit's blocks at a time) to stay within ``plan.memory.BOUND`` x ring's
+    #: peak memory (``registry.build_plan``).
+    lean: bool = False
 
     # Where the executor finds the results on every rank.
     OUT = RESULT[Kind.OUT]
