@@ -14,11 +14,11 @@ a ratio bound is a fair test; it is not a timing test.
 
 from __future__ import annotations
 
-import memory_cases
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from charm_megatron.bench.memory import call_peaks
 from charm_megatron.local_ranks import run_ranks
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.lifetimes import lifetimes
@@ -129,7 +129,7 @@ MEASURED = [(algo, topo, causal, hkv, "bytes")
 
 
 def test_measured_peak_within_bound_of_ring():
-    per_rank = run_ranks(memory_cases.measure_peaks, 4, MEASURED, 1024, 2, HQ, D,
+    per_rank = run_ranks(call_peaks, 4, MEASURED, 1024, 2, HQ, D,
                          timeout_s=600)
     worst = {case: {ph: max(r[case][ph] for r in per_rank) for ph in ("fwd", "fwdbwd")}
              for case in MEASURED}

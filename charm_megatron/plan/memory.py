@@ -57,22 +57,28 @@ def peak(ops: list[Op], problem: Problem, n: int) -> Peak:
     """The peak of one rank's op list (``n``: the CP size, so a block has ``s / n`` rows)."""
     life = lifetimes(ops)
     live: dict[Loc, float] = {}
+    held = 0.0  # sum of live
     best = Peak(0.0, -1, (), 0.0)
 
     def block(kind: Kind, acc: bool, rows: Half) -> float:
         return _block_bytes(problem, n, kind, acc, rows)
 
+    def hold(loc: Loc, nbytes: float) -> None:
+        nonlocal held
+        held += nbytes - live.get(loc, 0.0)
+        live[loc] = nbytes
+
     for i, op in enumerate(ops):
         t, tile = type(op), 0.0
         if t is Comm:
             for x in op.recvs:
-                live[x.loc] = block(x.kind, False, x.half)
+                hold(x.loc, block(x.kind, False, x.half))
         elif t is Reset:
-            live[op.loc] = block(op.kind, True, life.rows[(i, op.loc)])
+            hold(op.loc, block(op.kind, True, life.rows[(i, op.loc)]))
         elif t is Tile:
             out = block(Kind.OUT, False, op.spec.q_half)
             if op.fresh:
-                live[op.acc] = out
+                hold(op.acc, out)
             else:
                 tile = out
         elif t is TileBwd:
@@ -81,14 +87,13 @@ def peak(ops: list[Op], problem: Problem, n: int) -> Peak:
                                            (op.dkv_acc, op.fresh_dkv, Kind.DKV, s.kv_half)):
                 b = block(kind, False, rows)
                 if fresh:
-                    live[loc] = b
+                    hold(loc, b)
                 else:
                     tile += b
-        total = sum(live.values()) + tile
-        if total > best.bytes:
-            best = Peak(total, i, tuple(live.items()), tile)
+        if held + tile > best.bytes:
+            best = Peak(held + tile, i, tuple(live.items()), tile)
         for loc in life.free_after.get(i, ()):
-            live.pop(loc, None)
+            held -= live.pop(loc, 0.0)
     return best
 
 

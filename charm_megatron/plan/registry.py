@@ -23,7 +23,7 @@ from typing import Any
 from charm_megatron.plan.builders import _CharmRank, _ring
 from charm_megatron.plan.core import Op, Plan
 from charm_megatron.plan.cost import Problem
-from charm_megatron.plan.memory import BOUND, max_peak
+from charm_megatron.plan.memory import BOUND, max_peak, peak
 from charm_megatron.plan.roles import ROLE_MIXES, RoleChoice, RoleShape, check_roles
 
 __all__ = [
@@ -220,15 +220,23 @@ def _within_memory_bound(plan: Plan, entry: Algorithm, groups: Groups, order: st
     executor's allocation rule) exceeds :data:`~charm_megatron.plan.memory.BOUND` x ring's and
     the lean one does not. Peaks scale with the rows alike, so two rows per rank decide for
     every sequence length (and every rank decides alike)."""
-    problem = Problem(1, 2 * plan.n, shape.hq, shape.hkv, shape.d, shape.elem)
-    ring = _assemble(_REGISTRY["ring"], plan.direction.value, ((*range(plan.n),),), plan.n,
-                     plan.causal, order, choice)
+    n = plan.n
+    problem = Problem(1, 2 * n, shape.hq, shape.hkv, shape.d, shape.elem)
+    ring = _assemble(_REGISTRY["ring"], plan.direction.value, ((*range(n),),), n, plan.causal,
+                     order, choice)
     bound = BOUND * max_peak(ring, problem)
-    if max_peak(plan, problem) <= bound:
+    if all(peak(ops, problem, n).bytes <= bound for ops in plan.ops):
         return plan
-    lean = _assemble(entry, plan.direction.value, groups, plan.n, plan.causal, order, choice,
-                     lean=True)
-    return lean if max_peak(lean, problem) <= bound else plan
+    lean = Plan(entry.name, plan.direction, n, groups, plan.causal, lean=True)
+    backward = plan.direction.value == "backward"
+    for rank in range(n):  # rank by rank: the first one over the bound settles it
+        ops, decisions = entry.build_rank(rank, groups, plan.causal, backward, order,
+                                          roles=choice, lean=True)
+        if peak(ops, problem, n).bytes > bound:
+            return plan
+        lean.ops.append(ops)
+        lean.decisions.append(decisions)
+    return lean
 
 
 # ------------------------------------------------------------------------- built-in entries
