@@ -55,7 +55,7 @@ def _role_summary(plan: Plan) -> str:
     c = Counter((d.where, d.role.value) for ds in plan.decisions for d in ds)
     cross = "/".join(f"pass-{r}" for r in ("q", "kv") if c[("cross", r)])
     pairs = f"{c[('pair', 'kv')]}kv {c[('pair', 'q')]}q"
-    lean = " lean" if plan.lean else ""
+    lean = " lean" if plan.lean else " early-returns" if plan.early_returns else ""
     return (f"{cross} {pairs}" if cross else pairs) + lean
 
 
@@ -86,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
           f"roles={args.roles}")
     print("# critical path: longest chain of data-dependent messages; MiB sent per rank; "
           "peak MiB of buffers and tile outputs per rank (plan/memory.py); roles: cross phase "
-          "and RM+ pairs (all ranks), lean: built lean to stay within 1.1x ring's peak")
+          "and RM+ pairs (all ranks); early-returns / lean: built so to stay within 1.1x ring's "
+          "peak")
     header = (f"{'algo':8} {'dir':8} {'crit.path':>9} {'msgs/rank':>9} {'intra max':>10} "
               f"{'cross max':>10} {'cross total':>11} {'peak mem':>10}  roles")
     print(header)

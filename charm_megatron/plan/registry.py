@@ -216,10 +216,12 @@ def _assemble(entry: Algorithm, direction: str, groups: Groups, n: int, causal: 
 
 def _within_memory_bound(plan: Plan, entry: Algorithm, groups: Groups, order: str,
                          choice: RoleChoice, shape: RoleShape) -> Plan:
-    """``plan``, or its lean variant where ``plan``'s peak memory (:mod:`plan.memory`, the
-    executor's allocation rule) exceeds :data:`~charm_megatron.plan.memory.BOUND` x ring's and
-    the lean one does not. Peaks scale with the rows alike, so two rows per rank decide for
-    every sequence length (and every rank decides alike)."""
+    """``plan`` if its peak memory (:mod:`plan.memory`, the executor's allocation rule) is
+    within :data:`~charm_megatron.plan.memory.BOUND` x ring's; else the first variant that is,
+    from the least to the most costly in time: q-pair returns completed before the next
+    unit's tiles (``early_returns``), then lean (one unit's blocks at a time); else ``plan``.
+    Peaks scale with the rows alike, so two rows per rank decide for every sequence length
+    (and every rank decides alike)."""
     n = plan.n
     problem = Problem(1, 2 * n, shape.hq, shape.hkv, shape.d, shape.elem)
     ring = _assemble(_REGISTRY["ring"], plan.direction.value, ((*range(n),),), n, plan.causal,
@@ -227,16 +229,19 @@ def _within_memory_bound(plan: Plan, entry: Algorithm, groups: Groups, order: st
     bound = BOUND * max_peak(ring, problem)
     if all(peak(ops, problem, n).bytes <= bound for ops in plan.ops):
         return plan
-    lean = Plan(entry.name, plan.direction, n, groups, plan.causal, lean=True)
     backward = plan.direction.value == "backward"
-    for rank in range(n):  # rank by rank: the first one over the bound settles it
-        ops, decisions = entry.build_rank(rank, groups, plan.causal, backward, order,
-                                          roles=choice, lean=True)
-        if peak(ops, problem, n).bytes > bound:
-            return plan
-        lean.ops.append(ops)
-        lean.decisions.append(decisions)
-    return lean
+    for flags in ({"early_returns": True}, {"lean": True}):
+        variant = Plan(entry.name, plan.direction, n, groups, plan.causal, **flags)
+        for rank in range(n):  # rank by rank: the first one over the bound settles it
+            ops, decisions = entry.build_rank(rank, groups, plan.causal, backward, order,
+                                              roles=choice, **flags)
+            if peak(ops, problem, n).bytes > bound:
+                break
+            variant.ops.append(ops)
+            variant.decisions.append(decisions)
+        else:
+            return variant
+    return plan
 
 
 # ------------------------------------------------------------------------- built-in entries
@@ -245,8 +250,9 @@ def _ring_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: s
 
 
 def _charm_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: str,
-                roles: RoleChoice | None = None, lean: bool = False) -> tuple[list[Op], list]:
-    builder = _CharmRank(rank, groups, causal, backward, order, roles, lean)
+                roles: RoleChoice | None = None, lean: bool = False,
+                early_returns: bool = False) -> tuple[list[Op], list]:
+    builder = _CharmRank(rank, groups, causal, backward, order, roles, lean, early_returns)
     return builder.build(), builder.decisions
 
 
