@@ -138,7 +138,11 @@ def test_mha_rmplus_forward_is_the_paper():
     for causal in (True, False):
         a = build_plan("rmplus", "forward", _groups(1, 8), causal, roles="bytes", shape=shape)
         b = build_plan("rmplus", "forward", _groups(1, 8), causal)
-        assert a.ops == b.ops
+        # The paper's roles; the schedule may be a memory variant (plan/memory.py's bound),
+        # which a shape-free plan never is.
+        assert [[d.role for d in ds] for ds in a.decisions] == \
+            [[d.role for d in ds] for ds in b.decisions]
+        assert a.ops == b.ops or a.lean or a.early_returns
 
 
 def test_every_decision_is_the_cheaper_or_a_tie():

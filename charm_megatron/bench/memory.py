@@ -94,3 +94,39 @@ class PeakMeter:
             self._live += nbytes
             self._peak = max(self._peak, self._live)
         self.peaks[label] = self._peak
+
+
+def call_peaks(rank: int, world: int, cases, s: int, b: int, hq: int, d: int,
+               dtype: torch.dtype = torch.float32) -> dict:
+    """A rank function for :func:`charm_megatron.local_ranks.run_ranks`: the peak growth
+    (bytes) of the forward and of forward+backward of one ``cp_attention`` call per case
+    ``(algo, topology, causal, hkv, roles)``, each measured on a second call (the first also
+    builds plans and communicators). Global sequence ``s``, batch ``b``, ``hq`` query heads of
+    dim ``d``. Used by ``scripts/memory_grid.py`` and tests/test_memory.py: memory does not
+    depend on link speeds, so plain gloo ranks on loopback measure what an emulated cluster
+    would."""
+    import torch.distributed as dist
+
+    from charm_megatron import cp_attention
+
+    g = torch.Generator().manual_seed(rank)
+    out = {}
+    for case in cases:
+        algo, topology, causal, hkv, roles = case
+        sl = s // world
+        q, k, v = (torch.randn(sl, b, h, d, generator=g).to(dtype).requires_grad_()
+                   for h in (hq, hkv, hkv))
+        dout = torch.randn(sl, b, hq, d, generator=g).to(dtype)
+        for _ in range(2):
+            meter = PeakMeter(torch.device("cpu"))
+            dist.barrier()
+            with meter.phase("fwd"):
+                o = cp_attention(q, k, v, algo=algo, topology=topology, causal=causal,
+                                 roles=roles)
+            dist.barrier()
+            with meter.phase("fwdbwd"):
+                o.backward(dout)
+            del o
+            q.grad = k.grad = v.grad = None
+        out[case] = dict(meter.peaks)
+    return out

@@ -1,9 +1,11 @@
 """Runs any plan with real communication and a kernel backend.
 
 The executor knows nothing of rings or levels: it interprets a rank's op list. Buffers are named
-locations, allocated once per call at full block size and reused, so memory does not grow with
-the CP size. A message of half a block travels as the first rows of its buffer; ``_Buf.held``
-remembers which rows it holds.
+locations; each *lifetime* of a location (from a receive, reset or fresh tile into it to its
+last use, :mod:`charm_megatron.plan.lifetimes`) is allocated when it begins, with only the rows
+it uses, and freed after its last use. So the peak is the largest set of buffers alive at one
+time, not the sum of every location, and memory does not grow with the CP size. A buffer of
+half a block holds that half in its own (half-sized) rows; ``_Buf.held`` remembers which.
 
 Tensor layouts and dtypes (in a message and in an accumulator) are those of
 :data:`charm_megatron.plan.vocab.BLOCKS`: rows are the local sequence, the first dim, so a half
@@ -35,6 +37,7 @@ from charm_megatron.plan.core import (
     TileBwd,
     Wait,
 )
+from charm_megatron.plan.lifetimes import Lifetimes, lifetimes
 from charm_megatron.plan.vocab import BLOCKS, Dtype, as_loc
 
 
@@ -66,6 +69,27 @@ def _rows(half: Half, s: int) -> slice:
     if half is Half.FULL:
         return slice(0, s)
     return slice(0, s // 2) if half is Half.FIRST else slice(s // 2, s)
+
+
+def _n_rows(half: Half, s: int) -> int:
+    return s if half is Half.FULL else s // 2
+
+
+# Lifetimes per op list, computed once: the plans are cached (ops/attention.py), so the same
+# list objects come back call after call. The list is kept in the value so its id stays valid.
+_LIFETIMES: dict[int, tuple[list[Op], Lifetimes]] = {}
+_LIFETIMES_MAX = 1024
+
+
+def _lifetimes_of(ops: list[Op]) -> Lifetimes:
+    hit = _LIFETIMES.get(id(ops))
+    if hit is not None and hit[0] is ops:
+        return hit[1]
+    life = lifetimes(ops)
+    if len(_LIFETIMES) >= _LIFETIMES_MAX:
+        _LIFETIMES.clear()
+    _LIFETIMES[id(ops)] = (ops, life)
+    return life
 
 
 def delta_exponent(dout: torch.Tensor) -> torch.Tensor:
@@ -117,19 +141,38 @@ class Executor(OpInterpreter[None]):
         # handle -> (works, keep-alive tensors, stream, global peer ranks)
         self.pending: dict[int, tuple[list, list, str, list[int]]] = {}
         self._shapes: dict[tuple[Kind, bool], list[tuple[tuple[int, ...], torch.dtype]]] = {}
+        self._life: Lifetimes | None = None  # of the op list being run
+        self._i = 0  # index of the op being interpreted
 
     # ---------------------------------------------------------------------------- buffers
-    def _alloc(self, kind: Kind, wire: bool) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.empty(shape, dtype=dtype, device=self.shape.device)
+    def _alloc(self, kind: Kind, wire: bool, rows: Half = Half.FULL) -> tuple[torch.Tensor, ...]:
+        n = _n_rows(rows, self.shape.s)
+        return tuple(torch.empty((n, *shape[1:]), dtype=dtype, device=self.shape.device)
                      for shape, dtype in self._alloc_shapes(kind, wire))
 
-    def _buffer(self, loc: Loc, kind: Kind, wire: bool) -> _Buf:
-        buf = self.bufs.get(loc)
-        want = [(torch.Size(shape), dt) for shape, dt in self._alloc_shapes(kind, wire)]
-        if buf is None or [(t.shape, t.dtype) for t in buf.tensors] != want:
-            buf = _Buf(self._alloc(kind, wire))
-            self.bufs[loc] = buf
+    def _buffer(self, loc: Loc, kind: Kind, wire: bool, rows: Half = Half.FULL) -> _Buf:
+        """A new buffer for ``loc`` holding rows ``rows`` of a ``kind`` block (replacing what
+        ``loc`` held: a new lifetime)."""
+        buf = _Buf(self._alloc(kind, wire, rows), held=rows, kind=Kind(kind))
+        self.bufs[loc] = buf
         return buf
+
+    def _new_rows(self, loc: Loc) -> Half:
+        """The rows the lifetime that the current op starts in ``loc`` uses (all of them when
+        an op is interpreted outside :meth:`run`)."""
+        if self._life is None:
+            return Half.FULL
+        return self._life.rows.get((self._i, loc), Half.FULL)
+
+    def _acc_rows(self, buf: _Buf, half: Half) -> slice:
+        """Where rows ``half`` of a block are in ``buf`` (which may hold only some rows)."""
+        s = self.shape.s
+        if buf.held is Half.FULL:
+            return _rows(half, s)
+        if half is not buf.held:
+            raise RuntimeError(f"{self.what}: a buffer holding rows {buf.held} is asked for rows "
+                               f"{half} (the plan's lifetimes are wrong)")
+        return slice(0, s // 2)
 
     def _torch_dtype(self, dtype: Dtype) -> torch.dtype:
         # Accumulators and stats: fp32, or float64 for float64 inputs (float64 end to end).
@@ -161,14 +204,11 @@ class Executor(OpInterpreter[None]):
 
     def _view(self, loc: Loc, half: Half) -> tuple[torch.Tensor, ...]:
         """Rows ``half`` of the block in ``loc`` (which may hold only some rows)."""
-        buf = self.bufs[loc]
-        s = self.shape.s
-        if buf.held is Half.FULL:
-            sl = _rows(half, s)
-        else:
-            if half is not buf.held:
-                raise RuntimeError(f"{loc} holds rows {buf.held}, not {half}")
-            sl = slice(0, s // 2)
+        buf = self.bufs.get(loc)
+        if buf is None:
+            raise RuntimeError(f"{self.what}: reads {loc}, which holds nothing (never written, "
+                               "or freed: the plan's lifetimes are wrong)")
+        sl = self._acc_rows(buf, half)
         return tuple(t[sl] for t in buf.tensors)
 
     def set_own(self, loc: Loc | str, kind: Kind | str, *tensors: torch.Tensor) -> None:
@@ -182,8 +222,20 @@ class Executor(OpInterpreter[None]):
 
     # -------------------------------------------------------------------------------- run
     def run(self, ops: list[Op]) -> None:
-        for op in ops:
-            self.interpret(op)
+        """Interpret ``ops`` in order, each buffer allocated when its lifetime begins and
+        freed after its last use (a send's lasts until its batch is waited)."""
+        self._life = life = _lifetimes_of(ops)
+        free_after, bufs = life.free_after, self.bufs
+        try:
+            for i, op in enumerate(ops):
+                self._i = i
+                self.interpret(op)
+                dead = free_after.get(i)
+                if dead:
+                    for loc in dead:
+                        bufs.pop(loc, None)
+        finally:
+            self._life = None
         if self.pending:
             raise RuntimeError(f"plan left transfers {sorted(self.pending)} unwaited")
 
@@ -194,9 +246,7 @@ class Executor(OpInterpreter[None]):
         self._wait(op.handle)
 
     def on_reset(self, op: Reset) -> None:
-        buf = self._buffer(op.loc, op.kind, wire=False)
-        buf.held = Half.FULL
-        buf.kind = op.kind
+        buf = self._buffer(op.loc, op.kind, wire=False, rows=self._new_rows(op.loc))
         for t, spec in zip(buf.tensors, BLOCKS[op.kind].tensors):
             if spec.empty:
                 t.fill_(spec.empty)
@@ -215,7 +265,7 @@ class Executor(OpInterpreter[None]):
         s = op.spec
         if not self.compute:
             if op.fresh:  # something of the right size must still be there to send
-                self._buffer(op.acc, Kind.OUT, wire=True).held = s.q_half
+                self._buffer(op.acc, Kind.OUT, wire=True, rows=s.q_half)
             return
         (q,) = self._view(op.q_loc, s.q_half)
         k, v = self._view(op.kv_loc, s.kv_half)
@@ -224,40 +274,43 @@ class Executor(OpInterpreter[None]):
             # Kept as the kernel made it (input dtype, the tile's rows only): it is sent on.
             self.bufs[op.acc] = _Buf((out, lse.permute(2, 0, 1)), held=s.q_half, kind=Kind.OUT)
             return
-        acc_o, acc_l = self.bufs[op.acc].tensors
-        merge_into(acc_o, acc_l, out, lse.permute(2, 0, 1), _rows(s.q_half, self.shape.s))
+        acc = self.bufs[op.acc]
+        acc_o, acc_l = acc.tensors
+        merge_into(acc_o, acc_l, out, lse.permute(2, 0, 1), self._acc_rows(acc, s.q_half))
 
     def on_tile_bwd(self, op: TileBwd) -> None:
         s = op.spec
         if not self.compute:
             # Something of the right size must still be there to send.
             if op.fresh_dq:
-                self._buffer(op.dq_acc, Kind.DQ, wire=True).held = s.q_half
+                self._buffer(op.dq_acc, Kind.DQ, wire=True, rows=s.q_half)
             if op.fresh_dkv:
-                self._buffer(op.dkv_acc, Kind.DKV, wire=True).held = s.kv_half
+                self._buffer(op.dkv_acc, Kind.DKV, wire=True, rows=s.kv_half)
             return
         q, dout, stats = self._view(op.q_loc, s.q_half)
         k, v = self._view(op.kv_loc, s.kv_half)
         dq, dk, dv = self._kernel_backward(
             s, dout, q, k, v, _out_with_delta(dout, stats[..., 1]), stats[..., 0].permute(1, 2, 0)
         )
-        qr, kr = _rows(s.q_half, self.shape.s), _rows(s.kv_half, self.shape.s)
         if op.fresh_dq:
             self.bufs[op.dq_acc] = _Buf((dq,), held=s.q_half, kind=Kind.DQ)
         else:
-            self.bufs[op.dq_acc].tensors[0][qr] += dq
+            acc = self.bufs[op.dq_acc]
+            acc.tensors[0][self._acc_rows(acc, s.q_half)] += dq
         if op.fresh_dkv:
             self.bufs[op.dkv_acc] = _Buf((dk, dv), held=s.kv_half, kind=Kind.DKV)
         else:
-            dk_acc, dv_acc = self.bufs[op.dkv_acc].tensors
+            acc = self.bufs[op.dkv_acc]
+            kr = self._acc_rows(acc, s.kv_half)
+            dk_acc, dv_acc = acc.tensors
             dk_acc[kr] += dk
             dv_acc[kr] += dv
 
     def on_merge(self, op: Merge) -> None:
         src = self.bufs[op.src]
-        rows = _rows(src.held, self.shape.s)
-        n = rows.stop - rows.start
         acc = self.bufs[op.acc]
+        rows = self._acc_rows(acc, src.held)
+        n = _n_rows(src.held, self.shape.s)
         if BLOCKS[acc.kind].lse_merge:  # a partial output: log-sum-exp merge
             merge_into(acc.tensors[0], acc.tensors[1], src.tensors[0][:n], src.tensors[1][:n],
                        rows)
@@ -270,7 +323,6 @@ class Executor(OpInterpreter[None]):
         ranks = self.streams.ranks
         p2p: list[dist.P2POp] = []
         keep: list[torch.Tensor] = []
-        s = self.shape.s
         for x in op.sends:
             tensors = self._to_wire(x.kind, self._view(x.loc, x.half))
             for t in tensors:
@@ -278,12 +330,9 @@ class Executor(OpInterpreter[None]):
                 keep.append(t)
                 p2p.append(dist.P2POp(dist.isend, t, ranks[x.peer], group))
         for x in op.recvs:
-            buf = self._buffer(x.loc, x.kind, wire=True)
-            buf.held = x.half
-            buf.kind = x.kind
-            n = s if x.half is Half.FULL else s // 2
+            buf = self._buffer(x.loc, x.kind, wire=True, rows=x.half)
             for t in buf.tensors:
-                p2p.append(dist.P2POp(dist.irecv, t[:n], ranks[x.peer], group))
+                p2p.append(dist.P2POp(dist.irecv, t, ranks[x.peer], group))
         if not self.comm:
             p2p = []  # receive buffers keep whatever they held; only timing is meaningful
         peers = sorted({ranks[x.peer] for x in (*op.sends, *op.recvs)})

@@ -224,7 +224,8 @@ class _CharmRank:
 
     def __init__(self, rank: int, groups: tuple[tuple[int, ...], ...], causal: bool,
                  backward: bool, order: str = "split",
-                 roles: RoleChoice | None = None) -> None:
+                 roles: RoleChoice | None = None, lean: bool = False,
+                 early_returns: bool = False) -> None:
         if order not in ORDERS:
             raise ValueError(f"unknown CHARM+ pass order {order!r}; choose one of {ORDERS}")
         self.rank = rank
@@ -233,6 +234,19 @@ class _CharmRank:
         self.bwd = backward
         self.order = order
         self.roles = roles or RoleChoice()
+        # lean: a unit's exchange is posted only once the previous unit's tiles ran and its
+        # partials came home (one unit's blocks in memory instead of two and its returns;
+        # transfers no longer hide behind the previous unit's compute). registry.build_plan asks for it where the plan would
+        # otherwise hold more than plan.memory.BOUND x ring's peak.
+        self.lean = lean
+        # early_returns: a q-pair unit's partials (the one served, the one back) are completed
+        # right after the next unit's blocks arrived, before its tiles, so a tile never sees
+        # two units' partials (less memory; the returns get less time to travel).
+        # Backward always: measured it costs no time there (bench 2x4, MHA: 416 vs 415 ms) and
+        # the backward's tile outputs (dq, dk, dv, plus temporaries the model does not count)
+        # are the larger; forward only where the bound needs it (it cost ~10% forward time
+        # with multi-head attention on the bench's 2x4).
+        self.early_returns = early_returns or backward
         self.decisions: list[Decision] = []  # the role of every exchange, for printouts
         self.g = next(i for i, grp in enumerate(groups) if rank in grp)
         self.group = groups[self.g]
@@ -515,9 +529,19 @@ class _CharmRank:
         returns: list[_Return] = []
         held_back: list[Op] = []
         for u in units:
-            nxt = self._post(units[u.index + 1], items) if u.index + 1 < len(units) else None
+            if self.lean:  # the previous unit's partials home first, then this unit's blocks
+                if u.index > 0:
+                    while returns:
+                        p.finish(returns.pop(0))
+                    pending = self._post(u, items)
+                nxt = None
+            else:
+                nxt = self._post(units[u.index + 1], items) if u.index + 1 < len(units) else None
             p.add(Wait(pending))
             pending = nxt
+            if self.early_returns:
+                while returns and returns[0].unit < u.index:
+                    p.finish(returns.pop(0))
             if u.role is Role.KV:
                 held_back += self._compute_kv(u, items, returns, hold_own and u.index == last_kv)
             else:

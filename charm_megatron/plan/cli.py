@@ -12,6 +12,7 @@ from collections import Counter
 
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args, traffic
+from charm_megatron.plan.memory import max_peak
 from charm_megatron.plan.registry import ALGORITHM_NAMES, build_plan, get, names
 from charm_megatron.plan.roles import Decision, RoleShape
 from charm_megatron.plan.validate import validate
@@ -54,7 +55,8 @@ def _role_summary(plan: Plan) -> str:
     c = Counter((d.where, d.role.value) for ds in plan.decisions for d in ds)
     cross = "/".join(f"pass-{r}" for r in ("q", "kv") if c[("cross", r)])
     pairs = f"{c[('pair', 'kv')]}kv {c[('pair', 'q')]}q"
-    return f"{cross} {pairs}" if cross else pairs
+    lean = " lean" if plan.lean else " early-returns" if plan.early_returns else ""
+    return (f"{cross} {pairs}" if cross else pairs) + lean
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,9 +85,11 @@ def run(args: argparse.Namespace) -> int:
           f"heads={args.heads}/{problem.hkv} dim={args.head_dim} {args.dtype} "
           f"roles={args.roles}")
     print("# critical path: longest chain of data-dependent messages; MiB sent per rank; "
-          "roles: cross phase and RM+ pairs (all ranks)")
+          "peak MiB of buffers and tile outputs per rank (plan/memory.py); roles: cross phase "
+          "and RM+ pairs (all ranks); early-returns / lean: built so to stay within 1.1x ring's "
+          "peak")
     header = (f"{'algo':8} {'dir':8} {'crit.path':>9} {'msgs/rank':>9} {'intra max':>10} "
-              f"{'cross max':>10} {'cross total':>11}  roles")
+              f"{'cross max':>10} {'cross total':>11} {'peak mem':>10}  roles")
     print(header)
     for direction in ("forward", "backward"):
         for algo in names():
@@ -94,6 +98,6 @@ def run(args: argparse.Namespace) -> int:
             stats = validate(plan)
             t = traffic(plan, problem, groups)
             print(f"{algo:8} {direction:8} {stats.critical_path:9d} {max(stats.messages):9d} "
-                  f"{_mb(max(t.intra))} {_mb(t.max_cross)} {_mb(t.total_cross):>11}  "
-                  f"{_role_summary(plan)}")
+                  f"{_mb(max(t.intra))} {_mb(t.max_cross)} {_mb(t.total_cross):>11} "
+                  f"{_mb(max_peak(plan, problem))}  {_role_summary(plan)}")
     return 0

@@ -232,6 +232,11 @@ class Plan:
     ops: list[list[Op]] = field(default_factory=list)
     #: Per rank, the role of every exchange (``roles.Decision``), for algorithms with roles.
     decisions: list[list] = field(default_factory=list)
+    #: Built with q-pair returns completed before the next unit's tiles (``early_returns``)
+    #: or lean (one unit's blocks at a time, returns first) to stay within
+    #: ``plan.memory.BOUND`` x ring's peak memory (``registry.build_plan``).
+    early_returns: bool = False
+    lean: bool = False
 
     # Where the executor finds the results on every rank.
     OUT = RESULT[Kind.OUT]

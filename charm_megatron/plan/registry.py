@@ -22,6 +22,8 @@ from typing import Any
 
 from charm_megatron.plan.builders import _CharmRank, _ring
 from charm_megatron.plan.core import Op, Plan
+from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.memory import BOUND, max_peak, peak
 from charm_megatron.plan.roles import ROLE_MIXES, RoleChoice, RoleShape, check_roles
 
 __all__ = [
@@ -190,16 +192,55 @@ def build_plan(
     n = sum(len(g) for g in groups_t)
     if not entry.uses_topology:
         groups_t = (tuple(range(n)),)
-    plan = Plan(algo, direction, n, groups_t, causal)
+    plan = _assemble(entry, direction, groups_t, n, causal, order, choice)
+    if entry.uses_roles and shape is not None:
+        plan = _within_memory_bound(plan, entry, groups_t, order, choice, shape)
+    return plan
+
+
+def _assemble(entry: Algorithm, direction: str, groups: Groups, n: int, causal: bool,
+              order: str, choice: RoleChoice, lean: bool = False) -> Plan:
+    plan = Plan(entry.name, direction, n, groups, causal, lean=lean)
     backward = direction == "backward"
     for rank in range(n):
         if entry.uses_roles:
-            ops, decisions = entry.build_rank(rank, groups_t, causal, backward, order,
-                                              roles=choice)
+            extra = {"lean": True} if lean else {}
+            ops, decisions = entry.build_rank(rank, groups, causal, backward, order,
+                                              roles=choice, **extra)
             plan.decisions.append(decisions)
         else:
-            ops = entry.build_rank(rank, groups_t, causal, backward, order)
+            ops = entry.build_rank(rank, groups, causal, backward, order)
         plan.ops.append(ops)
+    return plan
+
+
+def _within_memory_bound(plan: Plan, entry: Algorithm, groups: Groups, order: str,
+                         choice: RoleChoice, shape: RoleShape) -> Plan:
+    """``plan`` if its peak memory (:mod:`plan.memory`, the executor's allocation rule) is
+    within :data:`~charm_megatron.plan.memory.BOUND` x ring's; else the first variant that is,
+    from the least to the most costly in time: q-pair returns completed before the next
+    unit's tiles (``early_returns``), then lean (one unit's blocks at a time); else ``plan``.
+    Peaks scale with the rows alike, so two rows per rank decide for every sequence length
+    (and every rank decides alike)."""
+    n = plan.n
+    problem = Problem(1, 2 * n, shape.hq, shape.hkv, shape.d, shape.elem)
+    ring = _assemble(_REGISTRY["ring"], plan.direction.value, ((*range(n),),), n, plan.causal,
+                     order, choice)
+    bound = BOUND * max_peak(ring, problem)
+    if all(peak(ops, problem, n).bytes <= bound for ops in plan.ops):
+        return plan
+    backward = plan.direction.value == "backward"
+    for flags in ({"early_returns": True}, {"lean": True}):
+        variant = Plan(entry.name, plan.direction, n, groups, plan.causal, **flags)
+        for rank in range(n):  # rank by rank: the first one over the bound settles it
+            ops, decisions = entry.build_rank(rank, groups, plan.causal, backward, order,
+                                              roles=choice, **flags)
+            if peak(ops, problem, n).bytes > bound:
+                break
+            variant.ops.append(ops)
+            variant.decisions.append(decisions)
+        else:
+            return variant
     return plan
 
 
@@ -209,8 +250,9 @@ def _ring_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: s
 
 
 def _charm_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: str,
-                roles: RoleChoice | None = None) -> tuple[list[Op], list]:
-    builder = _CharmRank(rank, groups, causal, backward, order, roles)
+                roles: RoleChoice | None = None, lean: bool = False,
+                early_returns: bool = False) -> tuple[list[Op], list]:
+    builder = _CharmRank(rank, groups, causal, backward, order, roles, lean, early_returns)
     return builder.build(), builder.decisions
 
 

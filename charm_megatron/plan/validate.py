@@ -9,10 +9,13 @@ named function or method below:
   needs, and at the end each rank's output (forward) or dq and dkv (backward) hold exactly the
   tiles of the full attention;
 * **buffer hazards** (:meth:`_SymbolicRun.read`, :meth:`~_SymbolicRun.check_no_transfer`,
-  :meth:`~_SymbolicRun.check_partial_send`): every op reads data that is present and complete
-  (a receive is waited before use, a tile's rows are inside the rows a buffer holds, a partial
-  sent home holds every row it contributes to), and no buffer is overwritten while a send from
-  it or a receive into it is in flight;
+  :meth:`~_SymbolicRun.check_partial_send`, :meth:`~_SymbolicRun.free`): every op reads data
+  that is present and complete (a receive is waited before use, a tile's rows are inside the
+  rows a buffer holds, a partial sent home holds every row it contributes to), no buffer is
+  overwritten while a send from it or a receive into it is in flight, and the executor's
+  buffer lifetimes (:mod:`charm_megatron.plan.lifetimes`) are safe: each buffer is freed where
+  the executor frees it, and accumulators hold only the rows it allocates them with, so a read
+  after a free or outside those rows is an error here;
 * **send/receive matching** (:meth:`~_SymbolicRun.check_message`): every send meets a receive
   of the same block and rows, in the same order, on the same stream;
 * **deadlock under NCCL's serial streams** (:meth:`~_SymbolicRun.check_progress`,
@@ -47,6 +50,7 @@ from charm_megatron.plan.core import (
     format_op,
     tile_spec,
 )
+from charm_megatron.plan.lifetimes import lifetimes
 from charm_megatron.plan.vocab import Direction, Side, Stream
 
 
@@ -116,6 +120,10 @@ class _SymbolicRun(OpInterpreter[bool]):
         self.tiles_done = [0] * n
         self.max_depth = 0
         self.r = 0  # the rank whose op is being interpreted
+        try:  # the executor's buffer lifetimes, replayed (frees, accumulator rows)
+            self.lives = [lifetimes(ops) for ops in plan.ops]
+        except ValueError as exc:
+            raise PlanError(f"{plan.algo} {plan.direction}: {exc}") from None
 
     # ------------------------------------------------------------------ driving all ranks
     def execute(self) -> None:
@@ -137,6 +145,7 @@ class _SymbolicRun(OpInterpreter[bool]):
         while self.pc[r] < len(ops):
             if not self.interpret(ops[self.pc[r]]):
                 break
+            self.free(self.lives[r].free_after.get(self.pc[r], ()))
             self.pc[r] += 1
             progressed = True
         return progressed
@@ -176,21 +185,33 @@ class _SymbolicRun(OpInterpreter[bool]):
             self.fail(f"sends {x.loc} as {x.kind}[{x.owner}] but it holds "
                       f"{None if c is None else (c.kind, c.owner)}")
         self.check_waited(x.loc, "sends")
+        if not c.half.covers(x.half):
+            self.fail(f"sends rows {x.half} of {x.loc}, which holds rows {c.half}")
         for t in c.tiles:
             if not x.half.covers(_rows_written(x.kind, t)):
                 self.fail(f"sends rows {x.half} of {x.loc} but tile {_tile_name(t)} wrote rows "
                           "outside them")
         return c
 
+    def free(self, locs) -> None:
+        """The executor frees ``locs`` after the current op: nothing may still move data from
+        or into them, and a later read finds nothing."""
+        for loc in locs:
+            if self.busy[self.r].get(loc, 0):
+                self.fail(f"frees {loc} while a transfer from or into it is in flight")
+            self.state[self.r].pop(loc, None)
+
     def write(self, loc: Loc, content: _Content) -> None:
         self.check_no_transfer(loc)
         self.state[self.r][loc] = content
 
     def accumulate(self, acc: Loc, kind: Kind, owner: int, new: frozenset[TileSpec],
-                   depth: int) -> None:
+                   depth: int, rows: Half) -> None:
         c = self.state[self.r].get(acc)
         if c is None or c.kind != kind or c.owner != owner:
             self.fail(f"accumulates into {acc}, which is not a reset {kind}[{owner}] accumulator")
+        if not c.half.covers(rows):
+            self.fail(f"accumulates rows {rows} into {acc}, which holds rows {c.half}")
         self.check_no_transfer(acc)
         dup = c.tiles & new
         if dup:
@@ -219,7 +240,7 @@ class _SymbolicRun(OpInterpreter[bool]):
         if fresh:
             self.write(loc, _Content(kind, owner, half, frozenset([s]), depth))
         else:
-            self.accumulate(loc, kind, owner, frozenset([s]), depth)
+            self.accumulate(loc, kind, owner, frozenset([s]), depth, half)
 
     # ------------------------------------------------------------------ the ops
     def on_comm(self, op: Comm) -> bool:
@@ -263,7 +284,8 @@ class _SymbolicRun(OpInterpreter[bool]):
         return True
 
     def on_reset(self, op: Reset) -> bool:
-        self.write(op.loc, _Content(op.kind, op.owner, Half.FULL, frozenset()))
+        rows = self.lives[self.r].rows.get((self.pc[self.r], op.loc), Half.FULL)
+        self.write(op.loc, _Content(op.kind, op.owner, rows, frozenset()))
         return True
 
     def on_tile(self, op: Tile) -> bool:
@@ -287,7 +309,7 @@ class _SymbolicRun(OpInterpreter[bool]):
         acc = self.state[self.r].get(op.acc)
         if acc is None or src.kind != acc.kind or src.owner != acc.owner:
             self.fail(f"merges {op.src} into {op.acc} of a different kind or owner")
-        self.accumulate(op.acc, acc.kind, acc.owner, src.tiles, src.depth)
+        self.accumulate(op.acc, acc.kind, acc.owner, src.tiles, src.depth, src.half)
         return True
 
     # ------------------------------------------------------------------ matching, deadlock

@@ -1,0 +1,107 @@
+"""The peak bytes a plan's buffers occupy on a rank, for a concrete problem size.
+
+A replay of one rank's op list with the executor's allocation rule
+(:mod:`charm_megatron.plan.lifetimes`): a buffer is allocated when its lifetime begins, with
+the rows it uses (receive buffers in the wire dtypes, accumulators in fp32 as
+:data:`~charm_megatron.plan.vocab.BLOCKS` says) and freed after its last use. A tile adds its
+kernel output for as long as the tile runs (forward: the partial output and lse of its rows;
+backward: dq and dk/dv of its rows), unless that output *is* the new buffer (a ``fresh`` tile).
+Kernel workspaces, the backward's stand-in output and the caller's own tensors are not counted.
+
+The model counts what the measured peak (:mod:`charm_megatron.bench.memory`) grows by in the
+executor, so the ratio of two plans' peaks is what ``charm-megatron bench`` measures for them
+(within a few per cent: the measure also sees the workspaces common to all plans).
+
+Plan layer: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from charm_megatron.plan.core import Comm, Half, Kind, Loc, Op, Plan, Reset, Tile, TileBwd
+from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.lifetimes import lifetimes
+from charm_megatron.plan.vocab import BLOCKS
+
+__all__ = ["BOUND", "Peak", "max_peak", "peak", "plan_peak"]
+
+#: Issue 12's memory target: RM+ / CHARM+ peak at most this times ring's (``registry.build_plan``
+#: builds a plan lean where that is what it takes).
+BOUND = 1.1
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A rank's highest point: ``bytes`` at op ``op``, of which ``held`` by each buffer and
+    ``tile`` by the running tile's kernel output."""
+
+    bytes: float
+    op: int
+    held: tuple[tuple[Loc, float], ...]
+    tile: float
+
+
+def _block_bytes(problem: Problem, n: int, kind: Kind, accumulator: bool, rows: Half) -> float:
+    sizes = {"b": problem.b, "hq": problem.hq, "hkv": problem.hkv, "d": problem.d}
+    per_row = 0
+    for t in BLOCKS[Kind(kind)].tensors:
+        size = t.dtype(accumulator).size(problem.elem)
+        for dim in t.dims.split()[1:]:
+            size *= sizes[dim] if dim.isalpha() else int(dim)
+        per_row += size
+    return problem.s / n * per_row * rows.fraction
+
+
+def peak(ops: list[Op], problem: Problem, n: int) -> Peak:
+    """The peak of one rank's op list (``n``: the CP size, so a block has ``s / n`` rows)."""
+    life = lifetimes(ops)
+    live: dict[Loc, float] = {}
+    held = 0.0  # sum of live
+    best = Peak(0.0, -1, (), 0.0)
+
+    def block(kind: Kind, acc: bool, rows: Half) -> float:
+        return _block_bytes(problem, n, kind, acc, rows)
+
+    def hold(loc: Loc, nbytes: float) -> None:
+        nonlocal held
+        held += nbytes - live.get(loc, 0.0)
+        live[loc] = nbytes
+
+    for i, op in enumerate(ops):
+        t, tile = type(op), 0.0
+        if t is Comm:
+            for x in op.recvs:
+                hold(x.loc, block(x.kind, False, x.half))
+        elif t is Reset:
+            hold(op.loc, block(op.kind, True, life.rows[(i, op.loc)]))
+        elif t is Tile:
+            out = block(Kind.OUT, False, op.spec.q_half)
+            if op.fresh:
+                hold(op.acc, out)
+            else:
+                tile = out
+        elif t is TileBwd:
+            s = op.spec
+            for loc, fresh, kind, rows in ((op.dq_acc, op.fresh_dq, Kind.DQ, s.q_half),
+                                           (op.dkv_acc, op.fresh_dkv, Kind.DKV, s.kv_half)):
+                b = block(kind, False, rows)
+                if fresh:
+                    hold(loc, b)
+                else:
+                    tile += b
+        if held + tile > best.bytes:
+            best = Peak(held + tile, i, tuple(live.items()), tile)
+        for loc in life.free_after.get(i, ()):
+            held -= live.pop(loc, 0.0)
+    return best
+
+
+def plan_peak(plan: Plan, problem: Problem) -> list[Peak]:
+    """Every rank's peak."""
+    return [peak(plan.ops[r], problem, plan.n) for r in range(plan.n)]
+
+
+def max_peak(plan: Plan, problem: Problem) -> float:
+    """The highest peak over ranks, in bytes."""
+    return max(p.bytes for p in plan_peak(plan, problem))
