@@ -174,3 +174,25 @@ def test_auto_runs_the_algorithm_resolve_algo_reports(tmp_path):
             # bitwise on 4 ranks): what ran is told apart from what was reported.
             assert same["charm"] == (pick == "charm"), (pick, same)
     assert seen == {"charm", "rmplus"}
+
+
+def test_summary_labels_the_link_model(tmp_path):
+    """Runs that differ only in their link model must not share a label in the summary."""
+    import csv
+    import json
+
+    from charm_megatron.bench.summary import load
+
+    labels = []
+    for model in ("tbf", "htb"):
+        run = tmp_path / model
+        run.mkdir()
+        meta = {"hw_groups": [[0, 1], [2, 3]], "mode": "netns", "nic": "rank",
+                "link_model": model, "rates_Bps": {"configured_cross": 12.5e6}}
+        (run / "results.json").write_text(json.dumps({"meta": meta}))
+        with open(run / "results.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["point", "algo", "pass", "median_ms"])
+            w.writeheader()
+            w.writerow({"point": 0, "algo": "ring", "pass": "fwd", "median_ms": 1.0})
+        labels.append(load(str(run / "results.csv"))[0])
+    assert labels == ["2x2 netns nic=rank 100 Mbit/s", "2x2 netns nic=rank htb 100 Mbit/s"]

@@ -39,6 +39,8 @@ def load(path: str) -> tuple[str, list[dict]]:
         groups = meta.get("hw_groups")
         shape = f"{len(groups)}x{len(groups[0])}" if groups else f"{meta['world']} ranks"
         label = f"{shape} {meta['mode']}" + (f" nic={meta['nic']}" if meta.get("nic") else "")
+        if meta.get("link_model") not in (None, "tbf"):  # tbf: the default link model
+            label += f" {meta['link_model']}"
         cross = (meta.get("rates_Bps") or {}).get("configured_cross")
         if cross:
             label += f" {cross * 8 / 1e6:.0f} Mbit/s"
