@@ -32,7 +32,7 @@ from charm_megatron.bench.config import (
 )
 from charm_megatron.bench.measure import Job
 from charm_megatron.bench.report import format_table, plot, write_csv, write_json
-from charm_megatron.emulate import LINK_MODELS, available, parse_rate, parse_size
+from charm_megatron.emulate import LINK_MODELS, NIC_MODELS, available, parse_rate, parse_size
 from charm_megatron.plan.roles import ROLE_MIXES
 
 _DEFAULT_COMM_TIMEOUT_S = 300
@@ -90,7 +90,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                                         "125mbps). With --emulate required; under torchrun used "
                                         "for the bound's link term")
     r.add_argument("--intra-rate", help="intra-node rate (default: unshaped loopback)")
-    r.add_argument("--nic", choices=("node", "rank"), default="node",
+    r.add_argument("--nic", choices=NIC_MODELS, default="node",
                    help="node: a node's ranks share one cross link; rank: one link per rank")
     r.add_argument("--link-model", choices=LINK_MODELS, default="tbf",
                    help="netns shaping: tbf (default: separate shaped veths for cross- and "

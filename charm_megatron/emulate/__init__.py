@@ -13,6 +13,7 @@ Importing this package does not import torch.
 
 from charm_megatron.emulate.cluster import (
     LINK_MODELS,
+    NIC_MODELS,
     EmulatedCluster,
     RankPlace,
     RateReport,
@@ -25,6 +26,7 @@ from charm_megatron.emulate.rates import format_rate, parse_rate, parse_size
 
 __all__ = [
     "LINK_MODELS",
+    "NIC_MODELS",
     "EmulatedCluster",
     "LinkModel",
     "RankLinks",

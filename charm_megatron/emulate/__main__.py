@@ -17,7 +17,7 @@ import socket
 import sys
 
 from charm_megatron.emulate import netns
-from charm_megatron.emulate.cluster import LINK_MODELS, EmulatedCluster
+from charm_megatron.emulate.cluster import LINK_MODELS, NIC_MODELS, EmulatedCluster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument("--ranks", type=int, default=4, help="ranks per group (node)")
     chk.add_argument("--cross-rate", default="1gbit")
     chk.add_argument("--intra-rate", default=None)
-    chk.add_argument("--nic", choices=("node", "rank"), default="node")
+    chk.add_argument("--nic", choices=NIC_MODELS, default="node")
     chk.add_argument("--link-model", choices=LINK_MODELS, default="tbf",
                      help="htb: one veth per rank, classes by peer node (needs --nic rank)")
     chk.add_argument("--cross-burst", default=None, help="cross shaper bucket (e.g. 512kb)")

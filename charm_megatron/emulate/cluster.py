@@ -59,9 +59,11 @@ from charm_megatron.emulate.netns import (
 )
 from charm_megatron.emulate.rates import format_rate, parse_rate, parse_size
 
-__all__ = ["LINK_MODELS", "EmulatedCluster", "RankPlace", "RateReport", "enter"]
+__all__ = ["LINK_MODELS", "NIC_MODELS", "EmulatedCluster", "RankPlace", "RateReport", "enter"]
 
 NicModel = Literal["node", "rank"]
+#: The NIC models, for option choices and checks.
+NIC_MODELS: tuple[str, ...] = ("node", "rank")
 LinkModelName = Literal["tbf", "htb"]
 LINK_MODELS = ("tbf", "htb")
 _SUBNET = "10.213.0"
@@ -170,7 +172,7 @@ class EmulatedCluster:
             raise ValueError(f"need groups >= 1 and ranks_per_group >= 1, got {groups}, {ranks_per_group}")
         if groups * ranks_per_group > 250:
             raise ValueError("at most 250 ranks (one /24 of addresses)")
-        if nic not in ("node", "rank"):
+        if nic not in NIC_MODELS:
             raise ValueError(f"nic must be 'node' or 'rank', got {nic!r}")
         if link_model not in LINK_MODELS:
             raise ValueError(f"link_model must be one of {', '.join(LINK_MODELS)}, got {link_model!r}")

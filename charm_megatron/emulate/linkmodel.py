@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from charm_megatron.emulate.cluster import NIC_MODELS
 from charm_megatron.emulate.rates import parse_rate
 
 __all__ = ["LinkModel", "RankLinks", "SoftwareLinks", "ThrottledWork"]
@@ -163,7 +164,7 @@ class SoftwareLinks:
 
     def for_rank(self, rank: int) -> RankLinks:
         """The links ``rank`` uses; call it once per process."""
-        if self.nic not in ("node", "rank"):
+        if self.nic not in NIC_MODELS:
             raise ValueError(f"nic must be 'node' or 'rank', got {self.nic!r}")
         g = rank // self.ranks_per_group
         owner = f"node{g}" if self.nic == "node" else f"rank{rank}"

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from charm_megatron.emulate import EmulatedCluster, available, run_ranks_in_cluster
+from charm_megatron.emulate import NIC_MODELS, EmulatedCluster, available, run_ranks_in_cluster
 from charm_megatron.launch.args_cli import build_argv, command
 from charm_megatron.launch.compare import DEFAULT_SKIP, compare, format_table, parse_log, write_csv
 from charm_megatron.launch.config import ConfigError, list_runs, load_config, parse_set
@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--intra-rate", default=DEFAULT_INTRA_RATE,
                    help=f"intra-node link per node, 'none' = unshaped loopback (default "
                    f"{DEFAULT_INTRA_RATE})")
-    g.add_argument("--nic", choices=("node", "rank"), default=DEFAULT_NIC,
+    g.add_argument("--nic", choices=NIC_MODELS, default=DEFAULT_NIC,
                    help="node: a node's ranks share one cross-node link (a dual-NUMA PCIe box); "
                    f"rank: one cross-node link per rank (one NIC per GPU). Default {DEFAULT_NIC}")
     g.add_argument("--skip", type=int, default=None,
@@ -162,7 +162,7 @@ def run_demo(
                          f"iterations, lr_warmup_iters {v['lr_warmup_iters']})")
     if world != cp:
         raise ValueError(f"the demo emulates one CP group: world size {world} must equal CP {cp}")
-    if nic not in ("node", "rank"):
+    if nic not in NIC_MODELS:
         raise ValueError(f"nic must be 'node' (one cross link per node) or 'rank' (one per "
                          f"rank), got {nic!r}")
     mode, why = _link_mode(link)
