@@ -281,9 +281,9 @@ def exchange_cost(rank: int, world: int, reps: int):
 
     sg = streams.stream_groups(None)
     x = torch.randn(4, 1, 2, 8)
-    from charm_megatron.ops.attention import _signature
+    from charm_megatron.ops.call_setup import signature
 
-    sig = _signature("forward", 0, x, x, x, "ring", None, True, 0.35, opts(), None)
+    sig = signature("forward", 0, x, x, x, "ring", None, True, 0.35, opts(), None)
     res = {}
     for name, fn in (("agree", lambda: agreement.agree(sig, sg.control, world, 30.0)),
                      ("status", lambda: agreement.exchange_status(0, "", sg.control, world,

@@ -11,6 +11,7 @@ from charm_megatron.ops.call_setup import (
     algo_and_groups,
     check_backend,
     check_scale,
+    default_topology,
     model_cluster,
     signature,
 )
@@ -20,7 +21,7 @@ from charm_megatron.ops.options import CPOptions, kernel_backend, resolve
 from charm_megatron.ops.packed import packed_cp_attention
 from charm_megatron.ops.plan_run import Call, run_backward, run_forward
 from charm_megatron.ops.streams import StreamGroups, stream_groups
-from charm_megatron.plan.registry import CHOICES, uses_topology
+from charm_megatron.plan.registry import CHOICES
 from charm_megatron.plan.roles import RoleShape, check_roles
 
 # What ``algo`` accepts: the registered algorithms, and ``auto`` (the performance model picks one).
@@ -61,8 +62,7 @@ def resolve_algo(q: torch.Tensor, k: torch.Tensor, *, group: dist.ProcessGroup |
     if algo != "auto":
         return algo
     cluster = model_cluster(opts)
-    if topology is None:
-        topology = opts.topology or "auto"
+    topology = default_topology(topology, algo, opts)
     return algo_and_groups(algo, topology, group, dist.get_world_size(group), q, k, causal,
                            cluster, roles)[0]
 
@@ -165,10 +165,7 @@ def cp_attention(
         agreement.agree(sig, sg.control, cp_size, timeout_s, error)
     elif error is not None:
         raise error
-    if topology is None and uses_topology(algo):
-        # The options' default (CHARM_TOPOLOGY) or the probe, passed explicitly so that the
-        # topology code never reads the environment behind the options' back.
-        topology = opts.topology or "auto"
+    topology = default_topology(topology, algo, opts)
     algo, groups = algo_and_groups(algo, topology, group, cp_size, q, k, causal, cluster, roles)
     # The byte rule reads the shape; the ranks agreed on the shapes, so on the plans too.
     shape = RoleShape(q.shape[2], k.shape[2], q.shape[3], q.element_size())
@@ -207,7 +204,3 @@ class _CPAttention(torch.autograd.Function):
         grads = run_backward(call, lambda sg, d: _make_executor(call, sg, q, k, d),
                              q, k, v, out, lse_sbh, dout)
         return (*grads, None)
-
-
-# The agreement signature under its former name here (tests/dist_failure_cases.py imports it).
-_signature = signature

@@ -4,6 +4,7 @@ the sbhd entry point (ops/attention.py) and the packed one (ops/packed.py).
 * :func:`check_scale`, :func:`check_backend`, :func:`model_cluster`: this rank's own checks
   (their verdict reaches every rank through the agreement check);
 * :func:`signature`: the fields the ranks must agree on;
+* :func:`default_topology`: the topology a call runs on when it names none;
 * :func:`algo_and_groups`: the algorithm to run (``auto``: the model's choice) and its groups.
 """
 
@@ -103,6 +104,15 @@ def signature(direction: str, seq: int, q, k, v, algo: str, topology, causal: bo
     # The role mix picks the plans of rmplus / charm as much as the algorithm does.
     fields += (("roles", roles),) + tuple(extra)
     return Signature(fields, f"{type(error).__name__}: {error}" if error is not None else "")
+
+
+def default_topology(topology, algo: str, opts: CPOptions):
+    """``topology``, or for an algorithm that uses one and was given none the options' default
+    (``CHARM_TOPOLOGY``) or the probe (``"auto"``), passed on explicitly so that the topology code
+    never reads the environment behind the options' back."""
+    if topology is None and uses_topology(algo):
+        return opts.topology or "auto"
+    return topology
 
 
 def algo_and_groups(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch.Tensor,

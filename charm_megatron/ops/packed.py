@@ -34,6 +34,7 @@ from charm_megatron.ops.call_setup import (
     algo_and_groups,
     check_backend,
     check_scale,
+    default_topology,
     model_cluster,
     signature,
 )
@@ -43,7 +44,6 @@ from charm_megatron.ops.options import CPOptions, kernel_backend
 from charm_megatron.ops.plan_run import Call, run_backward, run_forward
 from charm_megatron.ops.streams import StreamGroups, stream_groups
 from charm_megatron.plan.core import Half, TileSpec
-from charm_megatron.plan.registry import uses_topology
 from charm_megatron.plan.roles import RoleShape, check_roles
 
 
@@ -376,8 +376,7 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
         out = out.squeeze(1)
         return (out, lse) if return_lse else out
     q4 = q.unsqueeze(1)
-    if topology is None and uses_topology(algo):
-        topology = opts.topology or "auto"  # the options' default, as in cp_attention
+    topology = default_topology(topology, algo, opts)
     algo, groups = algo_and_groups(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal, cluster,
                             roles)
     # The byte rule reads the shape (the ranks agreed on the THD shapes, so on the plans too);
