@@ -316,3 +316,19 @@ def auto_with_profile(rank: int, world: int):
     except Exception as exc:  # noqa: BLE001
         bad = (type(exc).__name__, str(exc))
     return algos, bad
+
+
+def check_clean_failure(res: list, bad: int, algo: str, where: str) -> None:
+    """What a kernel failure on rank ``bad`` mid-call must give, from each rank's (error text,
+    seconds, error of the next calls against float64): the injected error on ``bad``, a
+    CPAttentionError naming ``bad``, the algorithm and the pass on every other rank, no wait
+    near a timeout, and correct calls afterwards on every rank."""
+    for rank, (text, took, err) in enumerate(res):
+        if rank == bad:
+            assert text.startswith("RuntimeError: injected"), text
+        else:
+            assert text.startswith("CPAttentionError"), text
+            assert f"CP rank(s) [{bad}]" in text and "injected" in text, text
+            assert f"algo={algo}, {where}" in text, text
+        assert took < 30, (rank, took)
+        assert err < 1e-5, (rank, err)  # the next calls are correct on every rank
