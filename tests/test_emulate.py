@@ -228,16 +228,12 @@ def test_measured_rates_match_configuration(netns_ok):
     assert 0.4 * 200e6 < rep.intra < 1.3 * 200e6
 
 
-def _two_node_rank(rank, world):
-    import socket
-
+def timed_exchanges(rank: int) -> dict[str, float]:
+    """Seconds to swap 2 MB with the neighbour on the node (intra) and with the counterpart on
+    the other node (cross), on a 2x2 emulated cluster; also the htb tests' worker body."""
     import torch
     import torch.distributed as dist
 
-    from charm_megatron.topology import probe
-
-    r = probe()
-    # 2 MB to the counterpart (cross) and to the neighbour (intra), timed at the receiver.
     x = torch.ones(500_000)
     times = {}
     for name, peer in (("intra", rank ^ 1), ("cross", (rank + 2) % 4)):
@@ -250,6 +246,16 @@ def _two_node_rank(rank, world):
             dist.recv(x, peer)
             dist.send(x, peer)
         times[name] = time.perf_counter() - t0
+    return times
+
+
+def _two_node_rank(rank, world):
+    import socket
+
+    from charm_megatron.topology import probe
+
+    r = probe()
+    times = timed_exchanges(rank)
     return (socket.gethostname(), os.environ["GLOO_SOCKET_IFNAME"], r.topology.groups, r.level,
             times)
 

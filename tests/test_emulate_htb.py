@@ -7,10 +7,10 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 import warnings
 
 import pytest
+from test_emulate import timed_exchanges
 
 from charm_megatron.bench.cli import main as bench_main
 from charm_megatron.emulate import EmulatedCluster, available, list_netns, run_ranks_in_cluster
@@ -143,22 +143,7 @@ def test_htb_rates_and_routing(netns_ok, ingress):
 
 
 def _exchange(rank, world):
-    import torch
-    import torch.distributed as dist
-
-    x = torch.ones(500_000)  # 2 MB
-    times = {}
-    for name, peer in (("intra", rank ^ 1), ("cross", (rank + 2) % 4)):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank < peer:
-            dist.send(x, peer)
-            dist.recv(x, peer)
-        else:
-            dist.recv(x, peer)
-            dist.send(x, peer)
-        times[name] = time.perf_counter() - t0
-    return times
+    return timed_exchanges(rank)
 
 
 def test_htb_gloo_ranks(netns_ok):
