@@ -6,7 +6,7 @@ Steps (see ``docs/demo.md``):
 1. Load the config (``gpt-tiny-cpu``, run ``demo-s4096-gb1`` by default).
 2. The link: with root and iproute2, an :class:`~charm_megatron.emulate.EmulatedCluster` of
    ``G`` nodes x ``M`` ranks (the config's ``charm_topology``, ``2x2``): network namespaces, one
-   shared cross-node link per node shaped to ``--cross-rate``, intra-node traffic shaped to
+   shared cross-node link per node (``--nic rank``: one per rank) shaped to ``--cross-rate``, intra-node traffic shaped to
    ``--intra-rate``; the rates are measured and printed. Otherwise plain loopback, and the
    output says that no slow link is emulated and why.
 3. :func:`charm_megatron.train_demo.train.train_rank` on every rank: megatron-core's GPTModel,
