@@ -43,7 +43,9 @@ def test_reference_matches_naive_and_autograd(causal, hkv):
 
 @pytest.mark.parametrize("backend", [b for b in available_backends("cpu") if b != "reference"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("causal,sq,sk", [(True, 16, 16), (False, 16, 16), (False, 8, 24)])
+# 384 rows: a causal square block the CPU backend cuts into pieces (kernels/causal_split.py).
+@pytest.mark.parametrize("causal,sq,sk", [(True, 16, 16), (False, 16, 16), (False, 8, 24),
+                                         (True, 384, 384)])
 @pytest.mark.parametrize("hkv", [8, 2, 1])
 def test_backend_against_reference(backend, dtype, tol, causal, sq, sk, hkv):
     be = get_backend("cpu", dtype, name=backend)
@@ -84,3 +86,40 @@ def test_causal_needs_equal_lengths():
     q, k = torch.randn(4, 1, 2, 8), torch.randn(6, 1, 2, 8)
     with pytest.raises(ValueError, match="equal q and kv lengths"):
         be.forward(q, k, k, True, 1.0)
+
+
+@pytest.mark.parametrize("s", [192, 384, 1024])
+@pytest.mark.parametrize("hkv", [4, 1])
+def test_causal_split_matches_the_whole_block(s, hkv):
+    """The cut pieces (1 to 3 levels deep) give the whole causal block's out, lse and grads."""
+    from charm_megatron.kernels import causal_split
+
+    q = _rand(s, 2, 4, 16, seed=11).permute(1, 2, 0, 3)  # [b, h, s, d] strided views
+    k = _rand(s, 2, hkv, 16, seed=12).permute(1, 2, 0, 3)
+    v = _rand(s, 2, hkv, 16, seed=13).permute(1, 2, 0, 3)
+    dout = _rand(s, 2, 4, 16, seed=14).permute(1, 2, 0, 3)
+    assert causal_split.worth_cutting(q, k, True)
+    assert causal_split.worth_cutting(q, k, True, backward=True)
+    whole = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True,
+                                                                        scale=0.25)
+    out, lse = causal_split.forward(q, k, v, 0.25)
+    torch.testing.assert_close(out, whole[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, whole[1], rtol=1e-12, atol=1e-12)
+    want = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, whole[0], whole[1], 0.0, True, scale=0.25)
+    got = causal_split.backward(dout, q, k, v, out, lse, 0.25)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-11, atol=1e-11)
+
+
+def test_causal_split_leaves_other_blocks_whole():
+    from charm_megatron.kernels import causal_split
+
+    def block(sq, sk):
+        return torch.zeros(1, 1, sq, 8), torch.zeros(1, 1, sk, 8)
+
+    assert not causal_split.worth_cutting(*block(384, 384), False)  # no mask: nothing wasted
+    assert not causal_split.worth_cutting(*block(192, 384), True)   # not square
+    assert not causal_split.worth_cutting(*block(128, 128), True)   # too short to pay
+    assert not causal_split.worth_cutting(*block(2048, 2048), True)  # the kernel skips itself
+    assert causal_split.worth_cutting(*block(2048, 2048), True, backward=True)  # ... not here
