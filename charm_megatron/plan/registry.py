@@ -251,8 +251,10 @@ def _ring_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: s
 
 def _charm_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: str,
                 roles: RoleChoice | None = None, lean: bool = False,
-                early_returns: bool = False) -> tuple[list[Op], list]:
-    builder = _CharmRank(rank, groups, causal, backward, order, roles, lean, early_returns)
+                early_returns: bool = False, split_visiting: bool = True
+                ) -> tuple[list[Op], list]:
+    builder = _CharmRank(rank, groups, causal, backward, order, roles, lean, early_returns,
+                         split_visiting)
     return builder.build(), builder.decisions
 
 
