@@ -72,10 +72,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="sweep sequence lengths (comma list, k suffix allowed; "
                              "default 8k..256k) and print a table")
     parser.add_argument("--ranks", action="store_true", help="per-rank busy / idle detail")
-    parser.add_argument("--split-visiting", action=argparse.BooleanOptionalAction,
-                        default=True,
+    parser.add_argument("--split-visiting", action="store_true",
                         help="charm pass-kv: visiting kv blocks that every tile needs whole "
-                             "cross in two row halves (the default; docs/algorithm.md)")
+                             "cross in two row halves (CHARM_SPLIT_VISITING=on; "
+                             "docs/algorithm.md)")
     parser.add_argument("--compare-roles", default=None, metavar="MIX[,MIX]",
                         help="with --grid: also predict charm under these role mixes (e.g. "
                              "paper) and print their speed-ups next to --roles' columns")

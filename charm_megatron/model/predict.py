@@ -23,7 +23,7 @@ def _groups(groups: Sequence[Sequence[int]]) -> Groups:
 
 @lru_cache(maxsize=256)
 def _plan(algo: str, direction: str, groups: Groups, causal: bool, roles: str = "paper",
-          shape: RoleShape | None = None, split_visiting: bool = True) -> Plan:
+          shape: RoleShape | None = None, split_visiting: bool = False) -> Plan:
     # Plans depend on the topology, mask, role mix and (for roles="bytes") the head shape,
     # not on the sequence length: build each once.
     return build_plan(algo, direction, groups, causal, roles=roles, shape=shape,
@@ -55,7 +55,7 @@ class Prediction:
 
 
 def predict(algo: str, groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
-            causal: bool, roles: str = "paper", split_visiting: bool = True) -> Prediction:
+            causal: bool, roles: str = "paper", split_visiting: bool = False) -> Prediction:
     """Simulate ``algo``'s forward and backward plans on ``cluster`` with hardware ``groups``
     (``roles``: the role mix of rmplus / charm, :data:`charm_megatron.plan.roles.ROLE_MIXES`;
     ``bytes`` is what ``cp_attention`` runs by default; ``split_visiting``: as
@@ -70,7 +70,7 @@ def predict(algo: str, groups: Sequence[Sequence[int]], problem: Problem, cluste
 
 def predict_all(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
                 causal: bool, algos: Iterable[str] = ALGOS,
-                roles: str = "paper", split_visiting: bool = True) -> dict[str, Prediction]:
+                roles: str = "paper", split_visiting: bool = False) -> dict[str, Prediction]:
     """:func:`predict` for each of ``algos`` (default ring, rmplus, charm), in that order."""
     return {a: predict(a, groups, problem, cluster, causal, roles, split_visiting)
             for a in algos}

@@ -241,7 +241,7 @@ class _CharmRank:
     def __init__(self, rank: int, groups: tuple[tuple[int, ...], ...], causal: bool,
                  backward: bool, order: str = "split",
                  roles: RoleChoice | None = None, lean: bool = False,
-                 early_returns: bool = False, split_visiting: bool = True) -> None:
+                 early_returns: bool = False, split_visiting: bool = False) -> None:
         if order not in ORDERS:
             raise ValueError(f"unknown CHARM+ pass order {order!r}; choose one of {ORDERS}")
         self.rank = rank

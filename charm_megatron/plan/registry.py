@@ -175,7 +175,7 @@ def build_plan(
     order: str = "split",
     roles: str = "paper",
     shape: RoleShape | None = None,
-    split_visiting: bool = True,
+    split_visiting: bool = False,
 ) -> Plan:
     """The plan of the registered ``algo`` for ``direction`` (``forward`` or ``backward``) on CP
     ranks partitioned into ``groups`` (CP-local ranks); an algorithm that does not use the
@@ -197,8 +197,8 @@ def build_plan(
     n = sum(len(g) for g in groups_t)
     if not entry.uses_topology:
         groups_t = (tuple(range(n)),)
-    # Passed only when off, so builders registered before the option need not know it.
-    split = {} if split_visiting else {"split_visiting": False}
+    # Passed only when on, so builders registered before the option need not know it.
+    split = {"split_visiting": True} if split_visiting else {}
     plan = _assemble(entry, direction, groups_t, n, causal, order, choice, **split)
     if entry.uses_roles and shape is not None:
         plan = _within_memory_bound(plan, entry, groups_t, order, choice, shape, split)
@@ -259,7 +259,7 @@ def _ring_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: s
 
 def _charm_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: str,
                 roles: RoleChoice | None = None, lean: bool = False,
-                early_returns: bool = False, split_visiting: bool = True
+                early_returns: bool = False, split_visiting: bool = False
                 ) -> tuple[list[Op], list]:
     builder = _CharmRank(rank, groups, causal, backward, order, roles, lean, early_returns,
                          split_visiting)
