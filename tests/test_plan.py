@@ -213,7 +213,7 @@ def test_validator_rejects_sub_tiles_of_a_masked_or_half_tile():
         idx = next(i for i, op in enumerate(p.ops[3]) if isinstance(op, Tile) and pick(op))
         op = p.ops[3][idx]
         bad = dataclasses.replace(op, spec=dataclasses.replace(op.spec, kv_half=Half.SECOND))
-        _mutate(p, 3, lambda ops: ops[:idx] + [bad] + ops[idx + 1:])
+        p.ops[3] = p.ops[3][:idx] + [bad] + p.ops[3][idx + 1:]
         with pytest.raises(PlanError, match="should be"):
             validate(p)
 

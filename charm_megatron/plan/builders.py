@@ -22,6 +22,7 @@ from charm_megatron.plan.core import (
     Stream,
     Tile,
     TileBwd,
+    TileSpec,
     Wait,
     Xfer,
     tile_spec,
@@ -427,7 +428,7 @@ class _CharmRank:
             (s := tile_spec(i, j, self.causal)).kv_half is Half.FULL and not s.causal
             for i in receiving for j in visiting)
 
-    def _spec(self, owner: int, kv_owner: int):
+    def _spec(self, owner: int, kv_owner: int) -> TileSpec:
         """Tile ``(owner, kv_owner)``, restricted to the kv rows held in the current sub-pass."""
         spec = tile_spec(owner, kv_owner, self.causal)
         if self.kv_rows is Half.FULL:
