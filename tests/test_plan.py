@@ -175,6 +175,11 @@ def test_split_visiting_validates_and_splits_only_the_full_visiting_blocks(direc
         # the later ranks receive the first half as before and send theirs in halves
         assert kv_in == ([Half.FIRST, Half.SECOND] if r < 4 else [Half.FIRST]), r
         assert kv_out == ([Half.FIRST] if r < 4 else [Half.FIRST, Half.SECOND]), r
+        if direction == "backward":  # the visitors' dK, dV go home per half, in order
+            dkv_out = [x.half for op in cross for x in op.sends if x.kind == "dkv"]
+            dkv_in = [x.half for op in cross for x in op.recvs if x.kind == "dkv"]
+            assert dkv_out == ([Half.FIRST, Half.SECOND] if r < 4 else [Half.FIRST]), r
+            assert dkv_in == ([Half.FIRST] if r < 4 else [Half.FIRST, Half.SECOND]), r
     plain = build_plan("charm", direction, _groups(2, 4), True, roles="kv")
     assert not any(_sub_tiles(ops) for ops in plain.ops)  # the default sends whole blocks
 

@@ -126,6 +126,8 @@ _CROSS_RET = Loc("cross.ret")  # our partial coming home from the counterpart
 _CROSS_KV = Loc("cross.kv")  # pass-kv: the counterpart's visiting kv block (or its 1st half)
 _CROSS_KV2 = Loc("cross.kvb")  # pass-kv, split: the visiting block's second half
 _VISIT_DKV = Loc("acc.vdkv")  # pass-kv backward: the visiting block's dkv, accumulated here
+_VISIT_DKV2 = Loc("acc.vdkvb")  # pass-kv backward, split: the second half's dkv
+_CROSS_RET2 = Loc("cross.retb")  # pass-kv backward, split: the second message of a return
 
 
 @dataclass(frozen=True)
@@ -286,7 +288,9 @@ class _CharmRank:
         # pass-kv, split: cross round -> handle of the visiting block's second half
         self.cross_in2: dict[int, int] = {}
         self.trailing: list[int] = []  # send-only second halves, waited at the end
-        self.going_home: list[_Return] = []  # our partials coming home from counterparts
+        # Our partials coming home from counterparts, one list per cross pass (a split
+        # pass-kv return is two batches).
+        self.going_home: list[list[_Return]] = []
         # Cross accumulators and return buffers alternate per pass that has a counterpart's q
         # (an idle group's rounds, when G is odd, do not count).
         self.n_cross_done = 0
@@ -455,8 +459,9 @@ class _CharmRank:
             self._post_cross_exchange(0)
         for ps in self._passes():
             self._run_pass(ps)
-        for ret in self.going_home:
-            p.finish(ret)
+        for rets in self.going_home:
+            for ret in rets:
+                p.finish(ret)
         for h in self.trailing:
             p.add(Wait(h))
         return p.ops
@@ -529,13 +534,18 @@ class _CharmRank:
                 recvs=[Xfer(it.owner, ret_loc, self.pkind, r,
                             self._q_half(r, self.groups[partner]))],
             )
-            self.going_home.append(_Return(-1, h, (Merge(self.own_acc, ret_loc),)))
+            self.going_home.append([_Return(-1, h, (Merge(self.own_acc, ret_loc),))])
             self.n_cross_done += 1
         for op in held_back:
             p.add(op)
-        # Keep at most one cross return in flight: its buffer is reused two passes on.
+        self._keep_one_return()
+
+    def _keep_one_return(self) -> None:
+        """Keep at most one pass's cross return in flight: its buffers are reused two passes
+        on."""
         while len(self.going_home) > 1:
-            p.finish(self.going_home.pop(0))
+            for ret in self.going_home.pop(0):
+                self.p.finish(ret)
 
     def _run_visiting_pass(self, ps: _Pass, k: int, partner: int) -> None:
         """Pass-kv: the group's queries against the visiting kv blocks of cross round ``k``
@@ -547,39 +557,76 @@ class _CharmRank:
         halves (tiles ``q x kv.1st``), which start as soon as those arrived, the second with
         the second halves (``q x kv.2nd``); each circulates only its half through the RM+
         rounds. Forward, the two sub-tiles of a tile lse-merge into the output like any two
-        tiles; backward, dq sums, and the dkv halves accumulate into one visiting dkv, sent
-        home once after both sub-passes (its trip hides behind the own q's last rounds)."""
+        tiles; backward, dq sums, and each half's dK, dV accumulate in their own half-sized
+        accumulator, which goes home as soon as its sub-pass is done (the first half travels
+        during the second sub-pass). A split return on either side is two batches, first half
+        then second; the counterpart receives them in that order (:meth:`_dkv_home`)."""
         p, r = self.p, self.rank
         cp = self.groups[partner][self.local]
+        other = self.groups[partner]
         slot = self.n_cross_done % 2
         dkv = _VISIT_DKV.at(slot) if self.bwd else Plan.DKV
+        # The rows that go home and come back, fixed before any sub-pass narrows kv_rows.
+        home = (self._kv_half(cp, self.group), self._kv_half(r, other))
         self.kv = _KvHeld(cp, _CROSS_KV.at(k % 2), dkv)
         p.add(Wait(self.cross_in[k]))
         if self.bwd:
             p.add(Reset(self.kv.dkv, Kind.DKV, cp))
         items = [_Item(r, self.own_q, self.own_acc)]
+        rets: list[_Return] = []
         if k in self.cross_in2:
             self.kv_rows = Half.FIRST
             self._pass(ps, items, None)
+            if self.bwd:
+                rets += self._dkv_home(k, cp, slot, home, first=True)
             p.add(Wait(self.cross_in2[k]))
-            self.kv = _KvHeld(cp, _CROSS_KV2.at(k % 2), dkv)
+            dkv2 = _VISIT_DKV2.at(slot) if self.bwd else Plan.DKV
+            self.kv = _KvHeld(cp, _CROSS_KV2.at(k % 2), dkv2)
+            if self.bwd:
+                p.add(Reset(dkv2, Kind.DKV, cp))
             self.kv_rows = Half.SECOND
             self._pass(ps, items, None)
             self.kv_rows = Half.FULL
         else:
             self._pass(ps, items, None)
         if self.bwd:
-            ret_loc = _CROSS_RET.at(slot)
-            h = p.comm(
-                Stream.CROSS,
-                sends=[Xfer(cp, self.kv.dkv, Kind.DKV, cp, self._kv_half(cp, self.group))],
-                recvs=[Xfer(cp, ret_loc, Kind.DKV, r, self._kv_half(r, self.groups[partner]))],
-            )
-            self.going_home.append(_Return(-1, h, (Merge(Plan.DKV, ret_loc),)))
+            rets += self._dkv_home(k, cp, slot, home, first=not rets)
+            self.going_home.append(rets)
         self.n_cross_done += 1
         self.kv = _KvHeld(r, _OWN_KV, Plan.DKV)
-        while len(self.going_home) > 1:
-            p.finish(self.going_home.pop(0))
+        self._keep_one_return()
+
+    def _dkv_home(self, k: int, cp: int, slot: int, home: tuple[Half, Half],
+                  first: bool) -> list[_Return]:
+        """Pass-kv backward: post the visiting block's dK, dV going home to ``cp`` and ours
+        coming back. ``home``: the rows of each (whole returns). Where our visiting pass was
+        split (``k`` in ``cross_in2``) ours go in two batches, posted after each sub-pass
+        (``first``: the one after the first); where the counterpart's was, theirs come in two:
+        the first batch carries the first halves (or a whole return), the second the rest.
+        Both sides derive the same two batches, so the messages pair up in order."""
+        mine = k in self.cross_in2
+        theirs = self._splits(self.groups[self.cross[k][self.g]], self.group)
+        send_h, recv_h = home
+        if not (mine or theirs):  # one batch, both ways whole
+            loc = _CROSS_RET.at(slot)
+            h = self.p.comm(Stream.CROSS,
+                            sends=[Xfer(cp, self.kv.dkv, Kind.DKV, cp, send_h)],
+                            recvs=[Xfer(cp, loc, Kind.DKV, self.rank, recv_h)])
+            return [_Return(-1, h, (Merge(Plan.DKV, loc),))]
+        batches = []
+        if first:  # the first batch: first halves (or whole, where not split)
+            batches.append(([(_VISIT_DKV.at(slot), Half.FIRST if mine else send_h)],
+                            [(_CROSS_RET.at(slot), Half.FIRST if theirs else recv_h)]))
+        if not (first and mine):  # the second batch: what is left in halves
+            batches.append(([(_VISIT_DKV2.at(slot), Half.SECOND)] if mine else [],
+                            [(_CROSS_RET2.at(slot), Half.SECOND)] if theirs else []))
+        out = []
+        for sends, recvs in batches:
+            h = self.p.comm(Stream.CROSS,
+                            sends=[Xfer(cp, loc, Kind.DKV, cp, hf) for loc, hf in sends],
+                            recvs=[Xfer(cp, loc, Kind.DKV, self.rank, hf) for loc, hf in recvs])
+            out.append(_Return(-1, h, tuple(Merge(Plan.DKV, loc) for loc, _ in recvs)))
+        return out
 
     def _pass(self, ps: _Pass, items: list[_Item], cross_handle: int | None) -> list[Op]:
         """Emit the units of ``ps`` for ``items``; return the ops held back until the
