@@ -79,6 +79,19 @@ def test_packed_matrix_against_float64_reference(world):
     assert any("bitwise" in per_rank[0][c][0] for c in cases)
 
 
+def test_packed_split_visiting_against_float64_reference():
+    """CHARM_SPLIT_VISITING=on under packing: the kv-half sub-tiles are cut by document like
+    every tile (2x2, the GQA cases: the byte rule's pass-kv splits)."""
+    cases = [(a, t, causal, "fp32", hkv, docs, roles, 8) for a, t, roles, hkv, causal
+             in GQA_ROLES[4] if a == "charm" and roles == "bytes" for docs in DOCS]
+    per_rank = run_ranks(packed_cases.run_packed_matrix, 4, cases, [], timeout_s=600,
+                         env={"CHARM_SPLIT_VISITING": "on"})
+    for case in cases:
+        for res in per_rank:
+            errs, zero = res[case]
+            assert zero and max(errs.values()) < TOL["fp32"], (case, errs)
+
+
 def test_byte_rule_changes_the_gqa_plans():
     """The GQA role-mix cases above are not the paper's plans twice: for 8 query heads and 2 or
     1 kv heads the byte rule builds other forward and backward plans than Algorithm 1."""

@@ -149,6 +149,80 @@ def test_validator_rejects_mismatched_message():
         validate(plan)
 
 
+def _split_plan(direction="forward"):
+    """2x4 causal pass-kv with split visiting kv: ranks 0-3 compute kv-half sub-tiles."""
+    return build_plan("charm", direction, _groups(2, 4), True, roles="kv", split_visiting=True)
+
+
+def _sub_tiles(ops):
+    return [i for i, op in enumerate(ops) if isinstance(op, (Tile, TileBwd))
+            and op.spec.q_half is Half.SECOND and op.spec.kv_half is not Half.FULL]
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_split_visiting_validates_and_splits_only_the_full_visiting_blocks(direction):
+    plan = _split_plan(direction)
+    stats = validate(plan)
+    assert stats.tiles == [8] * 8  # work per rank, a sub-tile counting one half
+    for r in range(8):
+        subs = _sub_tiles(plan.ops[r])
+        # the earlier group: 4 visiting tiles (q 2nd x kv all), each as 1st then 2nd half
+        assert len(subs) == (8 if r < 4 else 0), r
+        cross = [op for op in plan.comms(r) if op.stream is Stream.CROSS]
+        kv_in = [x.half for op in cross for x in op.recvs if x.kind == "kv"]
+        kv_out = [x.half for op in cross for x in op.sends if x.kind == "kv"]
+        # earlier ranks receive the later kv in halves, send only their first half;
+        # the later ranks receive the first half as before and send theirs in halves
+        assert kv_in == ([Half.FIRST, Half.SECOND] if r < 4 else [Half.FIRST]), r
+        assert kv_out == ([Half.FIRST] if r < 4 else [Half.FIRST, Half.SECOND]), r
+        if direction == "backward":  # the visitors' dK, dV go home per half, in order
+            dkv_out = [x.half for op in cross for x in op.sends if x.kind == "dkv"]
+            dkv_in = [x.half for op in cross for x in op.recvs if x.kind == "dkv"]
+            assert dkv_out == ([Half.FIRST, Half.SECOND] if r < 4 else [Half.FIRST]), r
+            assert dkv_in == ([Half.FIRST] if r < 4 else [Half.FIRST, Half.SECOND]), r
+    plain = build_plan("charm", direction, _groups(2, 4), True, roles="kv")
+    assert not any(_sub_tiles(ops) for ops in plain.ops)  # the default sends whole blocks
+
+
+def test_split_visiting_full_mask_splits_both_groups():
+    plan = build_plan("charm", "forward", _groups(2, 2), False, roles="kv", split_visiting=True)
+    validate(plan)
+    for r in range(4):
+        assert sum(1 for op in plan.ops[r] if isinstance(op, Tile)
+                   and op.spec.kv_half is not Half.FULL) == 4  # 2 visiting tiles, 2 halves
+
+
+def test_validator_rejects_a_lone_sub_tile():
+    plan = _split_plan()
+    idx = _sub_tiles(plan.ops[0])[-1]
+    _mutate(plan, 0, lambda ops: ops[:idx] + ops[idx + 1:])
+    with pytest.raises(PlanError, match="computed 1 times"):
+        validate(plan)
+
+
+def test_validator_rejects_a_sub_tile_on_top_of_its_whole_tile():
+    plan = build_plan("charm", "forward", _groups(2, 4), True, roles="kv")  # whole blocks
+    idx = next(i for i, op in enumerate(plan.ops[0]) if isinstance(op, Tile)
+               and op.spec.kv_owner == 4)
+    op = plan.ops[0][idx]
+    sub = dataclasses.replace(op, spec=dataclasses.replace(op.spec, kv_half=Half.FIRST))
+    _mutate(plan, 0, lambda ops: ops[:idx + 1] + [sub] + ops[idx + 1:])
+    with pytest.raises(PlanError, match="twice"):
+        validate(plan)
+
+
+def test_validator_rejects_sub_tiles_of_a_masked_or_half_tile():
+    # the diagonal tile (causal) and an earlier-kv tile (kv 1st already) have no kv halves
+    for pick in (lambda op: op.spec.causal, lambda op: op.spec.kv_half is Half.FIRST):
+        p = build_plan("ring", "forward", _groups(1, 4), True)
+        idx = next(i for i, op in enumerate(p.ops[3]) if isinstance(op, Tile) and pick(op))
+        op = p.ops[3][idx]
+        bad = dataclasses.replace(op, spec=dataclasses.replace(op.spec, kv_half=Half.SECOND))
+        p.ops[3] = p.ops[3][:idx] + [bad] + p.ops[3][idx + 1:]
+        with pytest.raises(PlanError, match="should be"):
+            validate(p)
+
+
 def test_tile_spec_causal_halves():
     assert tile_spec(2, 2, True).causal
     assert (tile_spec(3, 1, True).q_half, tile_spec(3, 1, True).kv_half) == (Half.FULL, Half.FIRST)

@@ -38,6 +38,12 @@ CLI_CASES = (
     ("--cp", "4", "--topology", "2x2", "--causal", "--rank", "0", "--algo", "rmplus",
      "--direction", "backward"),
     ("--cp", "16", "--topology", "4x4", "--causal", "--seq", "65536", "--kv-heads", "8"),
+    # pass-kv with split visiting blocks (docs/algorithm.md, "Visiting kv in two halves")
+    ("--cp", "8", "--topology", "2x4", "--heads", "8", "--kv-heads", "2", "--head-dim", "64",
+     "--causal", "--seq", "3072", "--batch", "2", "--dtype", "fp32", "--rank", "0",
+     "--split-visiting"),
+    ("--cp", "4", "--topology", "2x2", "--heads", "8", "--kv-heads", "1", "--head-dim", "64",
+     "--causal", "--rank", "0", "--direction", "backward", "--split-visiting"),
 )
 
 

@@ -23,10 +23,11 @@ def _groups(groups: Sequence[Sequence[int]]) -> Groups:
 
 @lru_cache(maxsize=256)
 def _plan(algo: str, direction: str, groups: Groups, causal: bool, roles: str = "paper",
-          shape: RoleShape | None = None) -> Plan:
+          shape: RoleShape | None = None, split_visiting: bool = False) -> Plan:
     # Plans depend on the topology, mask, role mix and (for roles="bytes") the head shape,
     # not on the sequence length: build each once.
-    return build_plan(algo, direction, groups, causal, roles=roles, shape=shape)
+    return build_plan(algo, direction, groups, causal, roles=roles, shape=shape,
+                      split_visiting=split_visiting)
 
 
 def role_shape(problem: Problem) -> RoleShape:
@@ -54,22 +55,25 @@ class Prediction:
 
 
 def predict(algo: str, groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
-            causal: bool, roles: str = "paper") -> Prediction:
+            causal: bool, roles: str = "paper", split_visiting: bool = False) -> Prediction:
     """Simulate ``algo``'s forward and backward plans on ``cluster`` with hardware ``groups``
     (``roles``: the role mix of rmplus / charm, :data:`charm_megatron.plan.roles.ROLE_MIXES`;
-    ``bytes`` is what ``cp_attention`` runs by default)."""
+    ``bytes`` is what ``cp_attention`` runs by default; ``split_visiting``: as
+    :func:`~charm_megatron.plan.registry.build_plan`'s)."""
     g = _groups(groups)
     key = _role_key(roles, problem)
-    fwd = simulate(_plan(algo, "forward", g, causal, *key), problem, cluster, g)
-    bwd = simulate(_plan(algo, "backward", g, causal, *key), problem, cluster, g)
+    fwd = simulate(_plan(algo, "forward", g, causal, *key, split_visiting), problem, cluster, g)
+    bwd = simulate(_plan(algo, "backward", g, causal, *key, split_visiting), problem, cluster,
+                   g)
     return Prediction(algo, fwd, bwd)
 
 
 def predict_all(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
                 causal: bool, algos: Iterable[str] = ALGOS,
-                roles: str = "paper") -> dict[str, Prediction]:
+                roles: str = "paper", split_visiting: bool = False) -> dict[str, Prediction]:
     """:func:`predict` for each of ``algos`` (default ring, rmplus, charm), in that order."""
-    return {a: predict(a, groups, problem, cluster, causal, roles) for a in algos}
+    return {a: predict(a, groups, problem, cluster, causal, roles, split_visiting)
+            for a in algos}
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ def signature(direction: str, seq: int, q, k, v, algo: str, topology, causal: bo
     if opts is not None:
         fields += (
             ("pass order", opts.pass_order),
+            ("split visiting kv (CHARM_SPLIT_VISITING)", opts.split_visiting),
             ("kernel backend", opts.backend_name),
             ("default topology (CHARM_TOPOLOGY)", opts.topology),
             ("ablation", opts.ablation),

@@ -20,6 +20,7 @@ import torch
 from charm_megatron.kernels.base import AttentionBackend
 
 PASS_ORDERS = ("split", "joint")
+SPLIT_VISITING = ("off", "on")
 CHECKS = ("every_call", "off")
 ABLATIONS = ("none", "compute_only", "comm_only")
 
@@ -32,6 +33,8 @@ ENV_VARS = {
     "CHARM_CHECK": ("check", "agreement/status checks: every_call (default) or off"),
     "CHARM_MODEL_PROFILE": ("model_profile", "performance-model profile for algo auto: a "
                             "built-in name or a profile file (default: a generic cluster)"),
+    "CHARM_SPLIT_VISITING": ("split_visiting", "CHARM+ pass-kv visiting kv in two row halves: "
+                             "off (default) or on"),
 }
 
 
@@ -55,6 +58,9 @@ class CPOptions:
         model_profile: the cluster ``algo="auto"`` predicts with: a built-in profile name or a
             profile file written by ``charm-megatron model --calibrate``
             (:func:`charm_megatron.model.auto_cluster`); ``None``: a generic cluster.
+        split_visiting: ``"on"``: CHARM+ pass-kv sends a visiting kv block that every tile
+            needs whole in two row halves and runs its pass per half (docs/algorithm.md,
+            *Visiting kv in two halves*); ``"off"`` (default): whole blocks.
     """
 
     pass_order: str = "split"
@@ -64,6 +70,7 @@ class CPOptions:
     check: str = "every_call"
     ablation: str = "none"
     model_profile: str | None = None
+    split_visiting: str = "off"
 
     def __post_init__(self) -> None:
         if self.pass_order not in PASS_ORDERS:
@@ -80,6 +87,9 @@ class CPOptions:
                                                    and self.model_profile.strip()):
             raise ValueError(f"cp_attention: model_profile={self.model_profile!r} "
                              "(CHARM_MODEL_PROFILE) must be a profile name or file, or None")
+        if self.split_visiting not in SPLIT_VISITING:
+            raise ValueError(f"cp_attention: split_visiting={self.split_visiting!r} "
+                             f"(CHARM_SPLIT_VISITING); choose one of {', '.join(SPLIT_VISITING)}")
         if self.ablation not in ABLATIONS:
             raise ValueError(f"cp_attention: ablation={self.ablation!r}; choose one of "
                              f"{', '.join(ABLATIONS)}")

@@ -24,18 +24,23 @@ from charm_megatron.plan.validate import validate
 
 
 def plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool, order: str,
-          roles: str = "paper", shape: RoleShape | None = None) -> tuple[Plan, Plan]:
+          roles: str = "paper", shape: RoleShape | None = None,
+          split_visiting: bool = False) -> tuple[Plan, Plan]:
     """Forward and backward plans, validated once per (algo, topology, mask, pass order, role
-    mix, and the shape the byte rule reads: every rank derives the same plans from them)."""
-    return _validated_plans(algo, groups, causal, order, roles, shape)
+    mix, the shape the byte rule reads, split visiting kv: every rank derives the same plans
+    from them)."""
+    return _validated_plans(algo, groups, causal, order, roles, shape, split_visiting)
 
 
 @functools.lru_cache(maxsize=256)
 def _validated_plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool,
                      order: str, roles: str = "paper",
-                     shape: RoleShape | None = None) -> tuple[Plan, Plan]:
-    fwd = build_plan(algo, "forward", groups, causal, order, roles, shape)
-    bwd = build_plan(algo, "backward", groups, causal, order, roles, shape)
+                     shape: RoleShape | None = None,
+                     split_visiting: bool = False) -> tuple[Plan, Plan]:
+    fwd = build_plan(algo, "forward", groups, causal, order, roles, shape,
+                     split_visiting=split_visiting)
+    bwd = build_plan(algo, "backward", groups, causal, order, roles, shape,
+                     split_visiting=split_visiting)
     validate(fwd)
     validate(bwd)
     return fwd, bwd
@@ -60,7 +65,7 @@ class Call:
 
     def plans(self) -> tuple[Plan, Plan]:
         return plans(self.algo, self.groups, self.causal, self.options.pass_order, self.roles,
-                      self.shape)
+                      self.shape, self.options.split_visiting == "on")
 
 
 def run_plan(call: Call, sg: StreamGroups, ex: Executor, ops, direction: str) -> None:

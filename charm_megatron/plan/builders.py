@@ -8,7 +8,7 @@ single group, so one builder serves both.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from charm_megatron.plan.core import (
     Comm,
@@ -22,6 +22,7 @@ from charm_megatron.plan.core import (
     Stream,
     Tile,
     TileBwd,
+    TileSpec,
     Wait,
     Xfer,
     tile_spec,
@@ -122,8 +123,11 @@ _SERVED = Loc("acc.svc")  # the partial of a tile served for a q unit's peer (se
 _CROSS_Q = Loc("cross.q")  # the counterpart's q block (slot: the cross round's parity)
 _CROSS_ACC = Loc("acc.cross")  # the counterpart's partial, accumulated here
 _CROSS_RET = Loc("cross.ret")  # our partial coming home from the counterpart
-_CROSS_KV = Loc("cross.kv")  # pass-kv: the counterpart's visiting kv block
+_CROSS_KV = Loc("cross.kv")  # pass-kv: the counterpart's visiting kv block (or its 1st half)
+_CROSS_KV2 = Loc("cross.kvb")  # pass-kv, split: the visiting block's second half
 _VISIT_DKV = Loc("acc.vdkv")  # pass-kv backward: the visiting block's dkv, accumulated here
+_VISIT_DKV2 = Loc("acc.vdkvb")  # pass-kv backward, split: the second half's dkv
+_CROSS_RET2 = Loc("cross.retb")  # pass-kv backward, split: the second message of a return
 
 
 @dataclass(frozen=True)
@@ -203,6 +207,15 @@ def _union(halves: Iterable[Half]) -> Half:
     return out or Half.FULL
 
 
+def _within(half: Half, rows: Half) -> Half:
+    """The rows of ``half`` inside ``rows`` (``rows`` is FULL, or ``half`` covers it)."""
+    if rows is Half.FULL:
+        return half
+    if not half.covers(rows):
+        raise AssertionError(f"rows {half} hold none of rows {rows}")
+    return rows
+
+
 class _CharmRank:
     """Builds one rank's CHARM+ (or, with one group, RM+) forward or backward program.
 
@@ -220,12 +233,18 @@ class _CharmRank:
       rounds are fetched once per pass that needs them (intra-group links are the fast ones).
     * ``joint``: the paper's single pass with own and counterpart q side by side (kv fetched
       once for both), the own q's last tile deferred until the counterpart's partial is sent.
+
+    ``split_visiting`` (pass-kv): where every tile of a visiting pass needs all rows of the
+    visiting kv blocks (the earlier group under the causal layout; both groups without a mask),
+    those blocks cross in two messages, first row half then second, and the visiting pass runs
+    as two sub-passes, one per kv row half: the first half's tiles run while the second half is
+    still on the slow link (:meth:`_run_visiting_pass`).
     """
 
     def __init__(self, rank: int, groups: tuple[tuple[int, ...], ...], causal: bool,
                  backward: bool, order: str = "split",
                  roles: RoleChoice | None = None, lean: bool = False,
-                 early_returns: bool = False) -> None:
+                 early_returns: bool = False, split_visiting: bool = False) -> None:
         if order not in ORDERS:
             raise ValueError(f"unknown CHARM+ pass order {order!r}; choose one of {ORDERS}")
         self.rank = rank
@@ -247,6 +266,11 @@ class _CharmRank:
         # are the larger; forward only where the bound needs it (it cost ~10% forward time
         # with multi-head attention on the bench's 2x4).
         self.early_returns = early_returns or backward
+        self.split_visiting = split_visiting
+        # The rows of the kv blocks held in the current (sub-)pass: a split visiting pass
+        # holds one row half of each visiting block at a time; every tile and kv message of
+        # the pass is restricted to them.
+        self.kv_rows = Half.FULL
         self.decisions: list[Decision] = []  # the role of every exchange, for printouts
         self.g = next(i for i, grp in enumerate(groups) if rank in grp)
         self.group = groups[self.g]
@@ -261,7 +285,12 @@ class _CharmRank:
         self.own_q = Loc.own(self.qkind)
         self.own_acc = Plan.DQ if backward else Plan.OUT
         self.cross_in: dict[int, int] = {}  # cross round -> handle of its q exchange
-        self.going_home: list[_Return] = []  # our partials coming home from counterparts
+        # pass-kv, split: cross round -> handle of the visiting block's second half
+        self.cross_in2: dict[int, int] = {}
+        self.trailing: list[int] = []  # send-only second halves, waited at the end
+        # Our partials coming home from counterparts, one list per cross pass (a split
+        # pass-kv return is two batches).
+        self.going_home: list[list[_Return]] = []
         # Cross accumulators and return buffers alternate per pass that has a counterpart's q
         # (an idle group's rounds, when G is odd, do not count).
         self.n_cross_done = 0
@@ -389,13 +418,31 @@ class _CharmRank:
         return _union(tile_spec(owner, j, self.causal).q_half for j in kv_owners)
 
     def _kv_half(self, kv_owner: int, q_owners: Sequence[int]) -> Half:
-        """Rows of kv block ``kv_owner`` that its tiles with ``q_owners`` need."""
-        return _union(tile_spec(i, kv_owner, self.causal).kv_half for i in q_owners)
+        """Rows of kv block ``kv_owner`` that its tiles with ``q_owners`` need (within the rows
+        held in the current sub-pass)."""
+        return _within(_union(tile_spec(i, kv_owner, self.causal).kv_half for i in q_owners),
+                       self.kv_rows)
+
+    def _splits(self, receiving: Sequence[int], visiting: Sequence[int]) -> bool:
+        """Whether group ``receiving`` runs its visiting pass with the kv blocks of group
+        ``visiting`` in two row halves: asked for, and every one of its tiles needs all kv rows
+        and no mask (so each tile is exactly its two kv-half sub-tiles). Both groups compute
+        it alike for both directions of the exchange."""
+        return self.split_visiting and all(
+            (s := tile_spec(i, j, self.causal)).kv_half is Half.FULL and not s.causal
+            for i in receiving for j in visiting)
+
+    def _spec(self, owner: int, kv_owner: int) -> TileSpec:
+        """Tile ``(owner, kv_owner)``, restricted to the kv rows held in the current sub-pass."""
+        spec = tile_spec(owner, kv_owner, self.causal)
+        if self.kv_rows is Half.FULL:
+            return spec
+        return replace(spec, kv_half=_within(spec.kv_half, self.kv_rows))
 
     # -- ops ---------------------------------------------------------------------------------
     def _tile(self, owner: int, q_loc: Loc, kv_owner: int, kv_loc: Loc, acc: Loc,
               dkv_acc: Loc, fresh_dq: bool = False, fresh_dkv: bool = False) -> Op:
-        spec = tile_spec(owner, kv_owner, self.causal)
+        spec = self._spec(owner, kv_owner)
         if self.bwd:
             return TileBwd(spec, q_loc, kv_loc, acc, dkv_acc, fresh_dq, fresh_dkv)
         return Tile(spec, q_loc, kv_loc, acc)
@@ -412,8 +459,11 @@ class _CharmRank:
             self._post_cross_exchange(0)
         for ps in self._passes():
             self._run_pass(ps)
-        for ret in self.going_home:
-            p.finish(ret)
+        for rets in self.going_home:
+            for ret in rets:
+                p.finish(ret)
+        for h in self.trailing:
+            p.add(Wait(h))
         return p.ops
 
     def _post_cross_exchange(self, k: int) -> None:
@@ -423,11 +473,29 @@ class _CharmRank:
             return
         r, cp = self.rank, self.groups[partner][self.local]
         if self.cross_roles[k] is Role.KV:  # our kv visits the counterpart's group
+            other = self.groups[partner]
+            out_split, in_split = self._splits(other, self.group), self._splits(self.group, other)
+            # Split: the first row half in this batch, the second in one of its own right
+            # after (same stream, so it arrives second), waited for only by the second
+            # sub-pass; a send-only second half is waited for at the end.
+            send = Half.FIRST if out_split else self._kv_half(r, other)
+            recv = Half.FIRST if in_split else self._kv_half(cp, self.group)
             self.cross_in[k] = self.p.comm(
                 Stream.CROSS,
-                sends=[Xfer(cp, _OWN_KV, Kind.KV, r, self._kv_half(r, self.groups[partner]))],
-                recvs=[Xfer(cp, _CROSS_KV.at(k % 2), Kind.KV, cp, self._kv_half(cp, self.group))],
+                sends=[Xfer(cp, _OWN_KV, Kind.KV, r, send)],
+                recvs=[Xfer(cp, _CROSS_KV.at(k % 2), Kind.KV, cp, recv)],
             )
+            if out_split or in_split:
+                h = self.p.comm(
+                    Stream.CROSS,
+                    sends=[Xfer(cp, _OWN_KV, Kind.KV, r, Half.SECOND)] if out_split else [],
+                    recvs=[Xfer(cp, _CROSS_KV2.at(k % 2), Kind.KV, cp, Half.SECOND)]
+                    if in_split else [],
+                )
+                if in_split:
+                    self.cross_in2[k] = h
+                else:
+                    self.trailing.append(h)
             return
         self.cross_in[k] = self.p.comm(
             Stream.CROSS,
@@ -466,39 +534,99 @@ class _CharmRank:
                 recvs=[Xfer(it.owner, ret_loc, self.pkind, r,
                             self._q_half(r, self.groups[partner]))],
             )
-            self.going_home.append(_Return(-1, h, (Merge(self.own_acc, ret_loc),)))
+            self.going_home.append([_Return(-1, h, (Merge(self.own_acc, ret_loc),))])
             self.n_cross_done += 1
         for op in held_back:
             p.add(op)
-        # Keep at most one cross return in flight: its buffer is reused two passes on.
+        self._keep_one_return()
+
+    def _keep_one_return(self) -> None:
+        """Keep at most one pass's cross return in flight: its buffers are reused two passes
+        on."""
         while len(self.going_home) > 1:
-            p.finish(self.going_home.pop(0))
+            for ret in self.going_home.pop(0):
+                self.p.finish(ret)
 
     def _run_visiting_pass(self, ps: _Pass, k: int, partner: int) -> None:
         """Pass-kv: the group's queries against the visiting kv blocks of cross round ``k``
         (each rank holds its counterpart's, routed through the RM+ rounds like the own kv);
         backward, the visiting block's dkv (summed over every tile it served in our group)
-        goes home and ours comes back."""
+        goes home and ours comes back.
+
+        Split (:meth:`_splits`): two sub-passes, the first with the visiting blocks' first row
+        halves (tiles ``q x kv.1st``), which start as soon as those arrived, the second with
+        the second halves (``q x kv.2nd``); each circulates only its half through the RM+
+        rounds. Forward, the two sub-tiles of a tile lse-merge into the output like any two
+        tiles; backward, dq sums, and each half's dK, dV accumulate in their own half-sized
+        accumulator, which goes home as soon as its sub-pass is done (the first half travels
+        during the second sub-pass). A split return on either side is two batches, first half
+        then second; the counterpart receives them in that order (:meth:`_dkv_home`)."""
         p, r = self.p, self.rank
         cp = self.groups[partner][self.local]
+        other = self.groups[partner]
         slot = self.n_cross_done % 2
-        self.kv = _KvHeld(cp, _CROSS_KV.at(k % 2), _VISIT_DKV.at(slot) if self.bwd else Plan.DKV)
+        dkv = _VISIT_DKV.at(slot) if self.bwd else Plan.DKV
+        # The rows that go home and come back, fixed before any sub-pass narrows kv_rows.
+        home = (self._kv_half(cp, self.group), self._kv_half(r, other))
+        self.kv = _KvHeld(cp, _CROSS_KV.at(k % 2), dkv)
         p.add(Wait(self.cross_in[k]))
         if self.bwd:
             p.add(Reset(self.kv.dkv, Kind.DKV, cp))
-        self._pass(ps, [_Item(r, self.own_q, self.own_acc)], None)
+        items = [_Item(r, self.own_q, self.own_acc)]
+        rets: list[_Return] = []
+        if k in self.cross_in2:
+            self.kv_rows = Half.FIRST
+            self._pass(ps, items, None)
+            if self.bwd:
+                rets += self._dkv_home(k, cp, slot, home, first=True)
+            p.add(Wait(self.cross_in2[k]))
+            dkv2 = _VISIT_DKV2.at(slot) if self.bwd else Plan.DKV
+            self.kv = _KvHeld(cp, _CROSS_KV2.at(k % 2), dkv2)
+            if self.bwd:
+                p.add(Reset(dkv2, Kind.DKV, cp))
+            self.kv_rows = Half.SECOND
+            self._pass(ps, items, None)
+            self.kv_rows = Half.FULL
+        else:
+            self._pass(ps, items, None)
         if self.bwd:
-            ret_loc = _CROSS_RET.at(slot)
-            h = p.comm(
-                Stream.CROSS,
-                sends=[Xfer(cp, self.kv.dkv, Kind.DKV, cp, self._kv_half(cp, self.group))],
-                recvs=[Xfer(cp, ret_loc, Kind.DKV, r, self._kv_half(r, self.groups[partner]))],
-            )
-            self.going_home.append(_Return(-1, h, (Merge(Plan.DKV, ret_loc),)))
+            rets += self._dkv_home(k, cp, slot, home, first=not rets)
+            self.going_home.append(rets)
         self.n_cross_done += 1
         self.kv = _KvHeld(r, _OWN_KV, Plan.DKV)
-        while len(self.going_home) > 1:
-            p.finish(self.going_home.pop(0))
+        self._keep_one_return()
+
+    def _dkv_home(self, k: int, cp: int, slot: int, home: tuple[Half, Half],
+                  first: bool) -> list[_Return]:
+        """Pass-kv backward: post the visiting block's dK, dV going home to ``cp`` and ours
+        coming back. ``home``: the rows of each (whole returns). Where our visiting pass was
+        split (``k`` in ``cross_in2``) ours go in two batches, posted after each sub-pass
+        (``first``: the one after the first); where the counterpart's was, theirs come in two:
+        the first batch carries the first halves (or a whole return), the second the rest.
+        Both sides derive the same two batches, so the messages pair up in order."""
+        mine = k in self.cross_in2
+        theirs = self._splits(self.groups[self.cross[k][self.g]], self.group)
+        send_h, recv_h = home
+        if not (mine or theirs):  # one batch, both ways whole
+            loc = _CROSS_RET.at(slot)
+            h = self.p.comm(Stream.CROSS,
+                            sends=[Xfer(cp, self.kv.dkv, Kind.DKV, cp, send_h)],
+                            recvs=[Xfer(cp, loc, Kind.DKV, self.rank, recv_h)])
+            return [_Return(-1, h, (Merge(Plan.DKV, loc),))]
+        batches = []
+        if first:  # the first batch: first halves (or whole, where not split)
+            batches.append(([(_VISIT_DKV.at(slot), Half.FIRST if mine else send_h)],
+                            [(_CROSS_RET.at(slot), Half.FIRST if theirs else recv_h)]))
+        if not (first and mine):  # the second batch: what is left in halves
+            batches.append(([(_VISIT_DKV2.at(slot), Half.SECOND)] if mine else [],
+                            [(_CROSS_RET2.at(slot), Half.SECOND)] if theirs else []))
+        out = []
+        for sends, recvs in batches:
+            h = self.p.comm(Stream.CROSS,
+                            sends=[Xfer(cp, loc, Kind.DKV, cp, hf) for loc, hf in sends],
+                            recvs=[Xfer(cp, loc, Kind.DKV, self.rank, hf) for loc, hf in recvs])
+            out.append(_Return(-1, h, tuple(Merge(Plan.DKV, loc) for loc, _ in recvs)))
+        return out
 
     def _pass(self, ps: _Pass, items: list[_Item], cross_handle: int | None) -> list[Op]:
         """Emit the units of ``ps`` for ``items``; return the ops held back until the
@@ -618,8 +746,7 @@ class _CharmRank:
                 self.p.add(self._tile(o, q_loc, kv.owner, kv.loc, acc, kv.dkv, fresh_dq=True))
             else:
                 # A served tile is one partial sent straight back: no accumulator.
-                self.p.add(Tile(tile_spec(o, kv.owner, self.causal), q_loc, kv.loc, acc,
-                                fresh=True))
+                self.p.add(Tile(self._spec(o, kv.owner), q_loc, kv.loc, acc, fresh=True))
             sends.append(Xfer(y, acc, self.pkind, o, self._q_half(o, [kv.owner])))
         recvs = [Xfer(y, _Q_RET.at(u.slot, i), self.pkind, it.owner,
                       self._q_half(it.owner, [u.peer_kv])) for i, it in enumerate(items)]

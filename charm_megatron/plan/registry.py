@@ -175,6 +175,7 @@ def build_plan(
     order: str = "split",
     roles: str = "paper",
     shape: RoleShape | None = None,
+    split_visiting: bool = False,
 ) -> Plan:
     """The plan of the registered ``algo`` for ``direction`` (``forward`` or ``backward``) on CP
     ranks partitioned into ``groups`` (CP-local ranks); an algorithm that does not use the
@@ -182,7 +183,11 @@ def build_plan(
 
     ``roles`` is the role mix of RM+ / CHARM+ exchanges (:data:`ROLE_MIXES`; ``bytes`` needs
     ``shape``); algorithms without roles ignore both. Without a shape the default is the
-    paper's Algorithm 1, so a shape-free plan is the paper's."""
+    paper's Algorithm 1, so a shape-free plan is the paper's.
+
+    ``split_visiting`` (CHARM+ pass-kv): visiting kv blocks that every tile needs whole cross
+    in two row halves and their pass runs per half (docs/algorithm.md, *Visiting kv in two
+    halves*); ``False`` sends them whole. Builders without roles ignore it."""
     entry = get(algo)
     check_roles(roles)
     choice = RoleChoice(roles, shape)
@@ -192,21 +197,23 @@ def build_plan(
     n = sum(len(g) for g in groups_t)
     if not entry.uses_topology:
         groups_t = (tuple(range(n)),)
-    plan = _assemble(entry, direction, groups_t, n, causal, order, choice)
+    # Passed only when on, so builders registered before the option need not know it.
+    split = {"split_visiting": True} if split_visiting else {}
+    plan = _assemble(entry, direction, groups_t, n, causal, order, choice, **split)
     if entry.uses_roles and shape is not None:
-        plan = _within_memory_bound(plan, entry, groups_t, order, choice, shape)
+        plan = _within_memory_bound(plan, entry, groups_t, order, choice, shape, split)
     return plan
 
 
 def _assemble(entry: Algorithm, direction: str, groups: Groups, n: int, causal: bool,
-              order: str, choice: RoleChoice, lean: bool = False) -> Plan:
+              order: str, choice: RoleChoice, lean: bool = False, **split: bool) -> Plan:
     plan = Plan(entry.name, direction, n, groups, causal, lean=lean)
     backward = direction == "backward"
     for rank in range(n):
         if entry.uses_roles:
             extra = {"lean": True} if lean else {}
             ops, decisions = entry.build_rank(rank, groups, causal, backward, order,
-                                              roles=choice, **extra)
+                                              roles=choice, **extra, **split)
             plan.decisions.append(decisions)
         else:
             ops = entry.build_rank(rank, groups, causal, backward, order)
@@ -215,7 +222,8 @@ def _assemble(entry: Algorithm, direction: str, groups: Groups, n: int, causal: 
 
 
 def _within_memory_bound(plan: Plan, entry: Algorithm, groups: Groups, order: str,
-                         choice: RoleChoice, shape: RoleShape) -> Plan:
+                         choice: RoleChoice, shape: RoleShape,
+                         split: dict[str, bool] | None = None) -> Plan:
     """``plan`` if its peak memory (:mod:`plan.memory`, the executor's allocation rule) is
     within :data:`~charm_megatron.plan.memory.BOUND` x ring's; else the first variant that is,
     from the least to the most costly in time: q-pair returns completed before the next
@@ -234,7 +242,7 @@ def _within_memory_bound(plan: Plan, entry: Algorithm, groups: Groups, order: st
         variant = Plan(entry.name, plan.direction, n, groups, plan.causal, **flags)
         for rank in range(n):  # rank by rank: the first one over the bound settles it
             ops, decisions = entry.build_rank(rank, groups, plan.causal, backward, order,
-                                              roles=choice, **flags)
+                                              roles=choice, **flags, **(split or {}))
             if peak(ops, problem, n).bytes > bound:
                 break
             variant.ops.append(ops)
@@ -251,8 +259,10 @@ def _ring_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: s
 
 def _charm_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: str,
                 roles: RoleChoice | None = None, lean: bool = False,
-                early_returns: bool = False) -> tuple[list[Op], list]:
-    builder = _CharmRank(rank, groups, causal, backward, order, roles, lean, early_returns)
+                early_returns: bool = False, split_visiting: bool = False
+                ) -> tuple[list[Op], list]:
+    builder = _CharmRank(rank, groups, causal, backward, order, roles, lean, early_returns,
+                         split_visiting)
     return builder.build(), builder.decisions
 
 

@@ -7,7 +7,10 @@ named function or method below:
 * **tiles and causal halves** (:meth:`_SymbolicRun.check_tile_halves`, :func:`check_tiles_once`,
   :func:`check_results`): every tile is computed exactly once, with the rows the causal mask
   needs, and at the end each rank's output (forward) or dq and dkv (backward) hold exactly the
-  tiles of the full attention;
+  tiles of the full attention. A tile that needs all kv rows and no mask may instead be
+  computed as its two *kv-half sub-tiles* (same q rows, kv rows 1st and 2nd, a split visiting
+  pass of pass-kv): then both must be computed exactly once and a result holds the tile when
+  it holds both (every (q row, kv row) pair still counted exactly once);
 * **buffer hazards** (:meth:`_SymbolicRun.read`, :meth:`~_SymbolicRun.check_no_transfer`,
   :meth:`~_SymbolicRun.check_partial_send`, :meth:`~_SymbolicRun.free`): every op reads data
   that is present and complete (a receive is waited before use, a tile's rows are inside the
@@ -81,7 +84,7 @@ class PlanStats:
 
     critical_path: int  # longest chain of data-dependent messages
     messages: list[int]  # messages sent per rank
-    tiles: list[int]  # tiles computed per rank
+    tiles: list[float]  # tile work per rank, in tiles (a kv-half sub-tile counts one half)
 
 
 def validate(plan: Plan) -> PlanStats:
@@ -91,7 +94,46 @@ def validate(plan: Plan) -> PlanStats:
     check_all_completed(run)
     check_tiles_once(plan, run.tile_count)
     check_results(plan, run.state)
-    return PlanStats(run.max_depth, run.messages, run.tiles_done)
+    # In halves internally; whole numbers print as before.
+    tiles = [h // 2 if h % 2 == 0 else h / 2 for h in run.halves_done]
+    return PlanStats(run.max_depth, run.messages, tiles)
+
+
+def _whole(t: TileSpec) -> TileSpec:
+    """The tile a kv-half sub-tile is half of (a whole tile itself)."""
+    return TileSpec(t.q_owner, t.kv_owner, t.q_half, Half.FULL, t.causal) if \
+        t.kv_half is not Half.FULL else t
+
+
+def _is_sub_tile(s: TileSpec, causal: bool) -> bool:
+    """``s`` is one kv-half sub-tile of its tile: the tile needs all kv rows, no mask."""
+    want = tile_spec(s.q_owner, s.kv_owner, causal)
+    return (s.kv_half is not Half.FULL and want.kv_half is Half.FULL and not want.causal
+            and _whole(s) == want)
+
+
+def _rivals(t: TileSpec) -> tuple[TileSpec, ...]:
+    """The other tiles of ``t``'s rows that share (q row, kv row) pairs with it: a whole
+    tile's kv-half sub-tiles, a sub-tile's whole tile (the only specs that pass
+    :meth:`_SymbolicRun.check_tile_halves` for one block pair)."""
+    if t.kv_half is Half.FULL:
+        return tuple(TileSpec(t.q_owner, t.kv_owner, t.q_half, h, t.causal)
+                     for h in (Half.FIRST, Half.SECOND))
+    return (_whole(t),)
+
+
+def covered(tiles: frozenset[TileSpec] | set[TileSpec], causal: bool) -> set[TileSpec]:
+    """The whole tiles in ``tiles``: a tile, or both kv-half sub-tiles of one; a lone
+    sub-tile stays as it is (and so matches no tile of the full attention)."""
+    out = set()
+    for t in tiles:
+        if _is_sub_tile(t, causal):
+            other = TileSpec(t.q_owner, t.kv_owner, t.q_half,
+                             Half.SECOND if t.kv_half is Half.FIRST else Half.FIRST, t.causal)
+            out.add(_whole(t) if other in tiles else t)
+        else:
+            out.add(t)
+    return out
 
 
 def _rows_written(kind: Kind, t: TileSpec) -> Half:
@@ -115,9 +157,10 @@ class _SymbolicRun(OpInterpreter[bool]):
         self.batches: dict[tuple[int, int], _Batch] = {}  # (rank, handle) -> posted, unwaited
         self.queues: StreamQueues[_Batch] = StreamQueues()
         self.pc = [0] * n
-        self.tile_count: dict[tuple[int, int], int] = defaultdict(int)
+        # (q owner, kv owner) -> the kv rows of each tile computed for it
+        self.tile_count: dict[tuple[int, int], list[Half]] = defaultdict(list)
         self.messages = [0] * n
-        self.tiles_done = [0] * n
+        self.halves_done = [0] * n  # tile work per rank, in kv-half sub-tiles
         self.max_depth = 0
         self.r = 0  # the rank whose op is being interpreted
         try:  # the executor's buffer lifetimes, replayed (frees, accumulator rows)
@@ -213,7 +256,7 @@ class _SymbolicRun(OpInterpreter[bool]):
         if not c.half.covers(rows):
             self.fail(f"accumulates rows {rows} into {acc}, which holds rows {c.half}")
         self.check_no_transfer(acc)
-        dup = c.tiles & new
+        dup = (c.tiles & new) | {t for t in new if any(u in c.tiles for u in _rivals(t))}
         if dup:
             self.fail(f"merges tiles {sorted(map(_tile_name, dup))} into {acc} twice")
         c.tiles = c.tiles | new
@@ -222,7 +265,7 @@ class _SymbolicRun(OpInterpreter[bool]):
     # ------------------------------------------------------------------ tiles
     def check_tile_halves(self, s: TileSpec) -> None:
         want = tile_spec(s.q_owner, s.kv_owner, self.plan.causal)
-        if s != want:
+        if s != want and not _is_sub_tile(s, self.plan.causal):
             self.fail(f"tile {_tile_name(s)} should be {_tile_name(want)}")
 
     def _tile_inputs(self, op: Tile | TileBwd) -> int:
@@ -231,8 +274,8 @@ class _SymbolicRun(OpInterpreter[bool]):
         self.check_tile_halves(s)
         qc = self.read(op.q_loc, self.plan.direction.query, s.q_owner, s.q_half)
         kc = self.read(op.kv_loc, Kind.KV, s.kv_owner, s.kv_half)
-        self.tile_count[(s.q_owner, s.kv_owner)] += 1
-        self.tiles_done[self.r] += 1
+        self.tile_count[(s.q_owner, s.kv_owner)].append(s.kv_half)
+        self.halves_done[self.r] += 1 if _is_sub_tile(s, self.plan.causal) else 2
         return max(qc.depth, kc.depth)
 
     def _result(self, loc: Loc, fresh: bool, kind: Kind, owner: int, half: Half,
@@ -364,10 +407,15 @@ def check_all_completed(run: _SymbolicRun) -> None:
                         f"matched: {sorted(leftover, key=str)}")
 
 
-def check_tiles_once(plan: Plan, tile_count: dict[tuple[int, int], int]) -> None:
-    for (i, j), count in tile_count.items():
-        if count != 1:
-            raise PlanError(f"{plan.algo} {plan.direction}: tile ({i}, {j}) computed {count} times")
+def check_tiles_once(plan: Plan, tile_count: dict[tuple[int, int], list[Half]]) -> None:
+    """Each tile computed once: whole, or as its two kv-half sub-tiles, each once."""
+    for (i, j), halves in tile_count.items():
+        if len(halves) == 1 and halves[0] is tile_spec(i, j, plan.causal).kv_half:
+            continue
+        if sorted(h.value for h in halves) == ["first", "second"]:
+            continue
+        raise PlanError(f"{plan.algo} {plan.direction}: tile ({i}, {j}) computed "
+                        f"{len(halves)} times (kv rows {', '.join(map(str, halves))})")
 
 
 def check_results(plan: Plan, state: list[dict[Loc, _Content]]) -> None:
@@ -388,9 +436,10 @@ def check_results(plan: Plan, state: list[dict[Loc, _Content]]) -> None:
 def _expect(plan: Plan, r: int, c: _Content | None, kind: Kind, want: set[TileSpec]) -> None:
     if c is None or c.kind != kind or c.owner != r:
         raise PlanError(f"{plan.algo} {plan.direction}: rank {r} ends without its {kind}")
-    if set(c.tiles) != want:
-        missing = sorted(map(_tile_name, want - set(c.tiles)))
-        extra = sorted(map(_tile_name, set(c.tiles) - want))
+    have = covered(c.tiles, plan.causal)
+    if have != want:
+        missing = sorted(map(_tile_name, want - have))
+        extra = sorted(map(_tile_name, have - want))
         raise PlanError(f"{plan.algo} {plan.direction}: rank {r}'s {kind} is missing tiles "
                         f"{missing} and has extra {extra}")
 
