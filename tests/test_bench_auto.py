@@ -128,7 +128,8 @@ def test_bench_auto_contender_runs_and_reports_the_selectors_pick(tmp_path, caps
     assert f"auto picked {pick}; auto / fastest:" in text
     with open(os.path.join(out, "results.json")) as f:
         notes = json.load(f)["meta"]["notes"]
-    assert any(n.startswith("auto predicts with profile cpu-testbed") for n in notes)
+    assert any(n.startswith("auto (and charm's split_visiting) predicts with profile "
+                            "cpu-testbed") for n in notes)
 
 
 # --------------------------------------------------------------------------- auto runs its pick

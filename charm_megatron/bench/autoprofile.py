@@ -43,8 +43,9 @@ def run_profile(job, *, nic: str, cross_Bps: float, intra_Bps: float | None, cro
                 intra_burst: int, cores: int, emulated: bool) -> Iterator[str | None]:
     """While the ranks run: a profile file for this run's links, named by the ranks'
     ``CHARM_MODEL_PROFILE`` (``job.env``); yields a line for the run's notes (``None`` when
-    the job times no ``auto``). The file is removed afterwards."""
-    if "auto" not in job.cfg.algos:
+    the job times neither ``auto`` nor ``charm``, whose ``split_visiting="auto"`` also
+    predicts). The file is removed afterwards."""
+    if not {"auto", "charm"} & set(job.cfg.algos):
         yield None
         return
     base = base_profile()
@@ -59,7 +60,8 @@ def run_profile(job, *, nic: str, cross_Bps: float, intra_Bps: float | None, cro
         saved = job.env.get(PROFILE_ENV)
         job.env[PROFILE_ENV] = path
         try:
-            yield (f"auto predicts with profile {base.name} on this run's links: "
+            yield (f"auto (and charm's split_visiting) predicts with profile {base.name} on "
+                   f"this run's links: "
                    f"{cluster.describe()}")
         finally:
             if saved is None:

@@ -121,6 +121,38 @@ def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
     return min(times)[2]
 
 
+def choose_split_visiting(groups: Sequence[Sequence[int]], problem: Problem,
+                          cluster: Cluster | None = None, *, causal: bool = True,
+                          roles: str = "paper") -> tuple[bool, bool]:
+    """Whether CHARM+ should send visiting kv blocks in two row halves, for the forward and
+    for the backward: where the split changes the plan, the one of the two plans predicted
+    faster on ``cluster`` (``None``: :func:`default_cluster_for` the topology). Memoised; a
+    pure function of its arguments, so every rank decides alike without communicating.
+
+    The split hides the visiting blocks' slow trip where one link carries many of them (one
+    NIC per node) and costs more, smaller messages and a merge per split tile elsewhere
+    (docs/algorithm.md, *Visiting kv in two halves*)."""
+    return _split_cached(_groups(groups), problem, cluster, causal, roles)
+
+
+@lru_cache(maxsize=256)
+def _split_cached(groups: Groups, problem: Problem, cluster: Cluster | None, causal: bool,
+                  roles: str) -> tuple[bool, bool]:
+    cl = cluster if cluster is not None else default_cluster_for(groups)
+    key = _role_key(roles, problem)
+    picks = []
+    for direction in ("forward", "backward"):
+        whole = _plan("charm", direction, groups, causal, *key, False)
+        split = _plan("charm", direction, groups, causal, *key, True)
+        if split.ops == whole.ops:
+            picks.append(False)
+            continue
+        t_whole = simulate(whole, problem, cl, groups).time_s
+        t_split = simulate(split, problem, cl, groups).time_s
+        picks.append(t_split < t_whole)
+    return picks[0], picks[1]
+
+
 @lru_cache(maxsize=256)
 def _choose_cached(groups: Groups, problem: Problem, cluster: Cluster | None, causal: bool,
                    algos: tuple[str, ...], roles: str = "paper") -> str:

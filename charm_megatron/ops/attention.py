@@ -13,7 +13,9 @@ from charm_megatron.ops.call_setup import (
     check_scale,
     default_topology,
     model_cluster,
+    needs_cluster,
     signature,
+    split_choice,
 )
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.failsafe import GuardedBackend
@@ -151,8 +153,8 @@ def cp_attention(
         _check_inputs(q, k, v, causal, cp_size)
         scale = check_scale(softmax_scale, q.shape[-1])
         check_backend(opts, q)
-        if algo == "auto":  # a profile this rank cannot read fails every rank, before any data
-            cluster = model_cluster(opts)
+        if needs_cluster(algo, opts):  # a profile this rank cannot read fails every rank,
+            cluster = model_cluster(opts)  # before any data moves
     except (TypeError, ValueError) as exc:
         error = exc
     timeout_s = opts.timeout_s if opts is not None else CPOptions().timeout_s
@@ -169,7 +171,8 @@ def cp_attention(
     algo, groups = algo_and_groups(algo, topology, group, cp_size, q, k, causal, cluster, roles)
     # The byte rule reads the shape; the ranks agreed on the shapes, so on the plans too.
     shape = RoleShape(q.shape[2], k.shape[2], q.shape[3], q.element_size())
-    call = Call(group, algo, groups, causal, scale, opts, seq, roles, shape)
+    split = split_choice(opts, algo, groups, causal, roles, q, k, cp_size, cluster)
+    call = Call(group, algo, groups, causal, scale, opts, seq, roles, shape, split)
     out, lse = _CPAttention.apply(q, k, v, call)
     return (out, lse) if return_lse else out
 

@@ -5,7 +5,9 @@ the sbhd entry point (ops/attention.py) and the packed one (ops/packed.py).
   (their verdict reaches every rank through the agreement check);
 * :func:`signature`: the fields the ranks must agree on;
 * :func:`default_topology`: the topology a call runs on when it names none;
-* :func:`algo_and_groups`: the algorithm to run (``auto``: the model's choice) and its groups.
+* :func:`algo_and_groups`: the algorithm to run (``auto``: the model's choice) and its groups;
+* :func:`needs_cluster`, :func:`split_choice`: whether the call predicts with the model, and
+  whether CHARM+'s visiting kv crosses in row halves (``split_visiting``).
 """
 
 from __future__ import annotations
@@ -132,7 +134,38 @@ def algo_and_groups(algo: str, topology, group, cp_size: int, q: torch.Tensor, k
         from charm_megatron.model import choose_algo_cached
 
         # A pure function of shapes and topology: every rank picks the same algorithm.
-        problem = Problem(q.shape[1], q.shape[0] * cp_size, q.shape[2], k.shape[2], q.shape[3],
-                          q.element_size())
-        algo = choose_algo_cached(groups, problem, cluster, causal=causal, roles=roles)
+        algo = choose_algo_cached(groups, _problem(q, k, cp_size), cluster, causal=causal,
+                                  roles=roles)
     return algo, (groups if uses_topology(algo) else flat)
+
+
+def _problem(q: torch.Tensor, k: torch.Tensor, cp_size: int) -> Problem:
+    """The model's problem of a call (sbhd shapes of one rank's shard)."""
+    return Problem(q.shape[1], q.shape[0] * cp_size, q.shape[2], k.shape[2], q.shape[3],
+                   q.element_size())
+
+
+def needs_cluster(algo: str, opts: CPOptions) -> bool:
+    """Whether the call predicts with the performance model (so reads ``model_profile``)."""
+    return algo == "auto" or (algo == "charm" and opts.split_visiting == "auto"
+                              and opts.model_profile is not None)
+
+
+def split_choice(opts: CPOptions, algo: str, groups: tuple[tuple[int, ...], ...], causal: bool,
+                 roles: str, q: torch.Tensor, k: torch.Tensor, cp_size: int,
+                 cluster=None) -> tuple[bool, bool]:
+    """Whether CHARM+'s visiting kv crosses in two row halves, forward and backward: forced by
+    ``opts.split_visiting``, else the model's pick on the cluster of ``opts.model_profile``.
+    Without a profile, whole blocks: the split pays only where a slow link is shared (one NIC
+    per node), which the generic cluster cannot know, and the GPU profiles predict it slower.
+    A pure function of what the ranks agreed on, so every rank builds the same plans."""
+    if algo != "charm" or len(groups) < 2 or opts.split_visiting == "off":
+        return False, False
+    if opts.split_visiting == "on":
+        return True, True
+    if opts.model_profile is None or cluster is None:
+        return False, False
+    from charm_megatron.model import choose_split_visiting
+
+    return choose_split_visiting(groups, _problem(q, k, cp_size), cluster, causal=causal,
+                                 roles=roles)

@@ -20,7 +20,7 @@ import torch
 from charm_megatron.kernels.base import AttentionBackend
 
 PASS_ORDERS = ("split", "joint")
-SPLIT_VISITING = ("off", "on")
+SPLIT_VISITING = ("auto", "off", "on")
 CHECKS = ("every_call", "off")
 ABLATIONS = ("none", "compute_only", "comm_only")
 
@@ -34,7 +34,7 @@ ENV_VARS = {
     "CHARM_MODEL_PROFILE": ("model_profile", "performance-model profile for algo auto: a "
                             "built-in name or a profile file (default: a generic cluster)"),
     "CHARM_SPLIT_VISITING": ("split_visiting", "CHARM+ pass-kv visiting kv in two row halves: "
-                             "off (default) or on"),
+                             "auto (default: where the model predicts it faster), off or on"),
 }
 
 
@@ -60,7 +60,9 @@ class CPOptions:
             (:func:`charm_megatron.model.auto_cluster`); ``None``: a generic cluster.
         split_visiting: ``"on"``: CHARM+ pass-kv sends a visiting kv block that every tile
             needs whole in two row halves and runs its pass per half (docs/algorithm.md,
-            *Visiting kv in two halves*); ``"off"`` (default): whole blocks.
+            *Visiting kv in two halves*); ``"off"``: whole blocks; ``"auto"`` (default): per
+            direction, the one the performance model predicts faster on the cluster of
+            ``model_profile`` (:func:`charm_megatron.model.choose_split_visiting`).
     """
 
     pass_order: str = "split"
@@ -70,7 +72,7 @@ class CPOptions:
     check: str = "every_call"
     ablation: str = "none"
     model_profile: str | None = None
-    split_visiting: str = "off"
+    split_visiting: str = "auto"
 
     def __post_init__(self) -> None:
         if self.pass_order not in PASS_ORDERS:

@@ -36,7 +36,9 @@ from charm_megatron.ops.call_setup import (
     check_scale,
     default_topology,
     model_cluster,
+    needs_cluster,
     signature,
+    split_choice,
 )
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.failsafe import GuardedBackend
@@ -352,7 +354,7 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
         layout = make_layout(cu_seqlens, cu_seqlens_padded, cp_size, q.shape[0])
         scale = check_scale(softmax_scale, q.shape[-1])
         check_backend(opts, q)
-        if algo == "auto" and cp_size > 1:
+        if needs_cluster(algo, opts) and cp_size > 1:
             cluster = model_cluster(opts)
     except (ValueError, TypeError) as exc:
         error = exc
@@ -383,7 +385,9 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
     # the edge permutation keeps every half-block message half-sized, so the bytes it compares
     # are the bytes that move.
     shape = RoleShape(q.shape[1], k.shape[1], q.shape[2], q.element_size())
-    call = Call(group, algo, groups, causal, float(scale), opts, seq, roles, shape)
+    split = split_choice(opts, algo, groups, causal, roles, q4, k.unsqueeze(1), cp_size,
+                         cluster)
+    call = Call(group, algo, groups, causal, float(scale), opts, seq, roles, shape, split)
     perm, inv = _permutation(layout, str(q.device))
     qi, ki, vi = (t.index_select(0, perm).unsqueeze(1) for t in (q, k, v))
     out, lse = _PackedCPAttention.apply(qi, ki, vi, call, layout)

@@ -25,22 +25,22 @@ from charm_megatron.plan.validate import validate
 
 def plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool, order: str,
           roles: str = "paper", shape: RoleShape | None = None,
-          split_visiting: bool = False) -> tuple[Plan, Plan]:
+          split_visiting: bool | tuple[bool, bool] = False) -> tuple[Plan, Plan]:
     """Forward and backward plans, validated once per (algo, topology, mask, pass order, role
-    mix, the shape the byte rule reads, split visiting kv: every rank derives the same plans
-    from them)."""
-    return _validated_plans(algo, groups, causal, order, roles, shape, split_visiting)
+    mix, the shape the byte rule reads, split visiting kv - one flag, or one per direction:
+    every rank derives the same plans from them)."""
+    split = split_visiting if isinstance(split_visiting, tuple) else (split_visiting,) * 2
+    return _validated_plans(algo, groups, causal, order, roles, shape, split)
 
 
 @functools.lru_cache(maxsize=256)
 def _validated_plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool,
-                     order: str, roles: str = "paper",
-                     shape: RoleShape | None = None,
-                     split_visiting: bool = False) -> tuple[Plan, Plan]:
+                     order: str, roles: str, shape: RoleShape | None,
+                     split: tuple[bool, bool]) -> tuple[Plan, Plan]:
     fwd = build_plan(algo, "forward", groups, causal, order, roles, shape,
-                     split_visiting=split_visiting)
+                     split_visiting=split[0])
     bwd = build_plan(algo, "backward", groups, causal, order, roles, shape,
-                     split_visiting=split_visiting)
+                     split_visiting=split[1])
     validate(fwd)
     validate(bwd)
     return fwd, bwd
@@ -59,13 +59,14 @@ class Call:
     seq: int  # the forward's call number on its CP group
     roles: str = "paper"  # the role mix of rmplus / charm (plan/roles.py)
     shape: RoleShape | None = None  # what the byte rule reads
+    split: tuple[bool, bool] = (False, False)  # split visiting kv (forward, backward)
 
     def what(self, direction: str) -> str:
         return f"cp_attention(algo={self.algo}, {direction})"
 
     def plans(self) -> tuple[Plan, Plan]:
         return plans(self.algo, self.groups, self.causal, self.options.pass_order, self.roles,
-                      self.shape, self.options.split_visiting == "on")
+                      self.shape, self.split)
 
 
 def run_plan(call: Call, sg: StreamGroups, ex: Executor, ops, direction: str) -> None:

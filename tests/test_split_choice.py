@@ -1,0 +1,76 @@
+"""split_visiting="auto": CHARM+'s visiting kv crosses in row halves where the performance
+model predicts it faster on the call's cluster (model.choose_split_visiting), forced with
+"on" / "off"."""
+
+import pytest
+import torch
+
+from charm_megatron.model import choose_split_visiting, get_profile
+from charm_megatron.model.testbed import bench_cluster
+from charm_megatron.ops.call_setup import needs_cluster, split_choice
+from charm_megatron.ops.options import CPOptions
+from charm_megatron.plan.cost import Problem
+
+GROUPS_2X4 = ((0, 1, 2, 3), (4, 5, 6, 7))
+# The bench's issue-12 point: B=2, S=3072, 8 q / 2 kv heads x 64, fp32.
+PROBLEM = Problem(2, 3072, 8, 2, 64, 4)
+
+
+def _testbed(nic: str):
+    # The cpu-testbed profile on the bench's 100 / 800 Mbit links (what the bench's ranks read).
+    return bench_cluster(get_profile("cpu-testbed").cluster, nic=nic, cross_Bps=12.5e6,
+                         intra_Bps=100e6, cross_burst=512 * 1024, intra_burst=4 << 20,
+                         cores=2)
+
+
+def test_one_nic_per_node_splits_one_per_rank_does_not():
+    # One node link carries all four visiting blocks: their halves pipeline (measured on the
+    # emulated 2x4: charm fwd 264-294 vs 309-322 ms). With a link per rank the trip hides
+    # behind the own rounds anyway and the halves only add messages (224-227 vs 242-254 ms).
+    assert choose_split_visiting(GROUPS_2X4, PROBLEM, _testbed("node"), roles="bytes") == \
+        (True, True)
+    assert choose_split_visiting(GROUPS_2X4, PROBLEM, _testbed("rank"), roles="bytes") == \
+        (False, False)
+
+
+def test_gpu_profile_keeps_whole_blocks():
+    llama = Problem(1, 32768, 32, 8, 128, 2)
+    assert choose_split_visiting(((*range(8),), (*range(8, 16),)), llama,
+                                 get_profile("h100").cluster, roles="bytes") == (False, False)
+
+
+def test_no_visiting_pass_to_split():
+    # Multi-head attention takes pass-q under the byte rule: nothing visits, nothing splits.
+    mha = Problem(2, 3072, 8, 8, 64, 4)
+    assert choose_split_visiting(GROUPS_2X4, mha, _testbed("node"), roles="bytes") == \
+        (False, False)
+
+
+@pytest.mark.parametrize("mode,algo,groups,want", [
+    ("on", "charm", GROUPS_2X4, (True, True)),
+    ("off", "charm", GROUPS_2X4, (False, False)),
+    ("on", "rmplus", ((*range(8),),), (False, False)),  # one group: nothing crosses
+    ("on", "ring", ((*range(8),),), (False, False)),
+])
+def test_forced_modes(mode, algo, groups, want):
+    q, k = torch.empty(384, 2, 8, 64), torch.empty(384, 2, 2, 64)
+    opts = CPOptions(split_visiting=mode)
+    assert split_choice(opts, algo, groups, True, "bytes", q, k, 8) == want
+
+
+def test_auto_without_a_profile_keeps_whole_blocks():
+    q, k = torch.empty(384, 2, 8, 64), torch.empty(384, 2, 2, 64)
+    assert split_choice(CPOptions(), "charm", GROUPS_2X4, True, "bytes", q, k, 8) == \
+        (False, False)
+    opts = CPOptions(model_profile="cpu-testbed")
+    assert split_choice(opts, "charm", GROUPS_2X4, True, "bytes", q, k, 8,
+                        _testbed("node")) == (True, True)
+
+
+def test_auto_reads_the_model_profile_only_for_charm():
+    # split_visiting="auto" is the default; it predicts only with a profile.
+    assert needs_cluster("charm", CPOptions(model_profile="h100"))
+    assert not needs_cluster("charm", CPOptions())
+    assert not needs_cluster("charm", CPOptions(split_visiting="off", model_profile="h100"))
+    assert not needs_cluster("ring", CPOptions())
+    assert needs_cluster("auto", CPOptions(split_visiting="off"))
