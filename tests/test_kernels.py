@@ -91,7 +91,7 @@ def test_causal_needs_equal_lengths():
 @pytest.mark.parametrize("s", [192, 384, 1024])
 @pytest.mark.parametrize("hkv", [4, 1])
 def test_causal_split_matches_the_whole_block(s, hkv):
-    """The cut pieces (1 to 3 levels deep) give the whole causal block's out, lse and grads."""
+    """The cut pieces (1 to 3 levels deep) give the whole causal block's gradients."""
     from charm_megatron.kernels import causal_split
 
     q = _rand(s, 2, 4, 16, seed=11).permute(1, 2, 0, 3)  # [b, h, s, d] strided views
@@ -99,14 +99,10 @@ def test_causal_split_matches_the_whole_block(s, hkv):
     v = _rand(s, 2, hkv, 16, seed=13).permute(1, 2, 0, 3)
     dout = _rand(s, 2, 4, 16, seed=14).permute(1, 2, 0, 3)
     assert causal_split.worth_cutting(q, k, True)
-    assert causal_split.worth_cutting(q, k, True, backward=True)
-    whole = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True,
-                                                                        scale=0.25)
-    out, lse = causal_split.forward(q, k, v, 0.25)
-    torch.testing.assert_close(out, whole[0], rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(lse, whole[1], rtol=1e-12, atol=1e-12)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True,
+                                                                          scale=0.25)
     want = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, whole[0], whole[1], 0.0, True, scale=0.25)
+        dout, q, k, v, out, lse, 0.0, True, scale=0.25)
     got = causal_split.backward(dout, q, k, v, out, lse, 0.25)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-11, atol=1e-11)
@@ -121,5 +117,4 @@ def test_causal_split_leaves_other_blocks_whole():
     assert not causal_split.worth_cutting(*block(384, 384), False)  # no mask: nothing wasted
     assert not causal_split.worth_cutting(*block(192, 384), True)   # not square
     assert not causal_split.worth_cutting(*block(128, 128), True)   # too short to pay
-    assert not causal_split.worth_cutting(*block(2048, 2048), True)  # the kernel skips itself
-    assert causal_split.worth_cutting(*block(2048, 2048), True, backward=True)  # ... not here
+    assert causal_split.worth_cutting(*block(2048, 2048), True)

@@ -3,9 +3,9 @@
 * CPU: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (fp16/bf16/fp32 and
   float64; float64 blocks keep a float64 lse). GQA is native (kv with
   fewer heads; backward returns group-summed dk/dv), strided ``[b, h, s, d]`` views are accepted,
-  so sbhd tensors go in as permuted views without copies. Causal square blocks (every rank's
-  own tile under the load-balanced layout) are cut into pieces the kernel computes with less
-  masked work (:mod:`~charm_megatron.kernels.causal_split`).
+  so sbhd tensors go in as permuted views without copies. Backward, causal square blocks
+  (every rank's own tile under the load-balanced layout) are cut into pieces the kernel
+  computes with less masked work (:mod:`~charm_megatron.kernels.causal_split`).
 * CUDA: ``_scaled_dot_product_flash_attention`` (fp16/bf16) or
   ``_scaled_dot_product_efficient_attention`` (fp32, or head dims flash does not take). These
   need equal head counts, so GQA kv is expanded there (``expand`` + ``reshape``: one copy of the
@@ -58,13 +58,9 @@ class TorchBackend:
         check_block_shapes(q, k, v, causal)
         if q.device.type == "cuda":
             return self._forward_cuda(q, k, v, causal, scale)
-        qb, kb, vb = _bhsd(q), _bhsd(k), _bhsd(v)
-        if causal_split.worth_cutting(qb, kb, causal):
-            out, lse = causal_split.forward(qb, kb, vb, scale)
-        else:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qb, kb, vb, 0.0, causal, scale=scale
-            )
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
+        )
         return _sbhd(out), lse
 
     def _use_flash(self, q: torch.Tensor) -> bool:
@@ -99,7 +95,7 @@ class TorchBackend:
         # returns it so), fp32 otherwise; the CP merge keeps lse in its accumulator dtype.
         lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         qb, kb = _bhsd(q), _bhsd(k)
-        if causal_split.worth_cutting(qb, kb, causal, backward=True):
+        if causal_split.worth_cutting(qb, kb, causal):
             dq, dk, dv = causal_split.backward(_bhsd(dout), qb, kb, _bhsd(v), _bhsd(out), lse,
                                                scale)
         else:
