@@ -7,10 +7,12 @@ named function or method below:
 * **tiles and causal halves** (:meth:`_SymbolicRun.check_tile_halves`, :func:`check_tiles_once`,
   :func:`check_results`): every tile is computed exactly once, with the rows the causal mask
   needs, and at the end each rank's output (forward) or dq and dkv (backward) hold exactly the
-  tiles of the full attention. A tile that needs all kv rows and no mask may instead be
-  computed as its two *kv-half sub-tiles* (same q rows, kv rows 1st and 2nd, a split visiting
-  pass of pass-kv): then both must be computed exactly once and a result holds the tile when
-  it holds both (every (q row, kv row) pair still counted exactly once);
+  tiles of the full attention. An unmasked tile that needs all rows of one side may instead
+  be computed as its two *half sub-tiles* along that side (:func:`sub_tiles`): kv rows 1st
+  and 2nd with the tile's q rows (a split visiting pass of pass-kv), or q rows 1st and 2nd
+  with its kv rows (a split counterpart pass of pass-q). Then both must be computed exactly
+  once, never with the whole tile or a crossing sub-tile of the other side, and a result
+  holds the tile when it holds both (every (q row, kv row) pair still counted exactly once);
 * **buffer hazards** (:meth:`_SymbolicRun.read`, :meth:`~_SymbolicRun.check_no_transfer`,
   :meth:`~_SymbolicRun.check_partial_send`, :meth:`~_SymbolicRun.free`): every op reads data
   that is present and complete (a receive is waited before use, a tile's rows are inside the
@@ -84,7 +86,7 @@ class PlanStats:
 
     critical_path: int  # longest chain of data-dependent messages
     messages: list[int]  # messages sent per rank
-    tiles: list[float]  # tile work per rank, in tiles (a kv-half sub-tile counts one half)
+    tiles: list[float]  # tile work per rank, in tiles (a half sub-tile counts one half)
 
 
 def validate(plan: Plan) -> PlanStats:
