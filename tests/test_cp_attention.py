@@ -161,9 +161,10 @@ def test_split_visiting_against_float64_reference(world, topology):
             assert max(res[case].values()) < TOL[case[3]], (case, res[case])
 
 
-# Split counterpart q (CHARM_SPLIT_COUNTERPART_Q=on, docs/algorithm.md): the pass-q cross
-# phases of multi-head attention under the byte rule, and forced pass-q with GQA, on 2x2 and
-# 2x4, causal (the earlier group splits) and full (both groups split), forward and backward.
+# Split counterpart q (CHARM_SPLIT_COUNTERPART_Q=on, docs/algorithm.md): the paper's pass-q
+# cross phases with multi-head attention (at this head size the byte rule takes pass-kv), and
+# forced pass-q with GQA, on 2x2 and 2x4, causal (the earlier group splits) and full (both
+# groups split), forward and backward.
 @pytest.mark.parametrize("world,topology", [(4, "2x2"), (8, "2x4")])
 def test_split_counterpart_q_against_float64_reference(world, topology):
     from charm_megatron.plan.core import Half, Tile, TileBwd
@@ -171,7 +172,7 @@ def test_split_counterpart_q_against_float64_reference(world, topology):
     from charm_megatron.plan.roles import RoleShape
     from charm_megatron.topology import Topology
 
-    cases = [("charm", topology, causal, dtype, 8, "bytes")
+    cases = [("charm", topology, causal, dtype, 8, "paper")
              for causal in (True, False) for dtype in ("fp32", "bf16")]
     cases += [("charm", topology, causal, "fp32", 2, "q") for causal in (True, False)]
     groups = [list(g) for g in Topology.parse(topology, cp_size=world).groups]

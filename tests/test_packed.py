@@ -94,8 +94,8 @@ def test_packed_split_visiting_against_float64_reference():
 
 def test_packed_split_counterpart_q_against_float64_reference():
     """CHARM_SPLIT_COUNTERPART_Q=on under packing: the q-half sub-tiles are cut by document
-    like every tile (2x2, multi-head attention: the byte rule's pass-q splits)."""
-    cases = [("charm", "2x2", causal, "fp32", 8, docs, "bytes", 8)
+    like every tile (2x2, multi-head attention, the paper's pass-q)."""
+    cases = [("charm", "2x2", causal, "fp32", 8, docs, "paper", 8)
              for causal in (True, False) for docs in DOCS]
     per_rank = run_ranks(packed_cases.run_packed_matrix, 4, cases, [], timeout_s=600,
                          env={"CHARM_SPLIT_COUNTERPART_Q": "on"})
