@@ -12,11 +12,13 @@ from charm_megatron.ops.options import ENV_VARS, CPOptions
 def test_from_env_reads_every_listed_variable():
     env = {"CHARM_PASS_ORDER": "joint", "CHARM_COMM_TIMEOUT_S": "7.5",
            "CHARM_ATTN_BACKEND": "reference", "CHARM_TOPOLOGY": "2x4", "CHARM_CHECK": "off",
-           "CHARM_MODEL_PROFILE": "h100", "CHARM_SPLIT_VISITING": "on"}
+           "CHARM_MODEL_PROFILE": "h100", "CHARM_SPLIT_VISITING": "on",
+           "CHARM_SPLIT_COUNTERPART_Q": "off"}
     assert set(env) == set(ENV_VARS)
     o = CPOptions.from_env(env)
     assert (o.pass_order, o.timeout_s, o.backend, o.topology, o.check, o.model_profile,
-            o.split_visiting) == ("joint", 7.5, "reference", "2x4", "off", "h100", "on")
+            o.split_visiting, o.split_counterpart_q) == ("joint", 7.5, "reference", "2x4", "off",
+                                                         "h100", "on", "off")
     assert CPOptions.from_env({}) == CPOptions()
     assert CPOptions.from_env(env, pass_order="split").pass_order == "split"
 
@@ -27,6 +29,7 @@ def test_from_env_reads_every_listed_variable():
     ({"CHARM_COMM_TIMEOUT_S": "-1"}, "CHARM_COMM_TIMEOUT_S"),
     ({"CHARM_CHECK": "sometimes"}, "CHARM_CHECK"),
     ({"CHARM_SPLIT_VISITING": "yes"}, "CHARM_SPLIT_VISITING"),
+    ({"CHARM_SPLIT_COUNTERPART_Q": "yes"}, "CHARM_SPLIT_COUNTERPART_Q"),
 ])
 def test_bad_values_name_the_variable(env, match):
     with pytest.raises(ValueError, match=match):

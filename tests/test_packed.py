@@ -92,6 +92,19 @@ def test_packed_split_visiting_against_float64_reference():
             assert zero and max(errs.values()) < TOL["fp32"], (case, errs)
 
 
+def test_packed_split_counterpart_q_against_float64_reference():
+    """CHARM_SPLIT_COUNTERPART_Q=on under packing: the q-half sub-tiles are cut by document
+    like every tile (2x2, multi-head attention, the paper's pass-q)."""
+    cases = [("charm", "2x2", causal, "fp32", 8, docs, "paper", 8)
+             for causal in (True, False) for docs in DOCS]
+    per_rank = run_ranks(packed_cases.run_packed_matrix, 4, cases, [], timeout_s=600,
+                         env={"CHARM_SPLIT_COUNTERPART_Q": "on"})
+    for case in cases:
+        for res in per_rank:
+            errs, zero = res[case]
+            assert zero and max(errs.values()) < TOL["fp32"], (case, errs)
+
+
 def test_byte_rule_changes_the_gqa_plans():
     """The GQA role-mix cases above are not the paper's plans twice: for 8 query heads and 2 or
     1 kv heads the byte rule builds other forward and backward plans than Algorithm 1."""

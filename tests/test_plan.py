@@ -223,6 +223,120 @@ def test_validator_rejects_sub_tiles_of_a_masked_or_half_tile():
             validate(p)
 
 
+def _q_split_plan(direction="forward", causal=True, g=(2, 4)):
+    """2x4 pass-q (forced) with split counterpart q: ranks 0-3 compute q-half sub-tiles."""
+    return build_plan("charm", direction, _groups(*g), causal, roles="q",
+                      split_counterpart_q=True)
+
+
+def _q_sub_tiles(ops, causal=True):
+    return [i for i, op in enumerate(ops) if isinstance(op, (Tile, TileBwd))
+            and op.spec.q_half is not Half.FULL
+            and tile_spec(op.spec.q_owner, op.spec.kv_owner, causal).q_half is Half.FULL]
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_split_counterpart_q_validates_and_splits_only_the_full_counterpart_blocks(direction):
+    plan = _q_split_plan(direction)
+    stats = validate(plan)
+    assert stats.tiles == [8] * 8  # work per rank, a sub-tile counting one half
+    partial = "dq" if direction == "backward" else "out"
+    query = "qgrad" if direction == "backward" else "q"
+    for r in range(8):
+        subs = _q_sub_tiles(plan.ops[r])
+        # the earlier group: 4 counterpart tiles (q all x kv 1st), each as q 1st then 2nd
+        assert len(subs) == (8 if r < 4 else 0), r
+        halves = [plan.ops[r][i].spec.q_half for i in subs]
+        assert halves == ([Half.FIRST] * 4 + [Half.SECOND] * 4 if r < 4 else []), r
+        cross = [op for op in plan.comms(r) if op.stream is Stream.CROSS]
+        q_in = [x.half for op in cross for x in op.recvs if x.kind == query]
+        q_out = [x.half for op in cross for x in op.sends if x.kind == query]
+        # earlier ranks receive the later q in halves and send their 2nd half as before;
+        # the later ranks receive the 2nd half as before and send theirs in halves
+        assert q_in == ([Half.FIRST, Half.SECOND] if r < 4 else [Half.SECOND]), r
+        assert q_out == ([Half.SECOND] if r < 4 else [Half.FIRST, Half.SECOND]), r
+        # the partials go home per half, in order
+        p_out = [x.half for op in cross for x in op.sends if x.kind == partial]
+        p_in = [x.half for op in cross for x in op.recvs if x.kind == partial]
+        assert p_out == ([Half.FIRST, Half.SECOND] if r < 4 else [Half.SECOND]), r
+        assert p_in == ([Half.SECOND] if r < 4 else [Half.FIRST, Half.SECOND]), r
+        if r < 4:  # the first half's partial is posted before the second sub-pass's tiles
+            ops = plan.ops[r]
+            first_home = next(i for i, op in enumerate(ops) if isinstance(op, Comm)
+                              and any(x.kind == partial and x.half is Half.FIRST
+                                      for x in op.sends))
+            assert first_home < subs[4], r
+        assert not any(x.kind == "dkv" for op in cross for x in op.sends)  # dK, dV stay
+    plain = build_plan("charm", direction, _groups(2, 4), True, roles="q")
+    assert not any(_q_sub_tiles(ops) for ops in plain.ops)  # the default sends whole blocks
+
+
+def test_split_counterpart_q_full_mask_splits_both_groups():
+    plan = _q_split_plan(causal=False, g=(2, 2))
+    validate(plan)
+    for r in range(4):
+        # 2 counterpart tiles, 2 halves each
+        assert len(_q_sub_tiles(plan.ops[r], causal=False)) == 4
+
+
+def test_split_counterpart_q_leaves_joint_first_pass_whole():
+    # the joint order's first pass holds the own q with the counterpart's: no sub-passes
+    plan = build_plan("charm", "forward", _groups(2, 2), True, "joint", "q",
+                      split_counterpart_q=True)
+    validate(plan)
+    assert plan.ops == build_plan("charm", "forward", _groups(2, 2), True, "joint", "q").ops
+
+
+def test_validator_rejects_a_lone_q_sub_tile():
+    plan = _q_split_plan()
+    # the last one accumulated here (not a served partial, whose send would fail first)
+    idx = [i for i in _q_sub_tiles(plan.ops[0]) if not plan.ops[0][i].fresh][-1]
+    _mutate(plan, 0, lambda ops: ops[:idx] + ops[idx + 1:])
+    with pytest.raises(PlanError, match="computed 1 times"):
+        validate(plan)
+
+
+def test_validator_rejects_a_q_sub_tile_on_top_of_its_whole_tile():
+    plan = build_plan("charm", "forward", _groups(2, 4), True, roles="q")  # whole blocks
+    idx = next(i for i, op in enumerate(plan.ops[0]) if isinstance(op, Tile)
+               and op.spec.q_owner == 4)
+    op = plan.ops[0][idx]
+    sub = dataclasses.replace(op, spec=dataclasses.replace(op.spec, q_half=Half.FIRST))
+    _mutate(plan, 0, lambda ops: ops[:idx + 1] + [sub] + ops[idx + 1:])
+    with pytest.raises(PlanError, match="twice"):
+        validate(plan)
+
+
+def test_validator_rejects_q_sub_tiles_of_a_masked_or_half_tile():
+    # the diagonal tile (causal) and a later-kv tile (q 2nd already) have no q halves
+    for pick in (lambda op: op.spec.causal, lambda op: op.spec.q_half is Half.SECOND):
+        p = build_plan("ring", "forward", _groups(1, 4), True)
+        idx = next(i for i, op in enumerate(p.ops[0]) if isinstance(op, Tile) and pick(op))
+        op = p.ops[0][idx]
+        bad = dataclasses.replace(op, spec=dataclasses.replace(op.spec, q_half=Half.FIRST))
+        p.ops[0] = p.ops[0][:idx] + [bad] + p.ops[0][idx + 1:]
+        with pytest.raises(PlanError, match="should be"):
+            validate(p)
+
+
+def test_sub_tiles_of_two_sides_do_not_make_a_tile():
+    # a q-half and a kv-half sub-tile cover 3/4 of the tile's pairs at most, with one
+    # quarter twice: neither counts as the tile, and they are rivals
+    from charm_megatron.plan.validate import _rivals, check_tiles_once, covered
+
+    want = tile_spec(2, 0, False)
+    q1 = dataclasses.replace(want, q_half=Half.FIRST)
+    kv2 = dataclasses.replace(want, kv_half=Half.SECOND)
+    assert covered({q1, kv2}, False) == {q1, kv2}
+    assert kv2 in _rivals(q1, False) and want in _rivals(q1, False)
+    plan = build_plan("ring", "forward", _groups(1, 4), False)
+    with pytest.raises(PlanError, match="computed 2 times"):
+        check_tiles_once(plan, {(2, 0): [q1, kv2]})
+    q2 = dataclasses.replace(want, q_half=Half.SECOND)
+    check_tiles_once(plan, {(2, 0): [q2, q1]})  # the two q halves, in any order
+    assert covered({q1, q2}, False) == {want}
+
+
 def test_tile_spec_causal_halves():
     assert tile_spec(2, 2, True).causal
     assert (tile_spec(3, 1, True).q_half, tile_spec(3, 1, True).kv_half) == (Half.FULL, Half.FIRST)

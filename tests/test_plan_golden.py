@@ -44,6 +44,12 @@ CLI_CASES = (
      "--split-visiting"),
     ("--cp", "4", "--topology", "2x2", "--heads", "8", "--kv-heads", "1", "--head-dim", "64",
      "--causal", "--rank", "0", "--direction", "backward", "--split-visiting"),
+    # pass-q with split counterpart q (docs/algorithm.md, "Counterpart q in two halves")
+    ("--cp", "8", "--topology", "2x4", "--heads", "8", "--head-dim", "64", "--causal",
+     "--seq", "3072", "--batch", "2", "--dtype", "fp32", "--rank", "0",
+     "--split-counterpart-q"),
+    ("--cp", "4", "--topology", "2x2", "--heads", "8", "--head-dim", "64", "--rank", "0",
+     "--direction", "backward", "--split-counterpart-q"),
 )
 
 

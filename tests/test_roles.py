@@ -31,16 +31,17 @@ def _divisor_groupings(n):
 @given(st.integers(min_value=1, max_value=64).flatmap(
     lambda n: st.tuples(st.just(n), st.sampled_from(_divisor_groupings(n)))),
     st.booleans(), st.sampled_from(["forward", "backward"]), st.sampled_from(ROLE_MIXES),
-    st.sampled_from(SHAPES), st.sampled_from(["split", "joint"]), st.booleans())
+    st.sampled_from(SHAPES), st.sampled_from(["split", "joint"]), st.booleans(), st.booleans())
 def test_every_role_mix_validates(n_and_grouping, causal, direction, roles, shape, order,
-                                  split_visiting):
+                                  split_visiting, split_counterpart_q):
     """Tile coverage and causal halves, buffer hazards, send/receive matching and deadlock
     freedom under NCCL stream semantics (the validator), for rmplus and charm, with and
-    without split visiting kv (pass-kv)."""
+    without split visiting kv (pass-kv) and split counterpart q (pass-q)."""
     n, (G, M) = n_and_grouping
     for algo in ("rmplus", "charm"):
         plan = build_plan(algo, direction, _groups(G, M), causal, order, roles, shape,
-                          split_visiting=split_visiting)
+                          split_visiting=split_visiting,
+                          split_counterpart_q=split_counterpart_q)
         stats = validate(plan)
         assert sum(stats.tiles) == n * n
         assert all(t == n for t in stats.tiles)  # compute stays balanced

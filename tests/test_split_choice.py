@@ -5,9 +5,9 @@ model predicts it faster on the call's cluster (model.choose_split_visiting), fo
 import pytest
 import torch
 
-from charm_megatron.model import choose_split_visiting, get_profile
+from charm_megatron.model import choose_split_counterpart_q, choose_split_visiting, get_profile
 from charm_megatron.model.testbed import bench_cluster
-from charm_megatron.ops.call_setup import needs_cluster, split_choice
+from charm_megatron.ops.call_setup import needs_cluster, split_choice, split_q_choice
 from charm_megatron.ops.options import CPOptions
 from charm_megatron.plan.cost import Problem
 
@@ -71,6 +71,64 @@ def test_auto_reads_the_model_profile_only_for_charm():
     # split_visiting="auto" is the default; it predicts only with a profile.
     assert needs_cluster("charm", CPOptions(model_profile="h100"))
     assert not needs_cluster("charm", CPOptions())
-    assert not needs_cluster("charm", CPOptions(split_visiting="off", model_profile="h100"))
+    assert needs_cluster("charm", CPOptions(split_visiting="off", model_profile="h100"))
+    assert not needs_cluster("charm", CPOptions(split_visiting="off", split_counterpart_q="off",
+                                                model_profile="h100"))
     assert not needs_cluster("ring", CPOptions())
     assert needs_cluster("auto", CPOptions(split_visiting="off"))
+
+
+# split_counterpart_q="auto": the same rule for pass-q's counterpart q (docs/algorithm.md,
+# "Counterpart q in two halves").
+MHA = Problem(2, 3072, 8, 8, 64, 4)
+
+
+def test_counterpart_q_splits_where_the_serial_chain_dominates():
+    # One node link carries all four counterpart q blocks and partials: the halves pipeline
+    # (q across, the rounds, the partial back). With a link per rank the model still
+    # predicts the forward shorter (the first half's partial crosses during the second
+    # half's rounds).
+    assert choose_split_counterpart_q(GROUPS_2X4, MHA, _testbed("node"), roles="bytes") == \
+        (True, True)
+    assert choose_split_counterpart_q(GROUPS_2X4, MHA, _testbed("rank"), roles="bytes")[0]
+    assert choose_split_counterpart_q(((0, 1), (2, 3)), MHA, _testbed("rank"),
+                                      roles="bytes") == (True, True)
+
+
+def test_counterpart_q_gpu_profile_keeps_whole_blocks():
+    # The second sub-pass fetches the group's kv blocks again: on GPUs, where the cross link
+    # is not the bottleneck, that costs more than the shorter chain gains.
+    mha = Problem(1, 131072, 32, 32, 128, 2)
+    assert choose_split_counterpart_q(((*range(8),), (*range(8, 16),)), mha,
+                                      get_profile("h100").cluster, roles="bytes") == \
+        (False, False)
+
+
+def test_no_counterpart_q_to_split():
+    # GQA takes pass-kv under the byte rule: no q crosses, nothing splits.
+    assert choose_split_counterpart_q(GROUPS_2X4, PROBLEM, _testbed("node"), roles="bytes") == \
+        (False, False)
+
+
+@pytest.mark.parametrize("mode,algo,groups,want", [
+    ("on", "charm", GROUPS_2X4, (True, True)),
+    ("off", "charm", GROUPS_2X4, (False, False)),
+    ("on", "rmplus", ((*range(8),),), (False, False)),
+    ("on", "ring", ((*range(8),),), (False, False)),
+])
+def test_counterpart_q_forced_modes(mode, algo, groups, want):
+    q = k = torch.empty(384, 2, 8, 64)
+    opts = CPOptions(split_counterpart_q=mode)
+    assert split_q_choice(opts, algo, groups, True, "bytes", q, k, 8) == want
+
+
+def test_counterpart_q_auto_without_a_profile_keeps_whole_blocks():
+    q = k = torch.empty(384, 2, 8, 64)
+    assert split_q_choice(CPOptions(), "charm", GROUPS_2X4, True, "bytes", q, k, 8) == \
+        (False, False)
+    opts = CPOptions(model_profile="cpu-testbed")
+    assert split_q_choice(opts, "charm", GROUPS_2X4, True, "bytes", q, k, 8,
+                          _testbed("node")) == (True, True)
+    # and the visiting kv choice is not disturbed by it (MHA: nothing visits)
+    assert split_choice(opts, "charm", GROUPS_2X4, True, "bytes", q, k, 8,
+                        _testbed("node")) == (False, False)

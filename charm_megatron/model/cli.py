@@ -76,6 +76,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="charm pass-kv: visiting kv blocks that every tile needs whole "
                              "cross in two row halves (CHARM_SPLIT_VISITING=on; "
                              "docs/algorithm.md)")
+    parser.add_argument("--split-counterpart-q", action="store_true",
+                        help="charm pass-q: a counterpart's q block that every tile needs "
+                             "whole crosses in two row halves, its partial going home per "
+                             "half (CHARM_SPLIT_COUNTERPART_Q=on; docs/algorithm.md)")
     parser.add_argument("--compare-roles", default=None, metavar="MIX[,MIX]",
                         help="with --grid: also predict charm under these role mixes (e.g. "
                              "paper) and print their speed-ups next to --roles' columns")
@@ -255,7 +259,8 @@ def run(args: argparse.Namespace) -> int:
           f"{ccr_f.ratio:.2f} ({_ms(ccr_f.compute_s)} / {_ms(ccr_f.comm_s)} ms), backward "
           f"{ccr_b.ratio:.2f} ({_ms(ccr_b.compute_s)} / {_ms(ccr_b.comm_s)} ms)")
     preds = predict_all(groups, problem, cluster, args.causal, roles=args.roles,
-                        split_visiting=args.split_visiting)
+                        split_visiting=args.split_visiting,
+                        split_counterpart_q=args.split_counterpart_q)
     ring = preds["ring"]
     print(f"{'':8} {'time ms':^29}   {'speedup over ring':^17}   {'busy':^9}   "
           f"{'MiB sent per rank (max)':^27}")
@@ -296,12 +301,13 @@ def _grid(args: argparse.Namespace, groups: list[list[int]], cluster: Cluster,
         cf = ring_ccr(groups, problem, cluster, args.causal, "forward").ratio
         cb = ring_ccr(groups, problem, cluster, args.causal, "backward").ratio
         preds = predict_all(groups, problem, cluster, args.causal, ALGOS, roles=args.roles,
-                            split_visiting=args.split_visiting)
+                            split_visiting=args.split_visiting,
+                            split_counterpart_q=args.split_counterpart_q)
         ring, rmp, ch = preds["ring"], preds["rmplus"], preds["charm"]
         cells = ""
         for m in compare:
             other = predict("charm", groups, problem, cluster, args.causal, m,
-                            args.split_visiting)
+                            args.split_visiting, args.split_counterpart_q)
             cells += (f"  {ring.forward.time_s / other.forward.time_s:>{len(m) + 12}.2f}"
                       f" {ring.backward.time_s / other.backward.time_s:5.2f}"
                       f" {ring.total_s / other.total_s:5.2f}")

@@ -23,11 +23,12 @@ def _groups(groups: Sequence[Sequence[int]]) -> Groups:
 
 @lru_cache(maxsize=256)
 def _plan(algo: str, direction: str, groups: Groups, causal: bool, roles: str = "paper",
-          shape: RoleShape | None = None, split_visiting: bool = False) -> Plan:
+          shape: RoleShape | None = None, split_visiting: bool = False,
+          split_counterpart_q: bool = False) -> Plan:
     # Plans depend on the topology, mask, role mix and (for roles="bytes") the head shape,
     # not on the sequence length: build each once.
     return build_plan(algo, direction, groups, causal, roles=roles, shape=shape,
-                      split_visiting=split_visiting)
+                      split_visiting=split_visiting, split_counterpart_q=split_counterpart_q)
 
 
 def role_shape(problem: Problem) -> RoleShape:
@@ -55,25 +56,27 @@ class Prediction:
 
 
 def predict(algo: str, groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
-            causal: bool, roles: str = "paper", split_visiting: bool = False) -> Prediction:
+            causal: bool, roles: str = "paper", split_visiting: bool = False,
+            split_counterpart_q: bool = False) -> Prediction:
     """Simulate ``algo``'s forward and backward plans on ``cluster`` with hardware ``groups``
     (``roles``: the role mix of rmplus / charm, :data:`charm_megatron.plan.roles.ROLE_MIXES`;
-    ``bytes`` is what ``cp_attention`` runs by default; ``split_visiting``: as
-    :func:`~charm_megatron.plan.registry.build_plan`'s)."""
+    ``bytes`` is what ``cp_attention`` runs by default; ``split_visiting``,
+    ``split_counterpart_q``: as :func:`~charm_megatron.plan.registry.build_plan`'s)."""
     g = _groups(groups)
     key = _role_key(roles, problem)
-    fwd = simulate(_plan(algo, "forward", g, causal, *key, split_visiting), problem, cluster, g)
-    bwd = simulate(_plan(algo, "backward", g, causal, *key, split_visiting), problem, cluster,
-                   g)
+    splits = (split_visiting, split_counterpart_q)
+    fwd = simulate(_plan(algo, "forward", g, causal, *key, *splits), problem, cluster, g)
+    bwd = simulate(_plan(algo, "backward", g, causal, *key, *splits), problem, cluster, g)
     return Prediction(algo, fwd, bwd)
 
 
 def predict_all(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
                 causal: bool, algos: Iterable[str] = ALGOS,
-                roles: str = "paper", split_visiting: bool = False) -> dict[str, Prediction]:
+                roles: str = "paper", split_visiting: bool = False,
+                split_counterpart_q: bool = False) -> dict[str, Prediction]:
     """:func:`predict` for each of ``algos`` (default ring, rmplus, charm), in that order."""
-    return {a: predict(a, groups, problem, cluster, causal, roles, split_visiting)
-            for a in algos}
+    return {a: predict(a, groups, problem, cluster, causal, roles, split_visiting,
+                       split_counterpart_q) for a in algos}
 
 
 @dataclass(frozen=True)
@@ -132,18 +135,35 @@ def choose_split_visiting(groups: Sequence[Sequence[int]], problem: Problem,
     The split hides the visiting blocks' slow trip where one link carries many of them (one
     NIC per node) and costs more, smaller messages and a merge per split tile elsewhere
     (docs/algorithm.md, *Visiting kv in two halves*)."""
-    return _split_cached(_groups(groups), problem, cluster, causal, roles)
+    return _split_cached(_groups(groups), problem, cluster, causal, roles, "visiting")
+
+
+def choose_split_counterpart_q(groups: Sequence[Sequence[int]], problem: Problem,
+                               cluster: Cluster | None = None, *, causal: bool = True,
+                               roles: str = "paper") -> tuple[bool, bool]:
+    """:func:`choose_split_visiting` for the other side of the exchange: whether CHARM+
+    pass-q should send a counterpart's q block that every tile needs whole in two row halves
+    (its partial going home per half), forward and backward, by the same rule: where it
+    changes the plan, the plan predicted faster on ``cluster``. It shortens pass-q's serial
+    chain (q across, the group's rounds, the partial back) where that chain is the critical
+    path (docs/algorithm.md, *Counterpart q in two halves*)."""
+    return _split_cached(_groups(groups), problem, cluster, causal, roles, "counterpart_q")
 
 
 @lru_cache(maxsize=256)
 def _split_cached(groups: Groups, problem: Problem, cluster: Cluster | None, causal: bool,
-                  roles: str) -> tuple[bool, bool]:
+                  roles: str, which: str) -> tuple[bool, bool]:
+    """Per direction, whether the ``which`` split (``visiting``: pass-kv's visiting kv;
+    ``counterpart_q``: pass-q's counterpart q) is predicted faster than whole blocks (each
+    judged with the other split off: a cross round is pass-kv or pass-q, so they rarely
+    touch the same plan)."""
     cl = cluster if cluster is not None else default_cluster_for(groups)
     key = _role_key(roles, problem)
+    on = (True, False) if which == "visiting" else (False, True)
     picks = []
     for direction in ("forward", "backward"):
-        whole = _plan("charm", direction, groups, causal, *key, False)
-        split = _plan("charm", direction, groups, causal, *key, True)
+        whole = _plan("charm", direction, groups, causal, *key, False, False)
+        split = _plan("charm", direction, groups, causal, *key, *on)
         if split.ops == whole.ops:
             picks.append(False)
             continue

@@ -16,6 +16,7 @@ from charm_megatron.ops.call_setup import (
     needs_cluster,
     signature,
     split_choice,
+    split_q_choice,
 )
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.failsafe import GuardedBackend
@@ -172,7 +173,8 @@ def cp_attention(
     # The byte rule reads the shape; the ranks agreed on the shapes, so on the plans too.
     shape = RoleShape(q.shape[2], k.shape[2], q.shape[3], q.element_size())
     split = split_choice(opts, algo, groups, causal, roles, q, k, cp_size, cluster)
-    call = Call(group, algo, groups, causal, scale, opts, seq, roles, shape, split)
+    split_q = split_q_choice(opts, algo, groups, causal, roles, q, k, cp_size, cluster)
+    call = Call(group, algo, groups, causal, scale, opts, seq, roles, shape, split, split_q)
     out, lse = _CPAttention.apply(q, k, v, call)
     return (out, lse) if return_lse else out
 

@@ -6,8 +6,9 @@ the sbhd entry point (ops/attention.py) and the packed one (ops/packed.py).
 * :func:`signature`: the fields the ranks must agree on;
 * :func:`default_topology`: the topology a call runs on when it names none;
 * :func:`algo_and_groups`: the algorithm to run (``auto``: the model's choice) and its groups;
-* :func:`needs_cluster`, :func:`split_choice`: whether the call predicts with the model, and
-  whether CHARM+'s visiting kv crosses in row halves (``split_visiting``).
+* :func:`needs_cluster`, :func:`split_choice`, :func:`split_q_choice`: whether the call
+  predicts with the model, whether CHARM+'s visiting kv crosses in row halves
+  (``split_visiting``), and whether pass-q's counterpart q does (``split_counterpart_q``).
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def signature(direction: str, seq: int, q, k, v, algo: str, topology, causal: bo
         fields += (
             ("pass order", opts.pass_order),
             ("split visiting kv (CHARM_SPLIT_VISITING)", opts.split_visiting),
+            ("split counterpart q (CHARM_SPLIT_COUNTERPART_Q)", opts.split_counterpart_q),
             ("kernel backend", opts.backend_name),
             ("default topology (CHARM_TOPOLOGY)", opts.topology),
             ("ablation", opts.ablation),
@@ -147,8 +149,8 @@ def _problem(q: torch.Tensor, k: torch.Tensor, cp_size: int) -> Problem:
 
 def needs_cluster(algo: str, opts: CPOptions) -> bool:
     """Whether the call predicts with the performance model (so reads ``model_profile``)."""
-    return algo == "auto" or (algo == "charm" and opts.split_visiting == "auto"
-                              and opts.model_profile is not None)
+    return algo == "auto" or (algo == "charm" and opts.model_profile is not None
+                              and "auto" in (opts.split_visiting, opts.split_counterpart_q))
 
 
 def split_choice(opts: CPOptions, algo: str, groups: tuple[tuple[int, ...], ...], causal: bool,
@@ -159,13 +161,31 @@ def split_choice(opts: CPOptions, algo: str, groups: tuple[tuple[int, ...], ...]
     Without a profile, whole blocks: the split pays only where a slow link is shared (one NIC
     per node), which the generic cluster cannot know, and the GPU profiles predict it slower.
     A pure function of what the ranks agreed on, so every rank builds the same plans."""
-    if algo != "charm" or len(groups) < 2 or opts.split_visiting == "off":
+    from charm_megatron.model import choose_split_visiting
+
+    return _split(opts.split_visiting, choose_split_visiting, opts, algo, groups, causal, roles,
+                  q, k, cp_size, cluster)
+
+
+def split_q_choice(opts: CPOptions, algo: str, groups: tuple[tuple[int, ...], ...],
+                   causal: bool, roles: str, q: torch.Tensor, k: torch.Tensor, cp_size: int,
+                   cluster=None) -> tuple[bool, bool]:
+    """:func:`split_choice` for pass-q's counterpart q (``opts.split_counterpart_q``; the
+    model's :func:`~charm_megatron.model.choose_split_counterpart_q`): whole blocks without
+    a profile (the GPU profiles predict the split slower: it fetches the group's kv blocks
+    once per half)."""
+    from charm_megatron.model import choose_split_counterpart_q
+
+    return _split(opts.split_counterpart_q, choose_split_counterpart_q, opts, algo, groups,
+                  causal, roles, q, k, cp_size, cluster)
+
+
+def _split(mode: str, chooser, opts: CPOptions, algo: str, groups, causal: bool, roles: str,
+           q: torch.Tensor, k: torch.Tensor, cp_size: int, cluster) -> tuple[bool, bool]:
+    if algo != "charm" or len(groups) < 2 or mode == "off":
         return False, False
-    if opts.split_visiting == "on":
+    if mode == "on":
         return True, True
     if opts.model_profile is None or cluster is None:
         return False, False
-    from charm_megatron.model import choose_split_visiting
-
-    return choose_split_visiting(groups, _problem(q, k, cp_size), cluster, causal=causal,
-                                 roles=roles)
+    return chooser(groups, _problem(q, k, cp_size), cluster, causal=causal, roles=roles)

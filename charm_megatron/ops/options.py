@@ -21,6 +21,7 @@ from charm_megatron.kernels.base import AttentionBackend
 
 PASS_ORDERS = ("split", "joint")
 SPLIT_VISITING = ("auto", "off", "on")
+SPLIT_COUNTERPART_Q = SPLIT_VISITING
 CHECKS = ("every_call", "off")
 ABLATIONS = ("none", "compute_only", "comm_only")
 
@@ -35,6 +36,9 @@ ENV_VARS = {
                             "built-in name or a profile file (default: a generic cluster)"),
     "CHARM_SPLIT_VISITING": ("split_visiting", "CHARM+ pass-kv visiting kv in two row halves: "
                              "auto (default: where the model predicts it faster), off or on"),
+    "CHARM_SPLIT_COUNTERPART_Q": ("split_counterpart_q", "CHARM+ pass-q counterpart q in two "
+                                  "row halves, partials home per half: auto (default: where "
+                                  "the model predicts it faster), off or on"),
 }
 
 
@@ -63,6 +67,12 @@ class CPOptions:
             *Visiting kv in two halves*); ``"off"``: whole blocks; ``"auto"`` (default): per
             direction, the one the performance model predicts faster on the cluster of
             ``model_profile`` (:func:`charm_megatron.model.choose_split_visiting`).
+        split_counterpart_q: the same for CHARM+ pass-q: ``"on"`` sends a counterpart's q
+            block that every tile needs whole in two row halves, runs its pass per half and
+            sends each half's partial home as soon as it is done (docs/algorithm.md,
+            *Counterpart q in two halves*); ``"off"``: whole blocks; ``"auto"`` (default):
+            per direction, the model's pick on ``model_profile``'s cluster
+            (:func:`charm_megatron.model.choose_split_counterpart_q`).
     """
 
     pass_order: str = "split"
@@ -73,6 +83,7 @@ class CPOptions:
     ablation: str = "none"
     model_profile: str | None = None
     split_visiting: str = "auto"
+    split_counterpart_q: str = "auto"
 
     def __post_init__(self) -> None:
         if self.pass_order not in PASS_ORDERS:
@@ -92,6 +103,10 @@ class CPOptions:
         if self.split_visiting not in SPLIT_VISITING:
             raise ValueError(f"cp_attention: split_visiting={self.split_visiting!r} "
                              f"(CHARM_SPLIT_VISITING); choose one of {', '.join(SPLIT_VISITING)}")
+        if self.split_counterpart_q not in SPLIT_COUNTERPART_Q:
+            raise ValueError(f"cp_attention: split_counterpart_q={self.split_counterpart_q!r} "
+                             "(CHARM_SPLIT_COUNTERPART_Q); choose one of "
+                             f"{', '.join(SPLIT_COUNTERPART_Q)}")
         if self.ablation not in ABLATIONS:
             raise ValueError(f"cp_attention: ablation={self.ablation!r}; choose one of "
                              f"{', '.join(ABLATIONS)}")

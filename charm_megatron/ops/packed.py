@@ -39,6 +39,7 @@ from charm_megatron.ops.call_setup import (
     needs_cluster,
     signature,
     split_choice,
+    split_q_choice,
 )
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.failsafe import GuardedBackend
@@ -387,7 +388,10 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
     shape = RoleShape(q.shape[1], k.shape[1], q.shape[2], q.element_size())
     split = split_choice(opts, algo, groups, causal, roles, q4, k.unsqueeze(1), cp_size,
                          cluster)
-    call = Call(group, algo, groups, causal, float(scale), opts, seq, roles, shape, split)
+    split_q = split_q_choice(opts, algo, groups, causal, roles, q4, k.unsqueeze(1), cp_size,
+                             cluster)
+    call = Call(group, algo, groups, causal, float(scale), opts, seq, roles, shape, split,
+                split_q)
     perm, inv = _permutation(layout, str(q.device))
     qi, ki, vi = (t.index_select(0, perm).unsqueeze(1) for t in (q, k, v))
     out, lse = _PackedCPAttention.apply(qi, ki, vi, call, layout)

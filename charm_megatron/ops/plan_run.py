@@ -25,22 +25,26 @@ from charm_megatron.plan.validate import validate
 
 def plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool, order: str,
           roles: str = "paper", shape: RoleShape | None = None,
-          split_visiting: bool | tuple[bool, bool] = False) -> tuple[Plan, Plan]:
+          split_visiting: bool | tuple[bool, bool] = False,
+          split_counterpart_q: bool | tuple[bool, bool] = False) -> tuple[Plan, Plan]:
     """Forward and backward plans, validated once per (algo, topology, mask, pass order, role
-    mix, the shape the byte rule reads, split visiting kv - one flag, or one per direction:
-    every rank derives the same plans from them)."""
+    mix, the shape the byte rule reads, split visiting kv and split counterpart q - each one
+    flag, or one per direction: every rank derives the same plans from them)."""
     split = split_visiting if isinstance(split_visiting, tuple) else (split_visiting,) * 2
-    return _validated_plans(algo, groups, causal, order, roles, shape, split)
+    split_q = (split_counterpart_q if isinstance(split_counterpart_q, tuple)
+               else (split_counterpart_q,) * 2)
+    return _validated_plans(algo, groups, causal, order, roles, shape, split, split_q)
 
 
 @functools.lru_cache(maxsize=256)
 def _validated_plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool,
                      order: str, roles: str, shape: RoleShape | None,
-                     split: tuple[bool, bool]) -> tuple[Plan, Plan]:
+                     split: tuple[bool, bool],
+                     split_q: tuple[bool, bool] = (False, False)) -> tuple[Plan, Plan]:
     fwd = build_plan(algo, "forward", groups, causal, order, roles, shape,
-                     split_visiting=split[0])
+                     split_visiting=split[0], split_counterpart_q=split_q[0])
     bwd = build_plan(algo, "backward", groups, causal, order, roles, shape,
-                     split_visiting=split[1])
+                     split_visiting=split[1], split_counterpart_q=split_q[1])
     validate(fwd)
     validate(bwd)
     return fwd, bwd
@@ -60,13 +64,14 @@ class Call:
     roles: str = "paper"  # the role mix of rmplus / charm (plan/roles.py)
     shape: RoleShape | None = None  # what the byte rule reads
     split: tuple[bool, bool] = (False, False)  # split visiting kv (forward, backward)
+    split_q: tuple[bool, bool] = (False, False)  # split counterpart q (forward, backward)
 
     def what(self, direction: str) -> str:
         return f"cp_attention(algo={self.algo}, {direction})"
 
     def plans(self) -> tuple[Plan, Plan]:
         return plans(self.algo, self.groups, self.causal, self.options.pass_order, self.roles,
-                      self.shape, self.split)
+                      self.shape, self.split, self.split_q)
 
 
 def run_plan(call: Call, sg: StreamGroups, ex: Executor, ops, direction: str) -> None:

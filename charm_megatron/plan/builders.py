@@ -127,7 +127,9 @@ _CROSS_KV = Loc("cross.kv")  # pass-kv: the counterpart's visiting kv block (or 
 _CROSS_KV2 = Loc("cross.kvb")  # pass-kv, split: the visiting block's second half
 _VISIT_DKV = Loc("acc.vdkv")  # pass-kv backward: the visiting block's dkv, accumulated here
 _VISIT_DKV2 = Loc("acc.vdkvb")  # pass-kv backward, split: the second half's dkv
-_CROSS_RET2 = Loc("cross.retb")  # pass-kv backward, split: the second message of a return
+_CROSS_RET2 = Loc("cross.retb")  # a split return's second message (pass-kv dkv, pass-q)
+_CROSS_Q2 = Loc("cross.qb")  # pass-q, split: the counterpart's q block's second half
+_CROSS_ACC2 = Loc("acc.crossb")  # pass-q, split: the second half's partial
 
 
 @dataclass(frozen=True)
@@ -239,12 +241,20 @@ class _CharmRank:
     those blocks cross in two messages, first row half then second, and the visiting pass runs
     as two sub-passes, one per kv row half: the first half's tiles run while the second half is
     still on the slow link (:meth:`_run_visiting_pass`).
+
+    ``split_counterpart_q`` (pass-q): the same on the other side of the exchange. Where every
+    tile of a counterpart's q block needs all its rows and no mask (the earlier group under
+    the causal layout; both groups without a mask), the block crosses as two row-half
+    messages and its pass runs as two sub-passes, q rows 1st then 2nd; each half's partial
+    goes home as soon as its sub-pass is done, so the first half's crosses back while the
+    second half is computed (:meth:`_run_counterpart_pass`).
     """
 
     def __init__(self, rank: int, groups: tuple[tuple[int, ...], ...], causal: bool,
                  backward: bool, order: str = "split",
                  roles: RoleChoice | None = None, lean: bool = False,
-                 early_returns: bool = False, split_visiting: bool = False) -> None:
+                 early_returns: bool = False, split_visiting: bool = False,
+                 split_counterpart_q: bool = False) -> None:
         if order not in ORDERS:
             raise ValueError(f"unknown CHARM+ pass order {order!r}; choose one of {ORDERS}")
         self.rank = rank
@@ -271,6 +281,10 @@ class _CharmRank:
         # holds one row half of each visiting block at a time; every tile and kv message of
         # the pass is restricted to them.
         self.kv_rows = Half.FULL
+        self.split_counterpart_q = split_counterpart_q
+        # The same for the counterpart's q rows in a split pass-q pass (every q block of
+        # such a pass is a counterpart's).
+        self.q_rows = Half.FULL
         self.decisions: list[Decision] = []  # the role of every exchange, for printouts
         self.g = next(i for i, grp in enumerate(groups) if rank in grp)
         self.group = groups[self.g]
@@ -287,6 +301,8 @@ class _CharmRank:
         self.cross_in: dict[int, int] = {}  # cross round -> handle of its q exchange
         # pass-kv, split: cross round -> handle of the visiting block's second half
         self.cross_in2: dict[int, int] = {}
+        # pass-q, split: cross round -> handle of the counterpart q block's second half
+        self.cross_q_in2: dict[int, int] = {}
         self.trailing: list[int] = []  # send-only second halves, waited at the end
         # Our partials coming home from counterparts, one list per cross pass (a split
         # pass-kv return is two batches).
@@ -414,8 +430,10 @@ class _CharmRank:
 
     # -- message halves --------------------------------------------------------------------------
     def _q_half(self, owner: int, kv_owners: Sequence[int]) -> Half:
-        """Rows of q block ``owner`` that its tiles with ``kv_owners`` need."""
-        return _union(tile_spec(owner, j, self.causal).q_half for j in kv_owners)
+        """Rows of q block ``owner`` that its tiles with ``kv_owners`` need (within the rows
+        held in the current sub-pass)."""
+        return _within(_union(tile_spec(owner, j, self.causal).q_half for j in kv_owners),
+                       self.q_rows)
 
     def _kv_half(self, kv_owner: int, q_owners: Sequence[int]) -> Half:
         """Rows of kv block ``kv_owner`` that its tiles with ``q_owners`` need (within the rows
@@ -432,12 +450,26 @@ class _CharmRank:
             (s := tile_spec(i, j, self.causal)).kv_half is Half.FULL and not s.causal
             for i in receiving for j in visiting)
 
+    def _q_splits(self, k: int, receiving: Sequence[int], visiting: Sequence[int]) -> bool:
+        """Whether group ``receiving`` runs its pass-q pass of cross round ``k`` with the q
+        blocks of group ``visiting`` in two row halves: asked for, the pass holds only those
+        blocks (not the joint order's first pass, which holds the own q too), and every one
+        of their tiles needs all q rows and no mask (so each tile is exactly its two q-half
+        sub-tiles). Both groups compute it alike for both directions of the exchange."""
+        if not self.split_counterpart_q or (self.order == "joint" and k == 0):
+            return False
+        return all((s := tile_spec(i, j, self.causal)).q_half is Half.FULL and not s.causal
+                   for i in visiting for j in receiving)
+
     def _spec(self, owner: int, kv_owner: int) -> TileSpec:
-        """Tile ``(owner, kv_owner)``, restricted to the kv rows held in the current sub-pass."""
+        """Tile ``(owner, kv_owner)``, restricted to the kv (or q) rows held in the current
+        sub-pass."""
         spec = tile_spec(owner, kv_owner, self.causal)
-        if self.kv_rows is Half.FULL:
-            return spec
-        return replace(spec, kv_half=_within(spec.kv_half, self.kv_rows))
+        if self.kv_rows is not Half.FULL:
+            spec = replace(spec, kv_half=_within(spec.kv_half, self.kv_rows))
+        if self.q_rows is not Half.FULL:
+            spec = replace(spec, q_half=_within(spec.q_half, self.q_rows))
+        return spec
 
     # -- ops ---------------------------------------------------------------------------------
     def _tile(self, owner: int, q_loc: Loc, kv_owner: int, kv_loc: Loc, acc: Loc,
@@ -497,11 +529,28 @@ class _CharmRank:
                 else:
                     self.trailing.append(h)
             return
+        other = self.groups[partner]
+        out_split = self._q_splits(k, other, self.group)
+        in_split = self._q_splits(k, self.group, other)
+        # Split: as for visiting kv above, first row half then second on the same stream.
+        send = Half.FIRST if out_split else self._q_half(r, other)
+        recv = Half.FIRST if in_split else self._q_half(cp, self.group)
         self.cross_in[k] = self.p.comm(
             Stream.CROSS,
-            sends=[Xfer(cp, self.own_q, self.qkind, r, self._q_half(r, self.groups[partner]))],
-            recvs=[Xfer(cp, _CROSS_Q.at(k % 2), self.qkind, cp, self._q_half(cp, self.group))],
+            sends=[Xfer(cp, self.own_q, self.qkind, r, send)],
+            recvs=[Xfer(cp, _CROSS_Q.at(k % 2), self.qkind, cp, recv)],
         )
+        if out_split or in_split:
+            h = self.p.comm(
+                Stream.CROSS,
+                sends=[Xfer(cp, self.own_q, self.qkind, r, Half.SECOND)] if out_split else [],
+                recvs=[Xfer(cp, _CROSS_Q2.at(k % 2), self.qkind, cp, Half.SECOND)]
+                if in_split else [],
+            )
+            if in_split:
+                self.cross_q_in2[k] = h
+            else:
+                self.trailing.append(h)
 
     def _run_pass(self, ps: _Pass) -> None:
         """One pass, then the counterpart's partial sent home and our own coming back."""
@@ -521,23 +570,53 @@ class _CharmRank:
         items = [_Item(o, self.own_q, self.own_acc) if o == r else
                  _Item(o, _CROSS_Q.at(k % 2), _CROSS_ACC.at(self.n_cross_done % 2))
                  for o in owners]
+        if not ps.own and k in self.cross_q_in2:
+            self._run_counterpart_pass(ps, k, owners[0])
+            return
         held_back = self._pass(ps, items, self.cross_in.get(k) if k is not None else None)
         for it in items:
             if it.owner == r:
                 continue
-            partner = self.cross[k][self.g]
-            ret_loc = _CROSS_RET.at(self.n_cross_done % 2)
-            h = p.comm(
-                Stream.CROSS,
-                sends=[Xfer(it.owner, it.acc, self.pkind, it.owner,
-                            self._q_half(it.owner, self.group))],
-                recvs=[Xfer(it.owner, ret_loc, self.pkind, r,
-                            self._q_half(r, self.groups[partner]))],
-            )
-            self.going_home.append([_Return(-1, h, (Merge(self.own_acc, ret_loc),))])
+            slot = self.n_cross_done % 2
+            self.going_home.append(self._home(k, it.owner, self.pkind, self.own_acc,
+                                              (it.acc, _CROSS_ACC2.at(slot)),
+                                              self._q_home(k, it.owner), slot, first=True))
             self.n_cross_done += 1
         for op in held_back:
             p.add(op)
+        self._keep_one_return()
+
+    def _q_home(self, k: int, cp: int) -> tuple[Half, Half]:
+        """Pass-q: the rows of the counterpart ``cp``'s partial of cross round ``k`` that go
+        home, and of ours that come back (whole returns)."""
+        other = self.groups[self.cross[k][self.g]]
+        return self._q_half(cp, self.group), self._q_half(self.rank, other)
+
+    def _run_counterpart_pass(self, ps: _Pass, k: int, cp: int) -> None:
+        """Pass-q, split (:meth:`_q_splits`): the counterpart ``cp``'s q block in two
+        sub-passes, the first with its first row half (tiles ``q.1st x kv``), which starts as
+        soon as that half arrived, the second with the second half; each circulates only its
+        half through the RM+ rounds and accumulates in its own half-sized accumulator, which
+        goes home as soon as its sub-pass is done (the first half's partial travels during the
+        second sub-pass). Forward, the counterpart lse-merges the two halves' rows into its
+        output; backward, they are its dq rows (our kv's dK, dV stay here, summed over both
+        sub-passes). The return batches pair up with the counterpart's as in
+        :meth:`_home`."""
+        slot = self.n_cross_done % 2
+        home = self._q_home(k, cp)
+        accs = (_CROSS_ACC.at(slot), _CROSS_ACC2.at(slot))
+        rets: list[_Return] = []
+        for rows, q_loc, acc, handle in (
+                (Half.FIRST, _CROSS_Q.at(k % 2), accs[0], self.cross_in[k]),
+                (Half.SECOND, _CROSS_Q2.at(k % 2), accs[1], self.cross_q_in2[k])):
+            self.q_rows = rows
+            held_back = self._pass(ps, [_Item(cp, q_loc, acc)], handle)
+            self.q_rows = Half.FULL
+            assert not held_back  # only an own q's tile is ever held back
+            rets += self._home(k, cp, self.pkind, self.own_acc, accs, home, slot,
+                               first=rows is Half.FIRST)
+        self.going_home.append(rets)
+        self.n_cross_done += 1
         self._keep_one_return()
 
     def _keep_one_return(self) -> None:
@@ -568,6 +647,7 @@ class _CharmRank:
         dkv = _VISIT_DKV.at(slot) if self.bwd else Plan.DKV
         # The rows that go home and come back, fixed before any sub-pass narrows kv_rows.
         home = (self._kv_half(cp, self.group), self._kv_half(r, other))
+        dkvs = (_VISIT_DKV.at(slot), _VISIT_DKV2.at(slot))
         self.kv = _KvHeld(cp, _CROSS_KV.at(k % 2), dkv)
         p.add(Wait(self.cross_in[k]))
         if self.bwd:
@@ -578,7 +658,7 @@ class _CharmRank:
             self.kv_rows = Half.FIRST
             self._pass(ps, items, None)
             if self.bwd:
-                rets += self._dkv_home(k, cp, slot, home, first=True)
+                rets += self._home(k, cp, Kind.DKV, Plan.DKV, dkvs, home, slot, first=True)
             p.add(Wait(self.cross_in2[k]))
             dkv2 = _VISIT_DKV2.at(slot) if self.bwd else Plan.DKV
             self.kv = _KvHeld(cp, _CROSS_KV2.at(k % 2), dkv2)
@@ -590,42 +670,47 @@ class _CharmRank:
         else:
             self._pass(ps, items, None)
         if self.bwd:
-            rets += self._dkv_home(k, cp, slot, home, first=not rets)
+            rets += self._home(k, cp, Kind.DKV, Plan.DKV, dkvs, home, slot, first=not rets)
             self.going_home.append(rets)
         self.n_cross_done += 1
         self.kv = _KvHeld(r, _OWN_KV, Plan.DKV)
         self._keep_one_return()
 
-    def _dkv_home(self, k: int, cp: int, slot: int, home: tuple[Half, Half],
-                  first: bool) -> list[_Return]:
-        """Pass-kv backward: post the visiting block's dK, dV going home to ``cp`` and ours
-        coming back. ``home``: the rows of each (whole returns). Where our visiting pass was
-        split (``k`` in ``cross_in2``) ours go in two batches, posted after each sub-pass
-        (``first``: the one after the first); where the counterpart's was, theirs come in two:
-        the first batch carries the first halves (or a whole return), the second the rest.
-        Both sides derive the same two batches, so the messages pair up in order."""
-        mine = k in self.cross_in2
-        theirs = self._splits(self.groups[self.cross[k][self.g]], self.group)
+    def _home(self, k: int, cp: int, kind: Kind, result: Loc, accs: tuple[Loc, Loc],
+              home: tuple[Half, Half], slot: int, first: bool) -> list[_Return]:
+        """Post the partial of cross round ``k`` that goes home to ``cp`` (pass-kv backward:
+        its visiting block's dK, dV; pass-q: its q block's partial) and ours coming back,
+        merged into ``result``. ``accs``: where the partial accumulated (whole or 1st half,
+        2nd half); ``home``: the rows of each (whole returns). Where our pass was split (the
+        block of ``k`` came in halves) ours go in two batches, posted after each sub-pass
+        (``first``: the one after the first); where the counterpart's was, theirs come in
+        two: the first batch carries the first halves (or a whole return), the second the
+        rest. Both sides derive the same two batches, so the messages pair up in order."""
+        other = self.groups[self.cross[k][self.g]]
+        if kind is Kind.DKV:
+            mine, theirs = k in self.cross_in2, self._splits(other, self.group)
+        else:
+            mine, theirs = k in self.cross_q_in2, self._q_splits(k, other, self.group)
         send_h, recv_h = home
         if not (mine or theirs):  # one batch, both ways whole
             loc = _CROSS_RET.at(slot)
             h = self.p.comm(Stream.CROSS,
-                            sends=[Xfer(cp, self.kv.dkv, Kind.DKV, cp, send_h)],
-                            recvs=[Xfer(cp, loc, Kind.DKV, self.rank, recv_h)])
-            return [_Return(-1, h, (Merge(Plan.DKV, loc),))]
+                            sends=[Xfer(cp, accs[0], kind, cp, send_h)],
+                            recvs=[Xfer(cp, loc, kind, self.rank, recv_h)])
+            return [_Return(-1, h, (Merge(result, loc),))]
         batches = []
         if first:  # the first batch: first halves (or whole, where not split)
-            batches.append(([(_VISIT_DKV.at(slot), Half.FIRST if mine else send_h)],
+            batches.append(([(accs[0], Half.FIRST if mine else send_h)],
                             [(_CROSS_RET.at(slot), Half.FIRST if theirs else recv_h)]))
         if not (first and mine):  # the second batch: what is left in halves
-            batches.append(([(_VISIT_DKV2.at(slot), Half.SECOND)] if mine else [],
+            batches.append(([(accs[1], Half.SECOND)] if mine else [],
                             [(_CROSS_RET2.at(slot), Half.SECOND)] if theirs else []))
         out = []
         for sends, recvs in batches:
             h = self.p.comm(Stream.CROSS,
-                            sends=[Xfer(cp, loc, Kind.DKV, cp, hf) for loc, hf in sends],
-                            recvs=[Xfer(cp, loc, Kind.DKV, self.rank, hf) for loc, hf in recvs])
-            out.append(_Return(-1, h, tuple(Merge(Plan.DKV, loc) for loc, _ in recvs)))
+                            sends=[Xfer(cp, loc, kind, cp, hf) for loc, hf in sends],
+                            recvs=[Xfer(cp, loc, kind, self.rank, hf) for loc, hf in recvs])
+            out.append(_Return(-1, h, tuple(Merge(result, loc) for loc, _ in recvs)))
         return out
 
     def _pass(self, ps: _Pass, items: list[_Item], cross_handle: int | None) -> list[Op]:

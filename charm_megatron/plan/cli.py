@@ -32,6 +32,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="charm pass-kv: visiting kv blocks that every tile needs whole "
                              "cross in two row halves (CHARM_SPLIT_VISITING=on; "
                              "docs/algorithm.md)")
+    parser.add_argument("--split-counterpart-q", action="store_true",
+                        help="charm pass-q: a counterpart's q block that every tile needs "
+                             "whole crosses in two row halves, its partial going home per "
+                             "half (CHARM_SPLIT_COUNTERPART_Q=on; docs/algorithm.md)")
     add_problem_args(parser)
 
 
@@ -74,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
         if not 0 <= args.rank < args.cp:
             raise SystemExit(f"--rank must be in [0, {args.cp})")
         plan = build_plan(args.algo, args.direction, groups, args.causal, roles=args.roles,
-                          shape=shape, split_visiting=args.split_visiting)
+                          shape=shape, split_visiting=args.split_visiting,
+                          split_counterpart_q=args.split_counterpart_q)
         validate(plan)
         print(f"# {args.algo} {args.direction}, topology {topo}, {mask}, rank {args.rank}, "
               f"roles {args.roles}")
@@ -87,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
         print()
     print(f"# cp={args.cp} topology={topo} mask={mask} b={args.batch} s={args.seq} "
           f"heads={args.heads}/{problem.hkv} dim={args.head_dim} {args.dtype} "
-          f"roles={args.roles}{' split-visiting' if args.split_visiting else ''}")
+          f"roles={args.roles}{' split-visiting' if args.split_visiting else ''}"
+          f"{' split-counterpart-q' if args.split_counterpart_q else ''}")
     print("# critical path: longest chain of data-dependent messages; MiB sent per rank; "
           "peak MiB of buffers and tile outputs per rank (plan/memory.py); roles: cross phase "
           "and RM+ pairs (all ranks); early-returns / lean: built so to stay within 1.1x ring's "
@@ -98,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     for direction in ("forward", "backward"):
         for algo in names():
             plan = build_plan(algo, direction, groups, args.causal, roles=args.roles,
-                              shape=shape, split_visiting=args.split_visiting)
+                              shape=shape, split_visiting=args.split_visiting,
+                              split_counterpart_q=args.split_counterpart_q)
             stats = validate(plan)
             t = traffic(plan, problem, groups)
             print(f"{algo:8} {direction:8} {stats.critical_path:9d} {max(stats.messages):9d} "

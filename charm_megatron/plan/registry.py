@@ -176,6 +176,7 @@ def build_plan(
     roles: str = "paper",
     shape: RoleShape | None = None,
     split_visiting: bool = False,
+    split_counterpart_q: bool = False,
 ) -> Plan:
     """The plan of the registered ``algo`` for ``direction`` (``forward`` or ``backward``) on CP
     ranks partitioned into ``groups`` (CP-local ranks); an algorithm that does not use the
@@ -187,7 +188,9 @@ def build_plan(
 
     ``split_visiting`` (CHARM+ pass-kv): visiting kv blocks that every tile needs whole cross
     in two row halves and their pass runs per half (docs/algorithm.md, *Visiting kv in two
-    halves*); ``False`` sends them whole. Builders without roles ignore it."""
+    halves*); ``False`` sends them whole. ``split_counterpart_q`` (CHARM+ pass-q): the same
+    for a counterpart's q block that every tile needs whole, its partial going home per half
+    (*Counterpart q in two halves*). Builders without roles ignore both."""
     entry = get(algo)
     check_roles(roles)
     choice = RoleChoice(roles, shape)
@@ -198,7 +201,8 @@ def build_plan(
     if not entry.uses_topology:
         groups_t = (tuple(range(n)),)
     # Passed only when on, so builders registered before the option need not know it.
-    split = {"split_visiting": True} if split_visiting else {}
+    split = {name: True for name, on in (("split_visiting", split_visiting),
+                                         ("split_counterpart_q", split_counterpart_q)) if on}
     plan = _assemble(entry, direction, groups_t, n, causal, order, choice, **split)
     if entry.uses_roles and shape is not None:
         plan = _within_memory_bound(plan, entry, groups_t, order, choice, shape, split)
@@ -259,10 +263,10 @@ def _ring_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: s
 
 def _charm_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: str,
                 roles: RoleChoice | None = None, lean: bool = False,
-                early_returns: bool = False, split_visiting: bool = False
-                ) -> tuple[list[Op], list]:
+                early_returns: bool = False, split_visiting: bool = False,
+                split_counterpart_q: bool = False) -> tuple[list[Op], list]:
     builder = _CharmRank(rank, groups, causal, backward, order, roles, lean, early_returns,
-                         split_visiting)
+                         split_visiting, split_counterpart_q)
     return builder.build(), builder.decisions
 
 

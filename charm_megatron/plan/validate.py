@@ -7,10 +7,12 @@ named function or method below:
 * **tiles and causal halves** (:meth:`_SymbolicRun.check_tile_halves`, :func:`check_tiles_once`,
   :func:`check_results`): every tile is computed exactly once, with the rows the causal mask
   needs, and at the end each rank's output (forward) or dq and dkv (backward) hold exactly the
-  tiles of the full attention. A tile that needs all kv rows and no mask may instead be
-  computed as its two *kv-half sub-tiles* (same q rows, kv rows 1st and 2nd, a split visiting
-  pass of pass-kv): then both must be computed exactly once and a result holds the tile when
-  it holds both (every (q row, kv row) pair still counted exactly once);
+  tiles of the full attention. An unmasked tile that needs all rows of one side may instead
+  be computed as its two *half sub-tiles* along that side (:func:`sub_tiles`): kv rows 1st
+  and 2nd with the tile's q rows (a split visiting pass of pass-kv), or q rows 1st and 2nd
+  with its kv rows (a split counterpart pass of pass-q). Then both must be computed exactly
+  once, never with the whole tile or a crossing sub-tile of the other side, and a result
+  holds the tile when it holds both (every (q row, kv row) pair still counted exactly once);
 * **buffer hazards** (:meth:`_SymbolicRun.read`, :meth:`~_SymbolicRun.check_no_transfer`,
   :meth:`~_SymbolicRun.check_partial_send`, :meth:`~_SymbolicRun.free`): every op reads data
   that is present and complete (a receive is waited before use, a tile's rows are inside the
@@ -33,7 +35,7 @@ tiles per rank. Byte counts for a concrete shape are in :mod:`charm_megatron.pla
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from charm_megatron.plan.batches import StreamQueues, closed_matching, messages_between
 from charm_megatron.plan.core import (
@@ -84,7 +86,7 @@ class PlanStats:
 
     critical_path: int  # longest chain of data-dependent messages
     messages: list[int]  # messages sent per rank
-    tiles: list[float]  # tile work per rank, in tiles (a kv-half sub-tile counts one half)
+    tiles: list[float]  # tile work per rank, in tiles (a half sub-tile counts one half)
 
 
 def validate(plan: Plan) -> PlanStats:
@@ -99,38 +101,65 @@ def validate(plan: Plan) -> PlanStats:
     return PlanStats(run.max_depth, run.messages, tiles)
 
 
-def _whole(t: TileSpec) -> TileSpec:
-    """The tile a kv-half sub-tile is half of (a whole tile itself)."""
-    return TileSpec(t.q_owner, t.kv_owner, t.q_half, Half.FULL, t.causal) if \
-        t.kv_half is not Half.FULL else t
+def _halves(h: Half) -> tuple[Half, ...]:
+    """The row halves a tile that needs rows ``h`` may be cut into (none if it needs one)."""
+    return (Half.FIRST, Half.SECOND) if h is Half.FULL else ()
+
+
+def _overlap(a: Half, b: Half) -> bool:
+    return a.covers(b) or b.covers(a)
+
+
+def sub_tiles(want: TileSpec) -> tuple[tuple[TileSpec, TileSpec], ...]:
+    """The ways tile ``want`` may be computed as two half sub-tiles: along each side (q or
+    kv) whose rows it needs whole, the pair (1st half, 2nd half) of that side, the other side
+    as the tile's. None for a masked tile (its halves are not two unmasked halves)."""
+    if want.causal:
+        return ()
+    out = []
+    q1 = [replace(want, q_half=h) for h in _halves(want.q_half)]
+    kv1 = [replace(want, kv_half=h) for h in _halves(want.kv_half)]
+    for pair in (q1, kv1):
+        if pair:
+            out.append((pair[0], pair[1]))
+    return tuple(out)
+
+
+def _variants(q_owner: int, kv_owner: int, causal: bool) -> tuple[TileSpec, ...]:
+    """The specs a plan may compute of tile ``(q_owner, kv_owner)``: the tile, or one of its
+    half sub-tiles (:func:`sub_tiles`)."""
+    want = tile_spec(q_owner, kv_owner, causal)
+    return (want,) + tuple(t for pair in sub_tiles(want) for t in pair)
 
 
 def _is_sub_tile(s: TileSpec, causal: bool) -> bool:
-    """``s`` is one kv-half sub-tile of its tile: the tile needs all kv rows, no mask."""
-    want = tile_spec(s.q_owner, s.kv_owner, causal)
-    return (s.kv_half is not Half.FULL and want.kv_half is Half.FULL and not want.causal
-            and _whole(s) == want)
+    """``s`` is one half sub-tile of its tile (along q or kv)."""
+    return s != tile_spec(s.q_owner, s.kv_owner, causal) and \
+        s in _variants(s.q_owner, s.kv_owner, causal)
 
 
-def _rivals(t: TileSpec) -> tuple[TileSpec, ...]:
-    """The other tiles of ``t``'s rows that share (q row, kv row) pairs with it: a whole
-    tile's kv-half sub-tiles, a sub-tile's whole tile (the only specs that pass
-    :meth:`_SymbolicRun.check_tile_halves` for one block pair)."""
-    if t.kv_half is Half.FULL:
-        return tuple(TileSpec(t.q_owner, t.kv_owner, t.q_half, h, t.causal)
-                     for h in (Half.FIRST, Half.SECOND))
-    return (_whole(t),)
+def _sibling(t: TileSpec, causal: bool) -> TileSpec:
+    """The other half sub-tile of sub-tile ``t``'s pair."""
+    pair = next(p for p in sub_tiles(tile_spec(t.q_owner, t.kv_owner, causal)) if t in p)
+    return pair[1] if t == pair[0] else pair[0]
+
+
+def _rivals(t: TileSpec, causal: bool) -> tuple[TileSpec, ...]:
+    """The other specs of ``t``'s block pair that share (q row, kv row) pairs with it: a
+    whole tile's sub-tiles, a sub-tile's whole tile and the other side's sub-tiles that cross
+    it (the only specs that pass :meth:`_SymbolicRun.check_tile_halves` for one block
+    pair)."""
+    return tuple(u for u in _variants(t.q_owner, t.kv_owner, causal) if u != t
+                 and _overlap(u.q_half, t.q_half) and _overlap(u.kv_half, t.kv_half))
 
 
 def covered(tiles: frozenset[TileSpec] | set[TileSpec], causal: bool) -> set[TileSpec]:
-    """The whole tiles in ``tiles``: a tile, or both kv-half sub-tiles of one; a lone
-    sub-tile stays as it is (and so matches no tile of the full attention)."""
+    """The whole tiles in ``tiles``: a tile, or both sub-tiles of one pair; a lone sub-tile
+    stays as it is (and so matches no tile of the full attention)."""
     out = set()
     for t in tiles:
-        if _is_sub_tile(t, causal):
-            other = TileSpec(t.q_owner, t.kv_owner, t.q_half,
-                             Half.SECOND if t.kv_half is Half.FIRST else Half.FIRST, t.causal)
-            out.add(_whole(t) if other in tiles else t)
+        if _is_sub_tile(t, causal) and _sibling(t, causal) in tiles:
+            out.add(tile_spec(t.q_owner, t.kv_owner, causal))
         else:
             out.add(t)
     return out
@@ -157,10 +186,10 @@ class _SymbolicRun(OpInterpreter[bool]):
         self.batches: dict[tuple[int, int], _Batch] = {}  # (rank, handle) -> posted, unwaited
         self.queues: StreamQueues[_Batch] = StreamQueues()
         self.pc = [0] * n
-        # (q owner, kv owner) -> the kv rows of each tile computed for it
-        self.tile_count: dict[tuple[int, int], list[Half]] = defaultdict(list)
+        # (q owner, kv owner) -> the spec of each tile (or sub-tile) computed for it
+        self.tile_count: dict[tuple[int, int], list[TileSpec]] = defaultdict(list)
         self.messages = [0] * n
-        self.halves_done = [0] * n  # tile work per rank, in kv-half sub-tiles
+        self.halves_done = [0] * n  # tile work per rank, in half sub-tiles
         self.max_depth = 0
         self.r = 0  # the rank whose op is being interpreted
         try:  # the executor's buffer lifetimes, replayed (frees, accumulator rows)
@@ -256,7 +285,9 @@ class _SymbolicRun(OpInterpreter[bool]):
         if not c.half.covers(rows):
             self.fail(f"accumulates rows {rows} into {acc}, which holds rows {c.half}")
         self.check_no_transfer(acc)
-        dup = (c.tiles & new) | {t for t in new if any(u in c.tiles for u in _rivals(t))}
+        causal = self.plan.causal
+        dup = (c.tiles & new) | {t for t in new
+                                 if any(u in c.tiles for u in _rivals(t, causal))}
         if dup:
             self.fail(f"merges tiles {sorted(map(_tile_name, dup))} into {acc} twice")
         c.tiles = c.tiles | new
@@ -265,7 +296,7 @@ class _SymbolicRun(OpInterpreter[bool]):
     # ------------------------------------------------------------------ tiles
     def check_tile_halves(self, s: TileSpec) -> None:
         want = tile_spec(s.q_owner, s.kv_owner, self.plan.causal)
-        if s != want and not _is_sub_tile(s, self.plan.causal):
+        if s not in _variants(s.q_owner, s.kv_owner, self.plan.causal):
             self.fail(f"tile {_tile_name(s)} should be {_tile_name(want)}")
 
     def _tile_inputs(self, op: Tile | TileBwd) -> int:
@@ -274,7 +305,7 @@ class _SymbolicRun(OpInterpreter[bool]):
         self.check_tile_halves(s)
         qc = self.read(op.q_loc, self.plan.direction.query, s.q_owner, s.q_half)
         kc = self.read(op.kv_loc, Kind.KV, s.kv_owner, s.kv_half)
-        self.tile_count[(s.q_owner, s.kv_owner)].append(s.kv_half)
+        self.tile_count[(s.q_owner, s.kv_owner)].append(s)
         self.halves_done[self.r] += 1 if _is_sub_tile(s, self.plan.causal) else 2
         return max(qc.depth, kc.depth)
 
@@ -407,15 +438,24 @@ def check_all_completed(run: _SymbolicRun) -> None:
                         f"matched: {sorted(leftover, key=str)}")
 
 
-def check_tiles_once(plan: Plan, tile_count: dict[tuple[int, int], list[Half]]) -> None:
-    """Each tile computed once: whole, or as its two kv-half sub-tiles, each once."""
-    for (i, j), halves in tile_count.items():
-        if len(halves) == 1 and halves[0] is tile_spec(i, j, plan.causal).kv_half:
+def check_tiles_once(plan: Plan, tile_count: dict[tuple[int, int], list[TileSpec]]) -> None:
+    """Each tile computed once: whole, or as the two half sub-tiles of one side, each once."""
+    for (i, j), specs in tile_count.items():
+        want = tile_spec(i, j, plan.causal)
+        if specs == [want]:
             continue
-        if sorted(h.value for h in halves) == ["first", "second"]:
+        if any(sorted(specs, key=_order) == list(pair) for pair in sub_tiles(want)):
             continue
         raise PlanError(f"{plan.algo} {plan.direction}: tile ({i}, {j}) computed "
-                        f"{len(halves)} times (kv rows {', '.join(map(str, halves))})")
+                        f"{len(specs)} times (rows {', '.join(map(_rows_name, specs))})")
+
+
+def _order(t: TileSpec) -> tuple[str, str]:
+    return t.q_half.value, t.kv_half.value  # "first" < "full" < "second": a pair sorts 1st, 2nd
+
+
+def _rows_name(t: TileSpec) -> str:
+    return f"q.{t.q_half} x kv.{t.kv_half}"
 
 
 def check_results(plan: Plan, state: list[dict[Loc, _Content]]) -> None:
