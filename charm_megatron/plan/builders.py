@@ -499,58 +499,50 @@ class _CharmRank:
         return p.ops
 
     def _post_cross_exchange(self, k: int) -> None:
-        """Swap q blocks with the counterpart of cross round ``k`` (if our group has one)."""
+        """Swap blocks with the counterpart of cross round ``k`` (if our group has one): our kv
+        (pass-kv, it visits the counterpart's group) or our q (pass-q)."""
         partner = self.cross[k].get(self.g) if k < len(self.cross) else None
         if partner is None:
             return
         r, cp = self.rank, self.groups[partner][self.local]
-        if self.cross_roles[k] is Role.KV:  # our kv visits the counterpart's group
-            other = self.groups[partner]
-            out_split, in_split = self._splits(other, self.group), self._splits(self.group, other)
-            # Split: the first row half in this batch, the second in one of its own right
-            # after (same stream, so it arrives second), waited for only by the second
-            # sub-pass; a send-only second half is waited for at the end.
-            send = Half.FIRST if out_split else self._kv_half(r, other)
-            recv = Half.FIRST if in_split else self._kv_half(cp, self.group)
-            self.cross_in[k] = self.p.comm(
-                Stream.CROSS,
-                sends=[Xfer(cp, _OWN_KV, Kind.KV, r, send)],
-                recvs=[Xfer(cp, _CROSS_KV.at(k % 2), Kind.KV, cp, recv)],
-            )
-            if out_split or in_split:
-                h = self.p.comm(
-                    Stream.CROSS,
-                    sends=[Xfer(cp, _OWN_KV, Kind.KV, r, Half.SECOND)] if out_split else [],
-                    recvs=[Xfer(cp, _CROSS_KV2.at(k % 2), Kind.KV, cp, Half.SECOND)]
-                    if in_split else [],
-                )
-                if in_split:
-                    self.cross_in2[k] = h
-                else:
-                    self.trailing.append(h)
-            return
         other = self.groups[partner]
-        out_split = self._q_splits(k, other, self.group)
-        in_split = self._q_splits(k, self.group, other)
-        # Split: as for visiting kv above, first row half then second on the same stream.
-        send = Half.FIRST if out_split else self._q_half(r, other)
-        recv = Half.FIRST if in_split else self._q_half(cp, self.group)
+        if self.cross_roles[k] is Role.KV:
+            self._post_cross_halves(
+                k, cp, _OWN_KV, Kind.KV, (_CROSS_KV, _CROSS_KV2), self.cross_in2,
+                self._kv_half(r, other), self._kv_half(cp, self.group),
+                self._splits(other, self.group), self._splits(self.group, other))
+            return
+        self._post_cross_halves(
+            k, cp, self.own_q, self.qkind, (_CROSS_Q, _CROSS_Q2), self.cross_q_in2,
+            self._q_half(r, other), self._q_half(cp, self.group),
+            self._q_splits(k, other, self.group), self._q_splits(k, self.group, other))
+
+    def _post_cross_halves(self, k: int, cp: int, src: Loc, kind: Kind,
+                           rx: tuple[Loc, Loc], second_in: dict[int, int], send_rows: Half,
+                           recv_rows: Half, out_split: bool, in_split: bool) -> None:
+        """Post the cross exchange of round ``k`` with counterpart ``cp``: block ``kind`` from
+        ``src`` out, the counterpart's into ``rx[0]``. Where a side splits (``out_split``: the
+        counterpart splits what we send; ``in_split``: we split what we receive), the first
+        row half goes in this batch and the second in one of its own right after (same stream,
+        so it arrives second, into ``rx[1]``), waited for only by the second sub-pass
+        (``second_in[k]``); a send-only second half is waited for at the end."""
+        r, slot = self.rank, k % 2
         self.cross_in[k] = self.p.comm(
             Stream.CROSS,
-            sends=[Xfer(cp, self.own_q, self.qkind, r, send)],
-            recvs=[Xfer(cp, _CROSS_Q.at(k % 2), self.qkind, cp, recv)],
+            sends=[Xfer(cp, src, kind, r, Half.FIRST if out_split else send_rows)],
+            recvs=[Xfer(cp, rx[0].at(slot), kind, cp, Half.FIRST if in_split else recv_rows)],
         )
-        if out_split or in_split:
-            h = self.p.comm(
-                Stream.CROSS,
-                sends=[Xfer(cp, self.own_q, self.qkind, r, Half.SECOND)] if out_split else [],
-                recvs=[Xfer(cp, _CROSS_Q2.at(k % 2), self.qkind, cp, Half.SECOND)]
-                if in_split else [],
-            )
-            if in_split:
-                self.cross_q_in2[k] = h
-            else:
-                self.trailing.append(h)
+        if not (out_split or in_split):
+            return
+        h = self.p.comm(
+            Stream.CROSS,
+            sends=[Xfer(cp, src, kind, r, Half.SECOND)] if out_split else [],
+            recvs=[Xfer(cp, rx[1].at(slot), kind, cp, Half.SECOND)] if in_split else [],
+        )
+        if in_split:
+            second_in[k] = h
+        else:
+            self.trailing.append(h)
 
     def _run_pass(self, ps: _Pass) -> None:
         """One pass, then the counterpart's partial sent home and our own coming back."""
