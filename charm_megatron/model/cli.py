@@ -18,6 +18,7 @@ import os
 from charm_megatron.model.auto import ENV
 from charm_megatron.model.cluster import PROFILES, Cluster, default_cluster_for, get_profile
 from charm_megatron.model.predict import Prediction, predict, predict_all, ring_ccr
+from charm_megatron.plan.cli import add_split_args
 from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args
 from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
 from charm_megatron.plan.roles import check_roles
@@ -72,14 +73,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="sweep sequence lengths (comma list, k suffix allowed; "
                              "default 8k..256k) and print a table")
     parser.add_argument("--ranks", action="store_true", help="per-rank busy / idle detail")
-    parser.add_argument("--split-visiting", action="store_true",
-                        help="charm pass-kv: visiting kv blocks that every tile needs whole "
-                             "cross in two row halves (CHARM_SPLIT_VISITING=on; "
-                             "docs/algorithm.md)")
-    parser.add_argument("--split-counterpart-q", action="store_true",
-                        help="charm pass-q: a counterpart's q block that every tile needs "
-                             "whole crosses in two row halves, its partial going home per "
-                             "half (CHARM_SPLIT_COUNTERPART_Q=on; docs/algorithm.md)")
+    add_split_args(parser)
     parser.add_argument("--compare-roles", default=None, metavar="MIX[,MIX]",
                         help="with --grid: also predict charm under these role mixes (e.g. "
                              "paper) and print their speed-ups next to --roles' columns")

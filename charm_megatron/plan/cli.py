@@ -28,6 +28,13 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="schedule to print: " + "; ".join(
                             f"{a}: {get(a).description}" for a in names()))
     parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
+    add_split_args(parser)
+    add_problem_args(parser)
+
+
+def add_split_args(parser: argparse.ArgumentParser) -> None:
+    """The flags forcing CHARM+'s row-half splits on (``build_plan``'s ``split_visiting`` and
+    ``split_counterpart_q``), shared by ``charm-megatron plan`` and ``model``."""
     parser.add_argument("--split-visiting", action="store_true",
                         help="charm pass-kv: visiting kv blocks that every tile needs whole "
                              "cross in two row halves (CHARM_SPLIT_VISITING=on; "
@@ -36,7 +43,6 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="charm pass-q: a counterpart's q block that every tile needs "
                              "whole crosses in two row halves, its partial going home per "
                              "half (CHARM_SPLIT_COUNTERPART_Q=on; docs/algorithm.md)")
-    add_problem_args(parser)
 
 
 def _mb(x: float) -> str:
