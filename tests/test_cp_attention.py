@@ -132,33 +132,43 @@ def test_joint_pass_order_against_float64_reference(world, topology):
             assert max(res[case].values()) < TOL[case[3]], (case, res[case])
 
 
-# Split visiting kv (CHARM_SPLIT_VISITING=on, docs/algorithm.md): the pass-kv cross phases of
-# the byte rule (8 query heads, 2 or 1 kv heads) and forced pass-kv with MHA, on 2x2 and 2x4,
-# causal (the earlier group splits) and full (both groups split), forward and backward.
-@pytest.mark.parametrize("world,topology", [(4, "2x2"), (8, "2x4")])
-def test_split_visiting_against_float64_reference(world, topology):
-    from charm_megatron.plan.core import Half, Tile, TileBwd
+def _check_split_references(world, topology, cases, flag, env, is_split_tile):
+    """The float64 reference matrix for ``cases`` with one split forced on (``env``), after
+    asserting that every case's forward and backward plans really split (``flag`` to
+    build_plan; ``is_split_tile(spec, causal)`` recognises a sub-tile of that split)."""
+    from charm_megatron.plan.core import Tile, TileBwd
     from charm_megatron.plan.registry import build_plan
     from charm_megatron.plan.roles import RoleShape
     from charm_megatron.topology import Topology
 
-    cases = [("charm", topology, causal, dtype, hkv, "bytes")
-             for causal in (True, False) for dtype in ("fp32", "bf16") for hkv in (2, 1)]
-    cases += [("charm", topology, causal, "fp32", 8, "kv") for causal in (True, False)]
     groups = [list(g) for g in Topology.parse(topology, cp_size=world).groups]
     for _, _, causal, dtype, hkv, roles in cases:  # the plans these cases run do split
         for d in ("forward", "backward"):
             plan = build_plan("charm", d, groups, causal, roles=roles,
                               shape=RoleShape(8, hkv, 16, 4 if dtype == "fp32" else 2),
-                              split_visiting=True)
-            assert any(type(op) in (Tile, TileBwd) and op.spec.kv_half is not Half.FULL
-                       and (op.spec.q_half is Half.SECOND or not causal)
+                              **{flag: True})
+            assert any(type(op) in (Tile, TileBwd) and is_split_tile(op.spec, causal)
                        for ops in plan.ops for op in ops), (causal, hkv, roles, d)
-    per_rank = run_ranks(dist_cases.run_matrix, world, cases, timeout_s=600,
-                         env={"CHARM_SPLIT_VISITING": "on"})
+    per_rank = run_ranks(dist_cases.run_matrix, world, cases, timeout_s=600, env=env)
     for case in cases:
         for res in per_rank:
             assert max(res[case].values()) < TOL[case[3]], (case, res[case])
+
+
+# Split visiting kv (CHARM_SPLIT_VISITING=on, docs/algorithm.md): the pass-kv cross phases of
+# the byte rule (8 query heads, 2 or 1 kv heads) and forced pass-kv with MHA, on 2x2 and 2x4,
+# causal (the earlier group splits) and full (both groups split), forward and backward.
+@pytest.mark.parametrize("world,topology", [(4, "2x2"), (8, "2x4")])
+def test_split_visiting_against_float64_reference(world, topology):
+    from charm_megatron.plan.core import Half
+
+    cases = [("charm", topology, causal, dtype, hkv, "bytes")
+             for causal in (True, False) for dtype in ("fp32", "bf16") for hkv in (2, 1)]
+    cases += [("charm", topology, causal, "fp32", 8, "kv") for causal in (True, False)]
+    _check_split_references(
+        world, topology, cases, "split_visiting", {"CHARM_SPLIT_VISITING": "on"},
+        lambda spec, causal: spec.kv_half is not Half.FULL
+        and (spec.q_half is Half.SECOND or not causal))
 
 
 # Split counterpart q (CHARM_SPLIT_COUNTERPART_Q=on, docs/algorithm.md): the paper's pass-q
@@ -167,25 +177,12 @@ def test_split_visiting_against_float64_reference(world, topology):
 # groups split), forward and backward.
 @pytest.mark.parametrize("world,topology", [(4, "2x2"), (8, "2x4")])
 def test_split_counterpart_q_against_float64_reference(world, topology):
-    from charm_megatron.plan.core import Half, Tile, TileBwd
-    from charm_megatron.plan.registry import build_plan
-    from charm_megatron.plan.roles import RoleShape
-    from charm_megatron.topology import Topology
+    from charm_megatron.plan.core import Half
 
     cases = [("charm", topology, causal, dtype, 8, "paper")
              for causal in (True, False) for dtype in ("fp32", "bf16")]
     cases += [("charm", topology, causal, "fp32", 2, "q") for causal in (True, False)]
-    groups = [list(g) for g in Topology.parse(topology, cp_size=world).groups]
-    for _, _, causal, dtype, hkv, roles in cases:  # the plans these cases run do split
-        for d in ("forward", "backward"):
-            plan = build_plan("charm", d, groups, causal, roles=roles,
-                              shape=RoleShape(8, hkv, 16, 4 if dtype == "fp32" else 2),
-                              split_counterpart_q=True)
-            assert any(type(op) in (Tile, TileBwd) and op.spec.q_half is not Half.FULL
-                       and (op.spec.kv_half is Half.FIRST or not causal)
-                       for ops in plan.ops for op in ops), (causal, hkv, roles, d)
-    per_rank = run_ranks(dist_cases.run_matrix, world, cases, timeout_s=600,
-                         env={"CHARM_SPLIT_COUNTERPART_Q": "on"})
-    for case in cases:
-        for res in per_rank:
-            assert max(res[case].values()) < TOL[case[3]], (case, res[case])
+    _check_split_references(
+        world, topology, cases, "split_counterpart_q", {"CHARM_SPLIT_COUNTERPART_Q": "on"},
+        lambda spec, causal: spec.q_half is not Half.FULL
+        and (spec.kv_half is Half.FIRST or not causal))

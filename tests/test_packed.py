@@ -79,17 +79,22 @@ def test_packed_matrix_against_float64_reference(world):
     assert any("bitwise" in per_rank[0][c][0] for c in cases)
 
 
+def _check_packed_references(cases, env):
+    """The packed fp32 float64-reference cases on 4 ranks with ``env`` set: every error
+    under tolerance and the padding rows' outputs and gradients zero."""
+    per_rank = run_ranks(packed_cases.run_packed_matrix, 4, cases, [], timeout_s=600, env=env)
+    for case in cases:
+        for res in per_rank:
+            errs, zero = res[case]
+            assert zero and max(errs.values()) < TOL["fp32"], (case, errs)
+
+
 def test_packed_split_visiting_against_float64_reference():
     """CHARM_SPLIT_VISITING=on under packing: the kv-half sub-tiles are cut by document like
     every tile (2x2, the GQA cases: the byte rule's pass-kv splits)."""
     cases = [(a, t, causal, "fp32", hkv, docs, roles, 8) for a, t, roles, hkv, causal
              in GQA_ROLES[4] if a == "charm" and roles == "bytes" for docs in DOCS]
-    per_rank = run_ranks(packed_cases.run_packed_matrix, 4, cases, [], timeout_s=600,
-                         env={"CHARM_SPLIT_VISITING": "on"})
-    for case in cases:
-        for res in per_rank:
-            errs, zero = res[case]
-            assert zero and max(errs.values()) < TOL["fp32"], (case, errs)
+    _check_packed_references(cases, {"CHARM_SPLIT_VISITING": "on"})
 
 
 def test_packed_split_counterpart_q_against_float64_reference():
@@ -97,12 +102,7 @@ def test_packed_split_counterpart_q_against_float64_reference():
     like every tile (2x2, multi-head attention, the paper's pass-q)."""
     cases = [("charm", "2x2", causal, "fp32", 8, docs, "paper", 8)
              for causal in (True, False) for docs in DOCS]
-    per_rank = run_ranks(packed_cases.run_packed_matrix, 4, cases, [], timeout_s=600,
-                         env={"CHARM_SPLIT_COUNTERPART_Q": "on"})
-    for case in cases:
-        for res in per_rank:
-            errs, zero = res[case]
-            assert zero and max(errs.values()) < TOL["fp32"], (case, errs)
+    _check_packed_references(cases, {"CHARM_SPLIT_COUNTERPART_Q": "on"})
 
 
 def test_byte_rule_changes_the_gqa_plans():

@@ -200,25 +200,39 @@ def test_validator_rejects_a_lone_sub_tile():
         validate(plan)
 
 
-def test_validator_rejects_a_sub_tile_on_top_of_its_whole_tile():
-    plan = build_plan("charm", "forward", _groups(2, 4), True, roles="kv")  # whole blocks
+# side -> (the role mix whose plan computes that side's tiles with rank 4 whole on rank 0, the
+# spec field naming rank 4's block, the spec field holding that side's rows)
+_SIDES = {"kv": ("kv", "kv_owner", "kv_half"), "q": ("q", "q_owner", "q_half")}
+
+
+@pytest.mark.parametrize("side", sorted(_SIDES))
+def test_validator_rejects_a_sub_tile_on_top_of_its_whole_tile(side):
+    roles, owner, half = _SIDES[side]
+    plan = build_plan("charm", "forward", _groups(2, 4), True, roles=roles)  # whole blocks
     idx = next(i for i, op in enumerate(plan.ops[0]) if isinstance(op, Tile)
-               and op.spec.kv_owner == 4)
+               and getattr(op.spec, owner) == 4)
     op = plan.ops[0][idx]
-    sub = dataclasses.replace(op, spec=dataclasses.replace(op.spec, kv_half=Half.FIRST))
+    sub = dataclasses.replace(op, spec=dataclasses.replace(op.spec, **{half: Half.FIRST}))
     _mutate(plan, 0, lambda ops: ops[:idx + 1] + [sub] + ops[idx + 1:])
     with pytest.raises(PlanError, match="twice"):
         validate(plan)
 
 
-def test_validator_rejects_sub_tiles_of_a_masked_or_half_tile():
-    # the diagonal tile (causal) and an earlier-kv tile (kv 1st already) have no kv halves
-    for pick in (lambda op: op.spec.causal, lambda op: op.spec.kv_half is Half.FIRST):
+# The diagonal tile (causal) and a tile already a half on that side have no halves there:
+# (rank whose ring plan is searched, the other half-tile's half on that side, the bad half).
+_NO_HALVES = {"kv": (3, Half.FIRST, Half.SECOND), "q": (0, Half.SECOND, Half.FIRST)}
+
+
+@pytest.mark.parametrize("side", sorted(_SIDES))
+def test_validator_rejects_sub_tiles_of_a_masked_or_half_tile(side):
+    _, _, half = _SIDES[side]
+    r, already, bad_half = _NO_HALVES[side]
+    for pick in (lambda op: op.spec.causal, lambda op: getattr(op.spec, half) is already):
         p = build_plan("ring", "forward", _groups(1, 4), True)
-        idx = next(i for i, op in enumerate(p.ops[3]) if isinstance(op, Tile) and pick(op))
-        op = p.ops[3][idx]
-        bad = dataclasses.replace(op, spec=dataclasses.replace(op.spec, kv_half=Half.SECOND))
-        p.ops[3] = p.ops[3][:idx] + [bad] + p.ops[3][idx + 1:]
+        idx = next(i for i, op in enumerate(p.ops[r]) if isinstance(op, Tile) and pick(op))
+        op = p.ops[r][idx]
+        bad = dataclasses.replace(op, spec=dataclasses.replace(op.spec, **{half: bad_half}))
+        p.ops[r] = p.ops[r][:idx] + [bad] + p.ops[r][idx + 1:]
         with pytest.raises(PlanError, match="should be"):
             validate(p)
 
@@ -294,29 +308,6 @@ def test_validator_rejects_a_lone_q_sub_tile():
     _mutate(plan, 0, lambda ops: ops[:idx] + ops[idx + 1:])
     with pytest.raises(PlanError, match="computed 1 times"):
         validate(plan)
-
-
-def test_validator_rejects_a_q_sub_tile_on_top_of_its_whole_tile():
-    plan = build_plan("charm", "forward", _groups(2, 4), True, roles="q")  # whole blocks
-    idx = next(i for i, op in enumerate(plan.ops[0]) if isinstance(op, Tile)
-               and op.spec.q_owner == 4)
-    op = plan.ops[0][idx]
-    sub = dataclasses.replace(op, spec=dataclasses.replace(op.spec, q_half=Half.FIRST))
-    _mutate(plan, 0, lambda ops: ops[:idx + 1] + [sub] + ops[idx + 1:])
-    with pytest.raises(PlanError, match="twice"):
-        validate(plan)
-
-
-def test_validator_rejects_q_sub_tiles_of_a_masked_or_half_tile():
-    # the diagonal tile (causal) and a later-kv tile (q 2nd already) have no q halves
-    for pick in (lambda op: op.spec.causal, lambda op: op.spec.q_half is Half.SECOND):
-        p = build_plan("ring", "forward", _groups(1, 4), True)
-        idx = next(i for i, op in enumerate(p.ops[0]) if isinstance(op, Tile) and pick(op))
-        op = p.ops[0][idx]
-        bad = dataclasses.replace(op, spec=dataclasses.replace(op.spec, q_half=Half.FIRST))
-        p.ops[0] = p.ops[0][:idx] + [bad] + p.ops[0][idx + 1:]
-        with pytest.raises(PlanError, match="should be"):
-            validate(p)
 
 
 def test_sub_tiles_of_two_sides_do_not_make_a_tile():
