@@ -142,6 +142,8 @@ class Executor(OpInterpreter[None]):
         self.pending: dict[int, tuple[list, list, str, list[int]]] = {}
         self._shapes: dict[tuple[Kind, bool], list[tuple[tuple[int, ...], torch.dtype]]] = {}
         self._life: Lifetimes | None = None  # of the op list being run
+        # (loc, its buffer, the real attention output of that q block): see set_own_output.
+        self._own_out: tuple[Loc, _Buf, torch.Tensor] | None = None
         self._i = 0  # index of the op being interpreted
 
     # ---------------------------------------------------------------------------- buffers
@@ -217,6 +219,24 @@ class Executor(OpInterpreter[None]):
         self.bufs[as_loc(loc)] = _Buf(
             tuple(t if t.is_contiguous() else t.contiguous() for t in tensors), kind=Kind(kind))
 
+    def set_own_output(self, loc: Loc | str, out: torch.Tensor) -> None:
+        """The attention output of the caller's own q-side block ``loc`` (set by
+        :meth:`set_own`): backward tiles on that block give it to the kernel as it is, instead
+        of rebuilding a stand-in from the bundle's ``delta`` (:func:`_out_with_delta`, six
+        elementwise passes over the block, once per tile). Received blocks still carry only
+        ``delta``; their stand-in is built per tile, so no q-sized tensor is held for them."""
+        loc = as_loc(loc)
+        self._own_out = (loc, self.bufs[loc], out)
+
+    def _tile_output(self, loc: Loc, half: Half, dout: torch.Tensor,
+                     stats: torch.Tensor) -> torch.Tensor:
+        """What a backward tile on rows ``half`` of the q-side block in ``loc`` passes the
+        kernel as the output: the real one for the own block, else the stand-in."""
+        own = self._own_out
+        if own is not None and own[0] == loc and self.bufs.get(loc) is own[1]:
+            return own[2][self._acc_rows(own[1], half)]
+        return _out_with_delta(dout, stats[..., 1])
+
     def result(self, loc: Loc) -> tuple[torch.Tensor, ...]:
         return self.bufs[loc].tensors
 
@@ -290,7 +310,8 @@ class Executor(OpInterpreter[None]):
         q, dout, stats = self._view(op.q_loc, s.q_half)
         k, v = self._view(op.kv_loc, s.kv_half)
         dq, dk, dv = self._kernel_backward(
-            s, dout, q, k, v, _out_with_delta(dout, stats[..., 1]), stats[..., 0].permute(1, 2, 0)
+            s, dout, q, k, v, self._tile_output(op.q_loc, s.q_half, dout, stats),
+            stats[..., 0].permute(1, 2, 0)
         )
         if op.fresh_dq:
             self.bufs[op.dq_acc] = _Buf((dq,), held=s.q_half, kind=Kind.DQ)

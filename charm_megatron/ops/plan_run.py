@@ -152,6 +152,7 @@ def run_backward(call: Call, make_executor, q: torch.Tensor, k: torch.Tensor,
     delta = torch.ldexp((dout.to(wide) * out.to(wide)).sum(-1), -e.to(wide))
     ex.set_own("own.qgrad", "qgrad", q, dout,
                torch.stack([lse_sbh, delta.to(lse_sbh.dtype)], -1))
+    ex.set_own_output("own.qgrad", out.to(q.dtype))
     ex.set_own("own.kv", "kv", k, v)
     run_plan(call, sg, ex, bwd.ops[dist.get_rank(call.group)], "backward")
     (dq,) = ex.result(Plan.DQ)
