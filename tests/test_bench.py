@@ -276,3 +276,27 @@ def test_plan_contender_ablations_reach_cp_attention():
             assert (got, base) == (ablation, "none")
             if MUST_DIFFER[ablation]:
                 assert differs, ablation
+
+
+def test_gc_is_off_inside_timed_calls_and_restored():
+    """The timed region runs with the cyclic collector off (a full collection inside a call
+    would stall that rank and all waiting on it); it is back on afterwards, also after an
+    error, and a caller that had it off keeps it off."""
+    import gc
+
+    from charm_megatron.bench.measure import _gc_between_calls
+
+    assert gc.isenabled()
+    with _gc_between_calls():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), _gc_between_calls():
+        raise RuntimeError("a failing call")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _gc_between_calls():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

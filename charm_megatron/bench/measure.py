@@ -18,6 +18,8 @@ Afterwards one untimed forward+backward per algorithm measures peak memory
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import socket
 import time
@@ -71,6 +73,23 @@ class Timing(NamedTuple):
     bwd_cpu: float
 
 
+@contextlib.contextmanager
+def _gc_between_calls():
+    """Python's cyclic garbage collector off for the timed calls, run between them (what
+    Megatron-LM's ``--manual-gc`` does per iteration). A full collection of a process with
+    torch loaded takes ~100 ms of one core here; landing inside a call, it stalls that rank
+    and every rank waiting on it, for whichever contender happens to be running."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            # Whatever collection the call's allocations made due runs at the next
+            # allocation, before the next timed call's barrier.
+            gc.enable()
+
+
 def _run_once(c: Contender, mode: str, inputs: tuple[torch.Tensor, ...], backward: bool,
               device: torch.device) -> Timing:
     """One timed call of ``c`` in ``mode`` (``full``, ``compute`` or ``comm``)."""
@@ -79,7 +98,7 @@ def _run_once(c: Contender, mode: str, inputs: tuple[torch.Tensor, ...], backwar
     qa, ka, va = (t.detach().requires_grad_(backward) for t in (q, k, v))
     fwd = bwd = fcpu = bcpu = 0.0
     c = c.ablated(ABLATION[mode])
-    with c.session(), torch.set_grad_enabled(backward):
+    with c.session(), torch.set_grad_enabled(backward), _gc_between_calls():
         dist.barrier()
         _sync(device)
         c0, t0 = time.process_time(), time.perf_counter()
