@@ -113,9 +113,10 @@ def bad_input(rank: int, world: int, case: str):
     return None
 
 
-def run_matrix(rank: int, world: int, cases: list[tuple]):
+def run_matrix(rank: int, world: int, cases: list[tuple], rows_per_rank: int = 8):
     """Run many (algo, topology, causal, dtype, hkv[, roles]) cases in one process group
-    (``roles``: cp_attention's role mix; absent: its default).
+    (``roles``: cp_attention's role mix; absent: its default), ``rows_per_rank`` sequence rows
+    on each rank.
 
     Returns per case the max relative errors vs the float64 reference and vs ring's result on
     the same inputs. The float64 reference sees the inputs after rounding to the test dtype,
@@ -123,7 +124,7 @@ def run_matrix(rank: int, world: int, cases: list[tuple]):
     """
     results = {}
     ring_out = {}
-    s, b, hq, d = 8 * world, 2, 8, 16
+    s, b, hq, d = rows_per_rank * world, 2, 8, 16
     for case in cases:
         algo, topology, causal, dtype, hkv = case[:5]
         extra = {"roles": case[5]} if len(case) > 5 else {}

@@ -118,3 +118,47 @@ def test_causal_split_leaves_other_blocks_whole():
     assert not causal_split.worth_cutting(*block(192, 384), True)   # not square
     assert not causal_split.worth_cutting(*block(128, 128), True)   # too short to pay
     assert causal_split.worth_cutting(*block(2048, 2048), True)
+
+
+@pytest.mark.parametrize("s", [192, 384, 1024])
+def test_forward_pieces_cover_the_causal_triangle_once(s):
+    from charm_megatron.kernels import causal_split
+
+    pieces = causal_split.forward_pieces(s)
+    assert len(pieces) > 1  # these sizes are cut
+    hits = torch.zeros(s, s, dtype=torch.int64)
+    for rows, keys, causal in pieces:
+        block = torch.ones(rows.stop - rows.start, keys.stop - keys.start, dtype=torch.int64)
+        if causal:
+            assert rows == keys  # a causal piece is a smaller square on the diagonal
+            block = block.tril()
+        hits[rows, keys] += block
+    assert torch.equal(hits, torch.ones(s, s, dtype=torch.int64).tril())
+    assert causal_split.forward_pieces(128) == [(slice(0, 128), slice(0, 128), True)]
+
+
+@pytest.mark.parametrize("s", [192, 384, 1024])
+def test_executor_cut_forward_tile_matches_the_whole_block(s):
+    """A causal square tile accumulated in pieces (ops/executor.py) equals the whole-block
+    kernel's output and lse."""
+    from charm_megatron.kernels import causal_split
+    from charm_megatron.kernels.torch_backend import TorchBackend
+    from charm_megatron.ops.executor import BlockShape, Executor
+    from charm_megatron.plan.core import Half, Kind, Loc, Reset, Tile, TileSpec
+
+    q, k, v = _rand(s, 2, 4, 16, seed=21), _rand(s, 2, 2, 16, seed=22), _rand(s, 2, 2, 16, seed=23)
+    want_out, want_lse = TorchBackend().forward(q, k, v, True, 0.25)
+    ex = Executor(None, TorchBackend(), BlockShape(s, 2, 4, 2, 16, torch.float64,
+                                                   torch.device("cpu")), 0.25)
+    assert ex._forward_cut(TileSpec(0, 0, Half.FULL, Half.FULL, True), q) is not None
+    ex.set_own("own.q", "q", q)
+    ex.set_own("own.kv", "kv", k, v)
+    acc = Loc("acc.out")
+    ex.interpret(Reset(acc, Kind.OUT, 0))
+    ex.interpret(Tile(TileSpec(0, 0, Half.FULL, Half.FULL, True), Loc.own(Kind.Q),
+                      Loc.own(Kind.KV), acc))
+    got_out, got_lse = ex.result(acc)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(got_lse, want_lse.permute(2, 0, 1), rtol=1e-11, atol=1e-11)
+    assert causal_split.worth_cutting_forward(s, s, True)
+    assert not causal_split.worth_cutting_forward(s, s, False)

@@ -13,10 +13,14 @@ whole → cut): 384 rows 18.4 → 13.5, 1024 rows 101 → 80, 2048 rows 338 → 
 Each piece is the kernel's own backward with the block's merged output and log-sum-exp (which
 is what makes per-piece gradients exact); the pieces' gradients of shared rows are summed.
 
-Not used forward: the forward kernel skips whole 512-key splits by itself, so the cut gains
-~20 % only on blocks of at most 512 rows (~2 % of a bench call's kernel time), and its pieces'
-outputs would live beside the block's output (charm's forward peak went over 1.1x ring's,
-tests/test_memory.py).
+Forward, the CPU kernel wastes the masked half too: it skips masked keys only in whole
+512-key splits (1 thread, b=2, 8 q / 2 kv heads, d=64, fp32: a causal 384-row block takes as
+long as an unmasked one, 10.2 ms). :func:`forward_pieces` gives the same cut as row and key
+ranges; the executor runs the forward kernel on each and lse-merges every piece straight into
+the tile's accumulator (ops/executor.py), so no piece lives beside a whole-block output and the
+peak is lower than the whole block's. Measured, whole → cut at :data:`MIN_HALF`: 256 rows
+5.7 → 4.2 ms, 384 rows 10.2 → 7.4, 512 rows 16.7 → 11.5, 768 rows 29.9 → 24.2, 1024 rows
+40.2 → 37.1, 1536 rows 84 → 78 (merges included).
 
 All tensors here are ``[b, h, s, d]`` (or ``[b, h, s]`` for the log-sum-exp), any strides.
 """
@@ -34,6 +38,30 @@ def worth_cutting(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     """True for a causal square block whose cut pieces the backward kernel computes faster."""
     s = q.shape[2]
     return causal and s == k.shape[2] and s % 2 == 0 and s // 2 >= MIN_HALF
+
+
+def worth_cutting_forward(s_q: int, s_k: int, causal: bool) -> bool:
+    """True for a causal square block of ``s_q`` rows that the CPU forward kernel computes
+    faster in the pieces of :func:`forward_pieces`."""
+    return causal and s_q == s_k and s_q % 2 == 0 and s_q // 2 >= MIN_HALF
+
+
+def forward_pieces(s: int) -> list[tuple[slice, slice, bool]]:
+    """The pieces of a causal square block of ``s`` rows as ``(q rows, key rows, causal)``:
+    every (row, key) pair at or below the diagonal is in exactly one piece."""
+    out: list[tuple[slice, slice, bool]] = []
+
+    def cut(lo: int, hi: int) -> None:
+        if not worth_cutting_forward(hi - lo, hi - lo, True):
+            out.append((slice(lo, hi), slice(lo, hi), True))
+            return
+        mid = (lo + hi) // 2
+        cut(lo, mid)
+        out.append((slice(mid, hi), slice(lo, mid), False))  # unmasked lower-left quarter
+        cut(mid, hi)
+
+    cut(0, s)
+    return out
 
 
 def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

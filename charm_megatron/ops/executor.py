@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from charm_megatron.kernels import causal_split
 from charm_megatron.kernels.base import AttentionBackend
 from charm_megatron.ops.merge import merge_into
 from charm_megatron.ops.streams import StreamGroups
@@ -281,6 +282,16 @@ class Executor(OpInterpreter[None]):
     def _kernel_backward(self, spec, dout, q, k, v, out, lse):
         return self.backend.backward(dout, q, k, v, out, lse, spec.causal, self.scale)
 
+    def _forward_cut(self, spec, q: torch.Tensor) -> list[tuple[slice, slice, bool]] | None:
+        """The pieces an accumulated forward tile is computed in (``None``: whole). A causal
+        square block on a kernel that computes its masked half anyway (the CPU aten kernel,
+        :mod:`~charm_megatron.kernels.causal_split`) is cut; each piece is merged into the
+        accumulator as it comes, so the pieces never coexist with a whole-block output."""
+        if (not spec.causal or q.device.type != "cpu" or self.backend.name != "torch"
+                or not causal_split.worth_cutting_forward(q.shape[0], q.shape[0], True)):
+            return None
+        return causal_split.forward_pieces(q.shape[0])
+
     def on_tile(self, op: Tile) -> None:
         s = op.spec
         if not self.compute:
@@ -289,6 +300,8 @@ class Executor(OpInterpreter[None]):
             return
         (q,) = self._view(op.q_loc, s.q_half)
         k, v = self._view(op.kv_loc, s.kv_half)
+        if self._tile_into(op, q, k, v):
+            return
         out, lse = self._kernel_forward(s, q, k, v)
         if op.fresh:
             # Kept as the kernel made it (input dtype, the tile's rows only): it is sent on.
@@ -297,6 +310,21 @@ class Executor(OpInterpreter[None]):
         acc = self.bufs[op.acc]
         acc_o, acc_l = acc.tensors
         merge_into(acc_o, acc_l, out, lse.permute(2, 0, 1), self._acc_rows(acc, s.q_half))
+
+    def _tile_into(self, op: Tile, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Compute an accumulated tile in the pieces of :meth:`_forward_cut`, merging each
+        into the accumulator; False (nothing done) where the tile is computed whole."""
+        pieces = self._forward_cut(op.spec, q) if not op.fresh else None
+        if pieces is None:
+            return False
+        acc = self.bufs[op.acc]
+        acc_o, acc_l = acc.tensors
+        base = self._acc_rows(acc, op.spec.q_half).start
+        for rows, keys, causal in pieces:
+            out, lse = self.backend.forward(q[rows], k[keys], v[keys], causal, self.scale)
+            merge_into(acc_o, acc_l, out, lse.permute(2, 0, 1),
+                       slice(base + rows.start, base + rows.stop))
+        return True
 
     def on_tile_bwd(self, op: TileBwd) -> None:
         s = op.spec
