@@ -113,7 +113,8 @@ def bad_input(rank: int, world: int, case: str):
     return None
 
 
-def run_matrix(rank: int, world: int, cases: list[tuple], rows_per_rank: int = 8):
+def run_matrix(rank: int, world: int, cases: list[tuple], rows_per_rank: int = 8,
+               head_dim: int = 16):
     """Run many (algo, topology, causal, dtype, hkv[, roles]) cases in one process group
     (``roles``: cp_attention's role mix; absent: its default), ``rows_per_rank`` sequence rows
     on each rank.
@@ -124,7 +125,7 @@ def run_matrix(rank: int, world: int, cases: list[tuple], rows_per_rank: int = 8
     """
     results = {}
     ring_out = {}
-    s, b, hq, d = rows_per_rank * world, 2, 8, 16
+    s, b, hq, d = rows_per_rank * world, 2, 8, head_dim
     for case in cases:
         algo, topology, causal, dtype, hkv = case[:5]
         extra = {"roles": case[5]} if len(case) > 5 else {}

@@ -65,12 +65,13 @@ def test_matrix_against_float64_reference(world):
 
 
 def test_long_blocks_against_float64_reference():
-    """192 rows per rank: every rank's own causal tile is cut into pieces by the CPU forward
-    and backward kernels (kernels/causal_split.py); every algorithm still matches."""
+    """192 rows per rank, head dim 32: every rank's own causal tile is cut into pieces by the
+    CPU forward and backward kernels (kernels/causal_split.py); every algorithm still
+    matches."""
     cases = [(algo, topo, True, dtype, hkv)
              for algo, topo in (("ring", None), ("rmplus", None), ("charm", "2x2"))
              for dtype, hkv in (("fp32", 2), ("bf16", 1))]
-    per_rank = run_ranks(dist_cases.run_matrix, 4, cases, 192, timeout_s=600)
+    per_rank = run_ranks(dist_cases.run_matrix, 4, cases, 192, 32, timeout_s=600)
     failures = [f"{case} rank {rank}: {name} rel err {err:.3g}"
                 for case in cases for rank, res in enumerate(per_rank)
                 for name, err in res[case].items() if not err < TOL[case[3]]]

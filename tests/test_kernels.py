@@ -146,11 +146,13 @@ def test_executor_cut_forward_tile_matches_the_whole_block(s):
     from charm_megatron.ops.executor import BlockShape, Executor
     from charm_megatron.plan.core import Half, Kind, Loc, Reset, Tile, TileSpec
 
-    q, k, v = _rand(s, 2, 4, 16, seed=21), _rand(s, 2, 2, 16, seed=22), _rand(s, 2, 2, 16, seed=23)
+    q, k, v = _rand(s, 2, 4, 32, seed=21), _rand(s, 2, 2, 32, seed=22), _rand(s, 2, 2, 32, seed=23)
     want_out, want_lse = TorchBackend().forward(q, k, v, True, 0.25)
-    ex = Executor(None, TorchBackend(), BlockShape(s, 2, 4, 2, 16, torch.float64,
+    ex = Executor(None, TorchBackend(), BlockShape(s, 2, 4, 2, 32, torch.float64,
                                                    torch.device("cpu")), 0.25)
-    assert ex._forward_cut(TileSpec(0, 0, Half.FULL, Half.FULL, True), q) is not None
+    spec = TileSpec(0, 0, Half.FULL, Half.FULL, True)
+    assert ex._forward_cut(spec, q) is not None
+    assert ex._forward_cut(spec, q[..., :16]) is None  # narrow heads stay whole
     ex.set_own("own.q", "q", q)
     ex.set_own("own.kv", "kv", k, v)
     acc = Loc("acc.out")
@@ -162,3 +164,4 @@ def test_executor_cut_forward_tile_matches_the_whole_block(s):
     torch.testing.assert_close(got_lse, want_lse.permute(2, 0, 1), rtol=1e-11, atol=1e-11)
     assert causal_split.worth_cutting_forward(s, s, True)
     assert not causal_split.worth_cutting_forward(s, s, False)
+    assert not causal_split.worth_cutting_forward(s, s, True, head_dim=16)

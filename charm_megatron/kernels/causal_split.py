@@ -18,9 +18,20 @@ Forward, the CPU kernel wastes the masked half too: it skips masked keys only in
 long as an unmasked one, 10.2 ms). :func:`forward_pieces` gives the same cut as row and key
 ranges; the executor runs the forward kernel on each and lse-merges every piece straight into
 the tile's accumulator (ops/executor.py), so no piece lives beside a whole-block output and the
-peak is lower than the whole block's. Measured, whole → cut at :data:`MIN_HALF`: 256 rows
-5.7 → 4.2 ms, 384 rows 10.2 → 7.4, 512 rows 16.7 → 11.5, 768 rows 29.9 → 24.2, 1024 rows
-40.2 → 37.1, 1536 rows 84 → 78 (merges included).
+peak is lower than the whole block's. Measured, cut / whole time (merges included, 1 thread,
+fp32, 8 q / 2 kv heads):
+
+=========  ======  ======  =======  =======
+head dim   256     512     1024     2048 rows
+=========  ======  ======  =======  =======
+32         0.97    0.76    0.93     0.99
+64         0.86    0.80    0.90     0.96
+128        0.82    0.71    0.90     0.95
+16 (4/2)   1.08    0.94    0.94     1.04
+=========  ======  ======  =======  =======
+
+(d=64, 384 rows: 10.2 → 7.4 ms.) Below :data:`MIN_HEAD_DIM_FORWARD` the kernel is cheap per
+key and the pieces' extra calls and merges cancel the saving, so such blocks stay whole.
 
 All tensors here are ``[b, h, s, d]`` (or ``[b, h, s]`` for the log-sum-exp), any strides.
 """
@@ -30,6 +41,7 @@ from __future__ import annotations
 import torch
 
 MIN_HALF = 96  # smaller pieces cost more in kernel calls than the masked work they save
+MIN_HEAD_DIM_FORWARD = 32  # forward: narrower heads gain nothing from the cut (table above)
 
 _backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -40,10 +52,11 @@ def worth_cutting(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     return causal and s == k.shape[2] and s % 2 == 0 and s // 2 >= MIN_HALF
 
 
-def worth_cutting_forward(s_q: int, s_k: int, causal: bool) -> bool:
+def worth_cutting_forward(s_q: int, s_k: int, causal: bool, head_dim: int = 64) -> bool:
     """True for a causal square block of ``s_q`` rows that the CPU forward kernel computes
     faster in the pieces of :func:`forward_pieces`."""
-    return causal and s_q == s_k and s_q % 2 == 0 and s_q // 2 >= MIN_HALF
+    return (causal and s_q == s_k and s_q % 2 == 0 and s_q // 2 >= MIN_HALF
+            and head_dim >= MIN_HEAD_DIM_FORWARD)
 
 
 def forward_pieces(s: int) -> list[tuple[slice, slice, bool]]:

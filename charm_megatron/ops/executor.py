@@ -288,7 +288,8 @@ class Executor(OpInterpreter[None]):
         :mod:`~charm_megatron.kernels.causal_split`) is cut; each piece is merged into the
         accumulator as it comes, so the pieces never coexist with a whole-block output."""
         if (not spec.causal or q.device.type != "cpu" or self.backend.name != "torch"
-                or not causal_split.worth_cutting_forward(q.shape[0], q.shape[0], True)):
+                or not causal_split.worth_cutting_forward(q.shape[0], q.shape[0], True,
+                                                          q.shape[-1])):
             return None
         return causal_split.forward_pieces(q.shape[0])
 
