@@ -23,24 +23,14 @@ from charm_megatron.plan.roles import RoleShape
 from charm_megatron.plan.validate import validate
 
 
+@functools.lru_cache(maxsize=256)
 def plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool, order: str,
           roles: str = "paper", shape: RoleShape | None = None,
-          split_visiting: bool | tuple[bool, bool] = False,
-          split_counterpart_q: bool | tuple[bool, bool] = False) -> tuple[Plan, Plan]:
+          split: tuple[bool, bool] = (False, False),
+          split_q: tuple[bool, bool] = (False, False)) -> tuple[Plan, Plan]:
     """Forward and backward plans, validated once per (algo, topology, mask, pass order, role
-    mix, the shape the byte rule reads, split visiting kv and split counterpart q - each one
-    flag, or one per direction: every rank derives the same plans from them)."""
-    split = split_visiting if isinstance(split_visiting, tuple) else (split_visiting,) * 2
-    split_q = (split_counterpart_q if isinstance(split_counterpart_q, tuple)
-               else (split_counterpart_q,) * 2)
-    return _validated_plans(algo, groups, causal, order, roles, shape, split, split_q)
-
-
-@functools.lru_cache(maxsize=256)
-def _validated_plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool,
-                     order: str, roles: str, shape: RoleShape | None,
-                     split: tuple[bool, bool],
-                     split_q: tuple[bool, bool] = (False, False)) -> tuple[Plan, Plan]:
+    mix, the shape the byte rule reads, split visiting kv and split counterpart q, each
+    (forward, backward)): every rank derives the same plans from them."""
     fwd = build_plan(algo, "forward", groups, causal, order, roles, shape,
                      split_visiting=split[0], split_counterpart_q=split_q[0])
     bwd = build_plan(algo, "backward", groups, causal, order, roles, shape,
