@@ -151,8 +151,8 @@ def test_executor_cut_forward_tile_matches_the_whole_block(s):
     ex = Executor(None, TorchBackend(), BlockShape(s, 2, 4, 2, 32, torch.float64,
                                                    torch.device("cpu")), 0.25)
     spec = TileSpec(0, 0, Half.FULL, Half.FULL, True)
-    assert ex._forward_cut(spec, q) is not None
-    assert ex._forward_cut(spec, q[..., :16]) is None  # narrow heads stay whole
+    assert ex._forward_cut(spec, q, k) is not None
+    assert ex._forward_cut(spec, q[..., :16], k[..., :16]) is None  # narrow heads stay whole
     ex.set_own("own.q", "q", q)
     ex.set_own("own.kv", "kv", k, v)
     acc = Loc("acc.out")
@@ -162,6 +162,6 @@ def test_executor_cut_forward_tile_matches_the_whole_block(s):
     got_out, got_lse = ex.result(acc)
     torch.testing.assert_close(got_out, want_out, rtol=1e-11, atol=1e-11)
     torch.testing.assert_close(got_lse, want_lse.permute(2, 0, 1), rtol=1e-11, atol=1e-11)
-    assert causal_split.worth_cutting_forward(s, s, True)
-    assert not causal_split.worth_cutting_forward(s, s, False)
+    assert causal_split.worth_cutting_forward(s, s, True, head_dim=32)
+    assert not causal_split.worth_cutting_forward(s, s, False, head_dim=32)
     assert not causal_split.worth_cutting_forward(s, s, True, head_dim=16)

@@ -46,17 +46,20 @@ MIN_HEAD_DIM_FORWARD = 32  # forward: narrower heads gain nothing from the cut (
 _backward_op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _cuts(s_q: int, s_k: int, causal: bool) -> bool:
+    """A causal square block long enough that its halves are worth a kernel call each."""
+    return causal and s_q == s_k and s_q % 2 == 0 and s_q // 2 >= MIN_HALF
+
+
 def worth_cutting(q: torch.Tensor, k: torch.Tensor, causal: bool) -> bool:
     """True for a causal square block whose cut pieces the backward kernel computes faster."""
-    s = q.shape[2]
-    return causal and s == k.shape[2] and s % 2 == 0 and s // 2 >= MIN_HALF
+    return _cuts(q.shape[2], k.shape[2], causal)
 
 
-def worth_cutting_forward(s_q: int, s_k: int, causal: bool, head_dim: int = 64) -> bool:
+def worth_cutting_forward(s_q: int, s_k: int, causal: bool, head_dim: int) -> bool:
     """True for a causal square block of ``s_q`` rows that the CPU forward kernel computes
     faster in the pieces of :func:`forward_pieces`."""
-    return (causal and s_q == s_k and s_q % 2 == 0 and s_q // 2 >= MIN_HALF
-            and head_dim >= MIN_HEAD_DIM_FORWARD)
+    return _cuts(s_q, s_k, causal) and head_dim >= MIN_HEAD_DIM_FORWARD
 
 
 def forward_pieces(s: int) -> list[tuple[slice, slice, bool]]:
@@ -65,7 +68,7 @@ def forward_pieces(s: int) -> list[tuple[slice, slice, bool]]:
     out: list[tuple[slice, slice, bool]] = []
 
     def cut(lo: int, hi: int) -> None:
-        if not worth_cutting_forward(hi - lo, hi - lo, True):
+        if not _cuts(hi - lo, hi - lo, True):
             out.append((slice(lo, hi), slice(lo, hi), True))
             return
         mid = (lo + hi) // 2

@@ -3,9 +3,10 @@
 * CPU: ``_scaled_dot_product_flash_attention_for_cpu`` and its backward (fp16/bf16/fp32 and
   float64; float64 blocks keep a float64 lse). GQA is native (kv with
   fewer heads; backward returns group-summed dk/dv), strided ``[b, h, s, d]`` views are accepted,
-  so sbhd tensors go in as permuted views without copies. Backward, causal square blocks
-  (every rank's own tile under the load-balanced layout) are cut into pieces the kernel
-  computes with less masked work (:mod:`~charm_megatron.kernels.causal_split`).
+  so sbhd tensors go in as permuted views without copies. Causal square blocks (every rank's
+  own tile under the load-balanced layout) are cut into pieces the kernels compute with less
+  masked work (:mod:`~charm_megatron.kernels.causal_split`): backward here, forward through
+  :meth:`TorchBackend.forward_cut`, whose pieces the executor merges into its accumulator.
 * CUDA: ``_scaled_dot_product_flash_attention`` (fp16/bf16) or
   ``_scaled_dot_product_efficient_attention`` (fp32, or head dims flash does not take). These
   need equal head counts, so GQA kv is expanded there (``expand`` + ``reshape``: one copy of the
@@ -62,6 +63,17 @@ class TorchBackend:
             _bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale
         )
         return _sbhd(out), lse
+
+    def forward_cut(self, q: torch.Tensor, k: torch.Tensor,
+                    causal: bool) -> list[tuple[slice, slice, bool]] | None:
+        """The pieces (q rows, key rows, causal) an accumulated forward tile is better computed
+        in, each piece one :meth:`forward` call (``None``: whole). The CPU kernel computes
+        most of a causal square block's masked half, so such a block is cut
+        (:mod:`~charm_megatron.kernels.causal_split`); the CUDA kernels skip it themselves."""
+        if q.device.type != "cpu" or not causal_split.worth_cutting_forward(
+                q.shape[0], k.shape[0], causal, q.shape[-1]):
+            return None
+        return causal_split.forward_pieces(q.shape[0])
 
     def _use_flash(self, q: torch.Tensor) -> bool:
         return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256

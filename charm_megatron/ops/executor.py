@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from charm_megatron.kernels import causal_split
 from charm_megatron.kernels.base import AttentionBackend
 from charm_megatron.ops.merge import merge_into
 from charm_megatron.ops.streams import StreamGroups
@@ -282,16 +281,14 @@ class Executor(OpInterpreter[None]):
     def _kernel_backward(self, spec, dout, q, k, v, out, lse):
         return self.backend.backward(dout, q, k, v, out, lse, spec.causal, self.scale)
 
-    def _forward_cut(self, spec, q: torch.Tensor) -> list[tuple[slice, slice, bool]] | None:
-        """The pieces an accumulated forward tile is computed in (``None``: whole). A causal
-        square block on a kernel that computes its masked half anyway (the CPU aten kernel,
-        :mod:`~charm_megatron.kernels.causal_split`) is cut; each piece is merged into the
+    def _forward_cut(self, spec, q: torch.Tensor,
+                     k: torch.Tensor) -> list[tuple[slice, slice, bool]] | None:
+        """The pieces an accumulated forward tile is computed in (``None``: whole), as the
+        backend asks (its optional ``forward_cut``: the CPU aten kernel cuts causal square
+        blocks, whose masked half it would compute anyway). Each piece is merged into the
         accumulator as it comes, so the pieces never coexist with a whole-block output."""
-        if (not spec.causal or q.device.type != "cpu" or self.backend.name != "torch"
-                or not causal_split.worth_cutting_forward(q.shape[0], q.shape[0], True,
-                                                          q.shape[-1])):
-            return None
-        return causal_split.forward_pieces(q.shape[0])
+        cut = getattr(self.backend, "forward_cut", None)
+        return cut(q, k, spec.causal) if cut is not None else None
 
     def on_tile(self, op: Tile) -> None:
         s = op.spec
@@ -315,7 +312,7 @@ class Executor(OpInterpreter[None]):
     def _tile_into(self, op: Tile, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
         """Compute an accumulated tile in the pieces of :meth:`_forward_cut`, merging each
         into the accumulator; False (nothing done) where the tile is computed whole."""
-        pieces = self._forward_cut(op.spec, q) if not op.fresh else None
+        pieces = self._forward_cut(op.spec, q, k) if not op.fresh else None
         if pieces is None:
             return False
         acc = self.bufs[op.acc]

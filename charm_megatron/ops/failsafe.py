@@ -35,6 +35,11 @@ class GuardedBackend:
                          device=q.device)
         return torch.zeros_like(q), lse
 
+    def forward_cut(self, q, k, causal):
+        # How the inner backend would cut a tile (its optional forward_cut), else whole.
+        cut = getattr(self.inner, "forward_cut", None)
+        return cut(q, k, causal) if cut is not None else None
+
     def backward(self, dout, q, k, v, out, lse, causal, scale):
         if self.error is None:
             try:

@@ -236,7 +236,7 @@ class PackedExecutor(Executor):
             guard.error = exc
         return guard.error is not None
 
-    def _forward_cut(self, spec, q):
+    def _forward_cut(self, spec, q, k):
         return None  # a packed tile is cut by its documents (segmented_forward), not so
 
     def _kernel_forward(self, spec, q, k, v):
