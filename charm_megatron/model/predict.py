@@ -129,8 +129,9 @@ def choose_split_visiting(groups: Sequence[Sequence[int]], problem: Problem,
                           roles: str = "paper") -> tuple[bool, bool]:
     """Whether CHARM+ should send visiting kv blocks in two row halves, for the forward and
     for the backward: where the split changes the plan, the one of the two plans predicted
-    faster on ``cluster`` (``None``: :func:`default_cluster_for` the topology). Memoised; a
-    pure function of its arguments, so every rank decides alike without communicating.
+    faster on ``cluster`` by more than :data:`SPLIT_MARGIN` (``None``:
+    :func:`default_cluster_for` the topology). Memoised; a pure function of its arguments, so
+    every rank decides alike without communicating.
 
     The split hides the visiting blocks' slow trip where one link carries many of them (one
     NIC per node) and costs more, smaller messages and a merge per split tile elsewhere
@@ -144,10 +145,17 @@ def choose_split_counterpart_q(groups: Sequence[Sequence[int]], problem: Problem
     """:func:`choose_split_visiting` for the other side of the exchange: whether CHARM+
     pass-q should send a counterpart's q block that every tile needs whole in two row halves
     (its partial going home per half), forward and backward, by the same rule: where it
-    changes the plan, the plan predicted faster on ``cluster``. It shortens pass-q's serial
+    changes the plan, the split where it is predicted more than :data:`SPLIT_MARGIN` faster
+    on ``cluster``. It shortens pass-q's serial
     chain (q across, the group's rounds, the partial back) where that chain is the critical
     path (docs/algorithm.md, *Counterpart q in two halves*)."""
     return _split_cached(_groups(groups), problem, cluster, causal, roles, "counterpart_q")
+
+
+#: A split plan is chosen only where it is predicted at least this much faster than whole
+#: blocks. The model's errors against measurement are larger than a few per cent
+#: (docs/model.md), and a split adds messages and merges; a near-tie keeps the simpler plan.
+SPLIT_MARGIN = 0.05
 
 
 @lru_cache(maxsize=256)
@@ -156,7 +164,7 @@ def _split_cached(groups: Groups, problem: Problem, cluster: Cluster | None, cau
     """Per direction, whether the ``which`` split (``visiting``: pass-kv's visiting kv;
     ``counterpart_q``: pass-q's counterpart q) is predicted faster than whole blocks (each
     judged with the other split off: a cross round is pass-kv or pass-q, so they rarely
-    touch the same plan)."""
+    touch the same plan), by more than :data:`SPLIT_MARGIN`."""
     cl = cluster if cluster is not None else default_cluster_for(groups)
     key = _role_key(roles, problem)
     on = (True, False) if which == "visiting" else (False, True)
@@ -169,7 +177,7 @@ def _split_cached(groups: Groups, problem: Problem, cluster: Cluster | None, cau
             continue
         t_whole = simulate(whole, problem, cl, groups).time_s
         t_split = simulate(split, problem, cl, groups).time_s
-        picks.append(t_split < t_whole)
+        picks.append(t_split < (1.0 - SPLIT_MARGIN) * t_whole)
     return picks[0], picks[1]
 
 

@@ -65,8 +65,9 @@ class CPOptions:
         split_visiting: ``"on"``: CHARM+ pass-kv sends a visiting kv block that every tile
             needs whole in two row halves and runs its pass per half (docs/algorithm.md,
             *Visiting kv in two halves*); ``"off"``: whole blocks; ``"auto"`` (default): per
-            direction, the one the performance model predicts faster on the cluster of
-            ``model_profile`` (:func:`charm_megatron.model.choose_split_visiting`).
+            direction, the split where the performance model predicts it more than 5 %
+            faster on the cluster of ``model_profile``, else whole blocks
+            (:func:`charm_megatron.model.choose_split_visiting`).
         split_counterpart_q: the same for CHARM+ pass-q: ``"on"`` sends a counterpart's q
             block that every tile needs whole in two row halves, runs its pass per half and
             sends each half's partial home as soon as it is done (docs/algorithm.md,
