@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from charm_megatron.model import choose_split_counterpart_q, choose_split_visiting, get_profile
+from charm_megatron.model.predict import SPLIT_MARGIN, _plan, _role_key
+from charm_megatron.model.sim import simulate
 from charm_megatron.model.testbed import bench_cluster
 from charm_megatron.ops.call_setup import needs_cluster, split_choice, split_q_choice
 from charm_megatron.ops.options import CPOptions
@@ -35,8 +37,17 @@ def test_one_nic_per_node_splits_one_per_rank_does_not():
 
 def test_gpu_profile_keeps_whole_blocks():
     llama = Problem(1, 32768, 32, 8, 128, 2)
-    assert choose_split_visiting(((*range(8),), (*range(8, 16),)), llama,
-                                 get_profile("h100").cluster, roles="bytes") == (False, False)
+    groups = ((*range(8),), (*range(8, 16),))
+    cluster = get_profile("h100").cluster
+    assert choose_split_visiting(groups, llama, cluster, roles="bytes") == (False, False)
+    # A near-tie keeps the simpler plan: the split backward is predicted a little faster
+    # (its half-sized visiting buffers let its returns stay in flight within the memory
+    # bound), by less than SPLIT_MARGIN.
+    key = _role_key("bytes", llama)
+    whole, split = (_plan("charm", "backward", groups, True, *key, s, False)
+                    for s in (False, True))
+    t_whole, t_split = (simulate(p, llama, cluster, groups).time_s for p in (whole, split))
+    assert (1 - SPLIT_MARGIN) * t_whole <= t_split < t_whole
 
 
 def test_no_visiting_pass_to_split():

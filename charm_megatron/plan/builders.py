@@ -268,14 +268,17 @@ class _CharmRank:
         # transfers no longer hide behind the previous unit's compute). registry.build_plan asks for it where the plan would
         # otherwise hold more than plan.memory.BOUND x ring's peak.
         self.lean = lean
-        # early_returns: a q-pair unit's partials (the one served, the one back) are completed
-        # right after the next unit's blocks arrived, before its tiles, so a tile never sees
-        # two units' partials (less memory; the returns get less time to travel).
-        # Backward always: measured it costs no time there (bench 2x4, MHA: 416 vs 415 ms) and
-        # the backward's tile outputs (dq, dk, dv, plus temporaries the model does not count)
-        # are the larger; forward only where the bound needs it (it cost ~10% forward time
-        # with multi-head attention on the bench's 2x4).
-        self.early_returns = early_returns or backward
+        # early_returns: a unit's returns (forward: a q-pair's partials, the one served and the
+        # one back; backward: also a kv-pair's dK, dV partials) are completed right after the
+        # next unit's blocks arrived, before its tiles, so a tile never sees two units'
+        # returns: less memory, but each return has only the next unit's transfer time to
+        # travel and the peer's tile to finish, a wait with nothing to hide it on a rank with
+        # its own device. Only where the memory bound needs it, in both directions
+        # (registry.build_plan): the model predicts returns left in flight over the next
+        # unit's tiles up to ~10 % faster backward on GPU clusters (h100 2x8, MHA, 32k:
+        # 7.2 -> 6.6 ms); on the CPU testbed the two measure alike (CPU-bound; MHA 416 vs
+        # 415 ms, 8/2 heads within the noise), and forward measured ~10 % slower with it.
+        self.early_returns = early_returns
         self.split_visiting = split_visiting
         # The rows of the kv blocks held in the current (sub-)pass: a split visiting pass
         # holds one row half of each visiting block at a time; every tile and kv message of
