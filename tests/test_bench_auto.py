@@ -197,3 +197,34 @@ def test_summary_labels_the_link_model(tmp_path):
             w.writerow({"point": 0, "algo": "ring", "pass": "fwd", "median_ms": 1.0})
         labels.append(load(str(run / "results.csv"))[0])
     assert labels == ["2x2 netns nic=rank 100 Mbit/s", "2x2 netns nic=rank htb 100 Mbit/s"]
+
+
+def test_summary_ceiling_is_ring_over_the_bound(tmp_path):
+    """The summary's ceiling column: ring's median over each algorithm's lower bound (the
+    most it could gain over ring in that run), '-' where no bound was measured."""
+    import csv
+
+    from charm_megatron.bench.summary import load, table
+
+    fields = ["point", "algo", "pass", "status", "seq", "heads", "kv_heads", "head_dim",
+              "dtype", "median_ms", "speedup_vs_ring", "vs_bound", "ring_ccr", "bound_ms"]
+    rows = [
+        {"algo": "ring", "median_ms": 450.0, "bound_ms": 380.0, "vs_bound": 1.18},
+        {"algo": "charm", "median_ms": 265.0, "bound_ms": 207.0, "vs_bound": 1.28},
+        {"algo": "rmplus", "median_ms": 360.0, "bound_ms": "", "vs_bound": ""},
+    ]
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in rows:
+            w.writerow({"point": 0, "pass": "fwd", "status": "ok", "seq": 3072, "heads": 8,
+                        "kv_heads": 2, "head_dim": 64, "dtype": "fp32", "ring_ccr": 0.5,
+                        "speedup_vs_ring": 1.0, **r})
+    text = table([load(str(run / "results.csv"))], ["fwd"])
+    head, _, line = text.splitlines()
+    cells = dict(zip((c.strip() for c in head.strip("|").split("|")),
+                     (c.strip() for c in line.strip("|").split("|"))))
+    assert cells["charm ceiling"] == "2.17x"  # 450 / 207
+    assert cells["rmplus ceiling"] == "-"

@@ -3,7 +3,10 @@
 ``python -m charm_megatron.bench.summary runs/performance/*/results.csv [--passes fwd,fwdbwd]``
 
 One line per run, point and pass: ring's median time and CCR, then each other algorithm's
-median time, speedup over ring (median of per-round ratios) and measured/bound.
+median time, speedup over ring (median of per-round ratios), measured/bound and its
+*ceiling*: ring's median time over the algorithm's lower bound, the most it could gain over
+ring on this machine in that run (an algorithm at its bound reaches it; a target above it
+cannot be met there).
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def table(runs: Sequence[tuple[str, list[dict]]], passes: Sequence[str]) -> str:
                 algos.append(r["algo"])
     head = ["run", "S", "heads", "pass", "ring CCR", "ring ms", "ring /bound"]
     for a in algos:
-        head += [f"{a} ms", f"{a} vs ring", f"{a} /bound"]
+        head += [f"{a} ms", f"{a} vs ring", f"{a} /bound", f"{a} ceiling"]
         if a == "auto":
             head += ["auto pick", "auto / fastest"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -75,16 +78,25 @@ def table(runs: Sequence[tuple[str, list[dict]]], passes: Sequence[str]) -> str:
                 for a in algos:
                     r = index.get((str(p), a, ps))
                     if r is None or r["status"] != "ok":
-                        cells += ["skipped" if r is not None else "-", "-", "-"]
+                        cells += ["skipped" if r is not None else "-", "-", "-", "-"]
                         cells += ["-", "-"] if a == "auto" else []
                         continue
                     cells += [_fmt(_num(r["median_ms"]), ".0f"),
                               _fmt(_num(r["speedup_vs_ring"]), ".2f") + "x",
-                              _fmt(_num(r["vs_bound"]), ".2f")]
+                              _fmt(_num(r["vs_bound"]), ".2f"),
+                              _ceiling(ring, r)]
                     if a == "auto":
                         cells += [r.get("auto_pick") or "-", _versus(r)]
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _ceiling(ring: dict, row: dict) -> str:
+    """Ring's median over ``row``'s lower bound (``2.20x``), ``-`` without a bound."""
+    ring_ms, bound = _num(ring.get("median_ms", "")), _num(row.get("bound_ms", ""))
+    if ring_ms is None or not bound:
+        return "-"
+    return f"{ring_ms / bound:.2f}x"
 
 
 def _versus(row: dict) -> str:
