@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 from charm_megatron.bench.memory import call_peaks
 from charm_megatron.local_ranks import run_ranks
-from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.lifetimes import lifetimes
 from charm_megatron.plan.memory import plan_peak
@@ -105,21 +104,9 @@ def test_every_memory_variant_validates(n_and_grouping, causal, direction, roles
     for algo in ("rmplus", "charm"):
         grp = groups if algo == "charm" else (tuple(range(n)),)
         for flags in ({"lean": True}, {"early_returns": True}):
-            plan = _variant(algo, direction, grp, n, causal, order, choice, **flags)
+            plan = _assemble(get(algo), direction, grp, n, causal, order, choice, **flags)
             stats = validate(plan)
             assert all(t == n for t in stats.tiles)
-
-
-def _variant(algo, direction, groups, n, causal, order, choice, **flags):
-    if "lean" in flags:
-        return _assemble(get(algo), direction, groups, n, causal, order, choice, lean=True)
-    plan = Plan(algo, direction, n, groups, causal, **flags)
-    for rank in range(n):
-        ops, decisions = get(algo).build_rank(rank, groups, causal, direction == "backward",
-                                              order, roles=choice, **flags)
-        plan.ops.append(ops)
-        plan.decisions.append(decisions)
-    return plan
 
 
 def test_backward_returns_stay_in_flight_where_the_bound_allows():

@@ -146,9 +146,9 @@ def choose_split_counterpart_q(groups: Sequence[Sequence[int]], problem: Problem
     pass-q should send a counterpart's q block that every tile needs whole in two row halves
     (its partial going home per half), forward and backward, by the same rule: where it
     changes the plan, the split where it is predicted more than :data:`SPLIT_MARGIN` faster
-    on ``cluster``. It shortens pass-q's serial
-    chain (q across, the group's rounds, the partial back) where that chain is the critical
-    path (docs/algorithm.md, *Counterpart q in two halves*)."""
+    on ``cluster``. It shortens pass-q's serial chain (q across, the group's rounds, the
+    partial back) where that chain is the critical path (docs/algorithm.md, *Counterpart q in
+    two halves*)."""
     return _split_cached(_groups(groups), problem, cluster, causal, roles, "counterpart_q")
 
 

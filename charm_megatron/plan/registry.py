@@ -210,14 +210,18 @@ def build_plan(
 
 
 def _assemble(entry: Algorithm, direction: str, groups: Groups, n: int, causal: bool,
-              order: str, choice: RoleChoice, lean: bool = False, **split: bool) -> Plan:
-    plan = Plan(entry.name, direction, n, groups, causal, lean=lean)
+              order: str, choice: RoleChoice, lean: bool = False, early_returns: bool = False,
+              **split: bool) -> Plan:
+    plan = Plan(entry.name, direction, n, groups, causal, early_returns=early_returns,
+                lean=lean)
     backward = direction == "backward"
+    # The memory variants are passed only when on, like the splits.
+    variant = {name: True for name, on in (("lean", lean), ("early_returns", early_returns))
+               if on}
     for rank in range(n):
         if entry.uses_roles:
-            extra = {"lean": True} if lean else {}
             ops, decisions = entry.build_rank(rank, groups, causal, backward, order,
-                                              roles=choice, **extra, **split)
+                                              roles=choice, **variant, **split)
             plan.decisions.append(decisions)
         else:
             ops = entry.build_rank(rank, groups, causal, backward, order)
