@@ -261,11 +261,9 @@ def _ablated_variants(rank: int, world: int) -> dict:
     return out
 
 
-# With computation off nothing is computed, so the output must differ from the full run's.
-# With communication off the receive buffers keep whatever memory they were given (possibly the
-# previous call's peer blocks, so the output can match the full run's by chance): only that the
-# option arrived is checked there.
-MUST_DIFFER = {"compute_only": False, "comm_only": True}
+# With computation off nothing is computed, and with communication off the peers' blocks are
+# zeros instead of their data (next test): either way the output differs from the full run's.
+MUST_DIFFER = {"compute_only": True, "comm_only": True}
 
 
 def test_plan_contender_ablations_reach_cp_attention():
@@ -276,6 +274,38 @@ def test_plan_contender_ablations_reach_cp_attention():
             assert (got, base) == (ablation, "none")
             if MUST_DIFFER[ablation]:
                 assert differs, ablation
+
+
+def _compute_only_sees_zero_blocks(rank: int, world: int) -> float:
+    """A comm-off (compute-only) ring call: the peer's kv block it 'receives' must be zeros,
+    not whatever stale bytes its buffer was given (NaNs or denormals, which the CPU kernels
+    time several times slower). Returns the largest error against that expectation (NaN
+    where stale NaNs got through)."""
+    import torch
+
+    from charm_megatron.bench.contenders import PlanContender
+
+    torch.manual_seed(10 + rank)
+    q, k, v = (torch.randn(16, 1, 2, 8) for _ in range(3))
+    contender = PlanContender("ring", None, False)
+    contender(q, k, v)
+    # Leave freed NaN-filled blocks of a kv block's size for the allocator to hand out again.
+    junk = [torch.full((16, 1, 2, 8), float("nan")) for _ in range(32)]
+    del junk
+    got = contender.ablated("compute_only")(q, k, v).double()
+    # Full attention over [own keys, 16 zero keys]: a zero key scores 0 and carries value 0.
+    scores = torch.einsum("sbhd,tbhd->bhst", q.double(), k.double()) / 8 ** 0.5
+    scores = torch.cat([scores, torch.zeros_like(scores)], dim=-1)
+    values = torch.cat([v.double(), torch.zeros_like(v.double())], dim=0)
+    want = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), values)
+    return float((got - want).abs().max())
+
+
+def test_compute_only_runs_receive_zeros():
+    from charm_megatron.local_ranks import run_ranks
+
+    for err in run_ranks(_compute_only_sees_zero_blocks, 2, timeout_s=120):
+        assert err < 1e-5, err  # also fails on NaN
 
 
 def test_gc_is_off_inside_timed_calls_and_restored():

@@ -379,9 +379,15 @@ class Executor(OpInterpreter[None]):
         for x in op.recvs:
             buf = self._buffer(x.loc, x.kind, wire=True, rows=x.half)
             for t in buf.tensors:
+                if not self.comm:
+                    # Nothing arrives in a comm-off run, and uninitialised memory can hold
+                    # NaNs or denormals, on which the CPU kernels run up to ~3x slower
+                    # (a rank's compute-only forward measured 47-172 ms so, 39-50 ms with
+                    # zeros): the ablated timing must not depend on stale bytes.
+                    t.zero_()
                 p2p.append(dist.P2POp(dist.irecv, t, ranks[x.peer], group))
         if not self.comm:
-            p2p = []  # receive buffers keep whatever they held; only timing is meaningful
+            p2p = []  # only timing is meaningful in an ablated run
         peers = sorted({ranks[x.peer] for x in (*op.sends, *op.recvs)})
         try:
             works = dist.batch_isend_irecv(p2p) if p2p else []
