@@ -143,3 +143,54 @@ def test_counterpart_q_auto_without_a_profile_keeps_whole_blocks():
     # and the visiting kv choice is not disturbed by it (MHA: nothing visits)
     assert split_choice(opts, "charm", GROUPS_2X4, True, "bytes", q, k, 8,
                         _testbed("node")) == (False, False)
+
+
+# ------------------------------------------------------------- auto weighs charm as it runs
+# Found by scanning the model (profiles x topologies x shapes): on l20-pcie 2x2 with MHA at 16k
+# tokens, ring beats charm with whole blocks but loses to charm with its counterpart-q split.
+SPLIT_FLIPS = ((0, 1), (2, 3)), Problem(1, 16384, 8, 8, 64, 2), "l20-pcie"
+
+
+def test_auto_weighs_charm_with_the_splits_it_runs():
+    from charm_megatron.model import charm_splits, choose_algo, predict
+
+    groups, problem, name = SPLIT_FLIPS
+    cluster = get_profile(name).cluster
+    splits = charm_splits(groups, problem, cluster, roles="bytes", split_visiting="auto",
+                          split_counterpart_q="auto")
+    assert splits == ((False, True), (False, False))
+    ring = predict("ring", groups, problem, cluster, True, "bytes").total_s
+    whole = predict("charm", groups, problem, cluster, True, "bytes").total_s
+    split = (predict("charm", groups, problem, cluster, True, "bytes", False, True).forward.time_s
+             + predict("charm", groups, problem, cluster, True, "bytes").backward.time_s)
+    assert split < ring < whole  # the premise: else the picks below could not differ
+    assert choose_algo(groups, problem, cluster, roles="bytes") == "ring"  # splits off
+    assert choose_algo(groups, problem, cluster, roles="bytes", split_visiting="auto",
+                       split_counterpart_q="auto") == "charm"
+    assert choose_algo(groups, problem, cluster, roles="bytes",
+                       split_counterpart_q="on") == "charm"
+    with pytest.raises(ValueError, match="split_visiting='sometimes'"):
+        choose_algo(groups, problem, cluster, split_visiting="sometimes")
+
+
+def test_call_weighs_charm_with_its_options_splits():
+    """cp_attention's own path (call_setup.algo_and_groups): with a profile and the default
+    split_*="auto" the pick counts the split; forced off, or without a profile (charm then
+    runs whole blocks), it does not."""
+    from charm_megatron.model import auto_cluster
+    from charm_megatron.ops.call_setup import algo_and_groups, split_modes
+
+    groups, problem, name = SPLIT_FLIPS
+    q = torch.empty(problem.s // 4, 1, 8, 64, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(problem.s // 4, 1, 8, 64, dtype=torch.bfloat16, device="meta")
+    cluster = auto_cluster(name)
+
+    def pick(opts: CPOptions, cl) -> str:
+        return algo_and_groups("auto", "2x2", None, 4, q, k, True, cl, "bytes", opts)[0]
+
+    assert pick(CPOptions(model_profile=name), cluster) == "charm"
+    assert pick(CPOptions(model_profile=name, split_counterpart_q="off"), cluster) == "ring"
+    assert split_modes(CPOptions(model_profile=name), cluster) == ("auto", "auto")
+    assert split_modes(CPOptions(), None) == ("off", "off")
+    assert split_modes(CPOptions(split_visiting="on"), None) == ("on", "off")
+    assert split_modes(None, cluster) == ("off", "off")

@@ -8,7 +8,7 @@ Pure Python (no torch). Entry points:
 * :func:`predict` / :func:`predict_all` - forward and backward per algorithm;
   :func:`ring_ccr` - the paper's computation-to-communication ratio;
 * :func:`choose_algo` (and :func:`choose_algo_cached`) - the fastest of ring / rmplus / charm,
-  for ``algo="auto"``;
+  for ``algo="auto"``, charm weighed with the splits :func:`charm_splits` says it runs;
 * :func:`auto_cluster` - the cluster ``auto`` predicts with (its profile argument, which
   ``cp_attention`` takes from ``CPOptions.model_profile`` / ``CHARM_MODEL_PROFILE``, else the
   generic default);
@@ -33,6 +33,7 @@ from charm_megatron.model.cluster import (
 from charm_megatron.model.predict import (
     CCR,
     Prediction,
+    charm_splits,
     choose_algo,
     choose_algo_cached,
     choose_split_counterpart_q,
@@ -56,6 +57,7 @@ __all__ = [
     "SimResult",
     "auto_cluster",
     "calibrate",
+    "charm_splits",
     "choose_algo",
     "choose_algo_cached",
     "choose_split_counterpart_q",

@@ -102,11 +102,19 @@ def ring_ccr(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster
     return CCR(comp, comm)
 
 
+#: How a split of CHARM+'s blocks is set (``CPOptions.split_visiting`` and
+#: ``split_counterpart_q``): ``auto`` is the model's per-direction pick.
+SPLIT_MODES = ("auto", "off", "on")
+
+
 def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
                 cluster: Cluster | None = None, *, causal: bool = True,
-                algos: Sequence[str] = ALGOS, roles: str = "paper") -> str:
+                algos: Sequence[str] = ALGOS, roles: str = "paper",
+                split_visiting: str = "off", split_counterpart_q: str = "off") -> str:
     """The algorithm of ``algos`` with the smallest predicted forward + backward time
-    (rmplus and charm with the role mix ``roles``: pass the one that will run).
+    (rmplus and charm with the role mix ``roles``: pass the one that will run; charm with the
+    splits it will run, :func:`charm_splits` of ``split_visiting`` / ``split_counterpart_q``,
+    so that a split which makes charm the fastest is weighed before the pick, not after).
 
     A pure function of its arguments, so every rank that calls it with the same topology,
     problem and cluster gets the same answer without communicating. Ties go to the earlier
@@ -119,9 +127,49 @@ def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
         raise ValueError("choose_algo needs at least one algorithm")
     g = _groups(groups)
     cl = cluster if cluster is not None else default_cluster_for(g)
-    times = [(predict(a, g, problem, cl, causal, roles).total_s, i, a)
+    splits = charm_splits(g, problem, cl, causal=causal, roles=roles,
+                          split_visiting=split_visiting,
+                          split_counterpart_q=split_counterpart_q)
+    times = [(_predict_as_run(a, g, problem, cl, causal, roles, splits), i, a)
              for i, a in enumerate(algos)]
     return min(times)[2]
+
+
+def charm_splits(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster | None,
+                 *, causal: bool = True, roles: str = "paper", split_visiting: str = "off",
+                 split_counterpart_q: str = "off") -> tuple[tuple[bool, bool], tuple[bool, bool]]:
+    """The ``(split visiting kv, split counterpart q)`` CHARM+ runs with, forward and backward,
+    under these modes (:data:`SPLIT_MODES`): ``off`` / ``on`` as given, ``auto`` the model's
+    pick on ``cluster`` (:func:`choose_split_visiting`, :func:`choose_split_counterpart_q`).
+    One group has no cross round to split: never."""
+    for name, mode in (("split_visiting", split_visiting),
+                       ("split_counterpart_q", split_counterpart_q)):
+        if mode not in SPLIT_MODES:
+            raise ValueError(f"choose_algo: {name}={mode!r}; choose one of "
+                             f"{', '.join(SPLIT_MODES)}")
+    g = _groups(groups)
+
+    def per_direction(mode: str, which: str) -> tuple[bool, bool]:
+        if len(g) < 2 or mode == "off":
+            return False, False
+        if mode == "on":
+            return True, True
+        return _split_cached(g, problem, cluster, causal, roles, which)
+
+    visiting = per_direction(split_visiting, "visiting")
+    counterpart_q = per_direction(split_counterpart_q, "counterpart_q")
+    return (visiting[0], counterpart_q[0]), (visiting[1], counterpart_q[1])
+
+
+def _predict_as_run(algo: str, groups: Groups, problem: Problem, cluster: Cluster, causal: bool,
+                    roles: str, splits: tuple[tuple[bool, bool], tuple[bool, bool]]) -> float:
+    """Predicted forward + backward seconds of ``algo``, charm with ``splits`` per direction."""
+    if algo != "charm" or not any(splits[0] + splits[1]):
+        return predict(algo, groups, problem, cluster, causal, roles).total_s
+    key = _role_key(roles, problem)
+    return sum(simulate(_plan(algo, direction, groups, causal, *key, *split), problem, cluster,
+                        groups).time_s
+               for direction, split in zip(("forward", "backward"), splits))
 
 
 def choose_split_visiting(groups: Sequence[Sequence[int]], problem: Problem,
@@ -183,14 +231,18 @@ def _split_cached(groups: Groups, problem: Problem, cluster: Cluster | None, cau
 
 @lru_cache(maxsize=256)
 def _choose_cached(groups: Groups, problem: Problem, cluster: Cluster | None, causal: bool,
-                   algos: tuple[str, ...], roles: str = "paper") -> str:
-    return choose_algo(groups, problem, cluster, causal=causal, algos=algos, roles=roles)
+                   algos: tuple[str, ...], roles: str = "paper",
+                   splits: tuple[str, str] = ("off", "off")) -> str:
+    return choose_algo(groups, problem, cluster, causal=causal, algos=algos, roles=roles,
+                       split_visiting=splits[0], split_counterpart_q=splits[1])
 
 
 def choose_algo_cached(groups: Sequence[Sequence[int]], problem: Problem,
                        cluster: Cluster | None = None, *, causal: bool = True,
-                       algos: Sequence[str] = ALGOS, roles: str = "paper") -> str:
+                       algos: Sequence[str] = ALGOS, roles: str = "paper",
+                       split_visiting: str = "off", split_counterpart_q: str = "off") -> str:
     """:func:`choose_algo` memoised on its (hashable) arguments: cheap to call every step.
     ``cluster=None`` is the generic one; :func:`~charm_megatron.model.auto.auto_cluster`
     re-reads a recalibrated profile file, so the cache follows it."""
-    return _choose_cached(_groups(groups), problem, cluster, causal, tuple(algos), roles)
+    return _choose_cached(_groups(groups), problem, cluster, causal, tuple(algos), roles,
+                          (split_visiting, split_counterpart_q))

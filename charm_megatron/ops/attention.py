@@ -67,7 +67,7 @@ def resolve_algo(q: torch.Tensor, k: torch.Tensor, *, group: dist.ProcessGroup |
     cluster = model_cluster(opts)
     topology = default_topology(topology, algo, opts)
     return algo_and_groups(algo, topology, group, dist.get_world_size(group), q, k, causal,
-                           cluster, roles)[0]
+                           cluster, roles, opts)[0]
 
 
 def cp_attention(
@@ -169,7 +169,8 @@ def cp_attention(
     elif error is not None:
         raise error
     topology = default_topology(topology, algo, opts)
-    algo, groups = algo_and_groups(algo, topology, group, cp_size, q, k, causal, cluster, roles)
+    algo, groups = algo_and_groups(algo, topology, group, cp_size, q, k, causal, cluster, roles,
+                                   opts)
     # The byte rule reads the shape; the ranks agreed on the shapes, so on the plans too.
     shape = RoleShape(q.shape[2], k.shape[2], q.shape[3], q.element_size())
     split = split_choice(opts, algo, groups, causal, roles, q, k, cp_size, cluster)

@@ -8,7 +8,8 @@ the sbhd entry point (ops/attention.py) and the packed one (ops/packed.py).
 * :func:`algo_and_groups`: the algorithm to run (``auto``: the model's choice) and its groups;
 * :func:`needs_cluster`, :func:`split_choice`, :func:`split_q_choice`: whether the call
   predicts with the model, whether CHARM+'s visiting kv crosses in row halves
-  (``split_visiting``), and whether pass-q's counterpart q does (``split_counterpart_q``).
+  (``split_visiting``), and whether pass-q's counterpart q does (``split_counterpart_q``);
+  :func:`split_modes`: the same settings as ``auto`` weighs charm with.
 """
 
 from __future__ import annotations
@@ -121,10 +122,11 @@ def default_topology(topology, algo: str, opts: CPOptions):
 
 
 def algo_and_groups(algo: str, topology, group, cp_size: int, q: torch.Tensor, k: torch.Tensor,
-                 causal: bool, cluster=None,
-                 roles: str = "paper") -> tuple[str, tuple[tuple[int, ...], ...]]:
+                 causal: bool, cluster=None, roles: str = "paper",
+                 opts: CPOptions | None = None) -> tuple[str, tuple[tuple[int, ...], ...]]:
     """The algorithm to run and its groups (one flat group for ring and rmplus); ``auto``
-    predicts with ``cluster`` (``None``: the generic one for the topology)."""
+    predicts with ``cluster`` (``None``: the generic one for the topology), weighing charm
+    with the splits it would then run (:func:`split_modes` of ``opts``)."""
     flat = (tuple(range(cp_size)),)
     if algo == "ring":
         return algo, flat
@@ -136,8 +138,10 @@ def algo_and_groups(algo: str, topology, group, cp_size: int, q: torch.Tensor, k
         from charm_megatron.model import choose_algo_cached
 
         # A pure function of shapes and topology: every rank picks the same algorithm.
+        visiting, counterpart_q = split_modes(opts, cluster)
         algo = choose_algo_cached(groups, _problem(q, k, cp_size), cluster, causal=causal,
-                                  roles=roles)
+                                  roles=roles, split_visiting=visiting,
+                                  split_counterpart_q=counterpart_q)
     return algo, (groups if uses_topology(algo) else flat)
 
 
@@ -145,6 +149,21 @@ def _problem(q: torch.Tensor, k: torch.Tensor, cp_size: int) -> Problem:
     """The model's problem of a call (sbhd shapes of one rank's shard)."""
     return Problem(q.shape[1], q.shape[0] * cp_size, q.shape[2], k.shape[2], q.shape[3],
                    q.element_size())
+
+
+def split_modes(opts: CPOptions | None, cluster) -> tuple[str, str]:
+    """The split modes (visiting kv, counterpart q) that :func:`split_choice` and
+    :func:`split_q_choice` will apply, for the model to weigh charm with before ``auto``
+    picks: ``auto`` stays the model's pick only where the call has a profile to predict with
+    (without one charm runs whole blocks)."""
+    if opts is None:
+        return "off", "off"
+    profiled = opts.model_profile is not None and cluster is not None
+
+    def mode(m: str) -> str:
+        return "off" if m == "auto" and not profiled else m
+
+    return mode(opts.split_visiting), mode(opts.split_counterpart_q)
 
 
 def needs_cluster(algo: str, opts: CPOptions) -> bool:

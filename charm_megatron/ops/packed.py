@@ -384,7 +384,7 @@ def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu
     q4 = q.unsqueeze(1)
     topology = default_topology(topology, algo, opts)
     algo, groups = algo_and_groups(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal, cluster,
-                            roles)
+                            roles, opts)
     # The byte rule reads the shape (the ranks agreed on the THD shapes, so on the plans too);
     # the edge permutation keeps every half-block message half-sized, so the bytes it compares
     # are the bytes that move.
