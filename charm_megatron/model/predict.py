@@ -127,8 +127,9 @@ def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
         raise ValueError("choose_algo needs at least one algorithm")
     g = _groups(groups)
     cl = cluster if cluster is not None else default_cluster_for(g)
-    splits = charm_splits(g, problem, cl, causal=causal, roles=roles,
-                          split_visiting=split_visiting,
+    # Checked for every call, simulated only where charm is a candidate.
+    splits = charm_splits(g if "charm" in algos else (), problem, cl, causal=causal,
+                          roles=roles, split_visiting=split_visiting,
                           split_counterpart_q=split_counterpart_q)
     times = [(_predict_as_run(a, g, problem, cl, causal, roles, splits), i, a)
              for i, a in enumerate(algos)]
