@@ -164,9 +164,10 @@ def charm_splits(groups: Sequence[Sequence[int]], problem: Problem, cluster: Clu
 
 def _predict_as_run(algo: str, groups: Groups, problem: Problem, cluster: Cluster, causal: bool,
                     roles: str, splits: tuple[tuple[bool, bool], tuple[bool, bool]]) -> float:
-    """Predicted forward + backward seconds of ``algo``, charm with ``splits`` per direction."""
-    if algo != "charm" or not any(splits[0] + splits[1]):
-        return predict(algo, groups, problem, cluster, causal, roles).total_s
+    """Predicted forward + backward seconds of ``algo`` (:func:`predict`'s sum), charm with
+    ``splits`` per direction, the others whole."""
+    if algo != "charm":
+        splits = ((False, False), (False, False))
     key = _role_key(roles, problem)
     return sum(simulate(_plan(algo, direction, groups, causal, *key, *split), problem, cluster,
                         groups).time_s

@@ -180,10 +180,7 @@ def split_choice(opts: CPOptions, algo: str, groups: tuple[tuple[int, ...], ...]
     Without a profile, whole blocks: the split pays only where a slow link is shared (one NIC
     per node), which the generic cluster cannot know, and the GPU profiles predict it slower.
     A pure function of what the ranks agreed on, so every rank builds the same plans."""
-    from charm_megatron.model import choose_split_visiting
-
-    return _split(opts.split_visiting, choose_split_visiting, opts, algo, groups, causal, roles,
-                  q, k, cp_size, cluster)
+    return _split(0, opts, algo, groups, causal, roles, q, k, cp_size, cluster)
 
 
 def split_q_choice(opts: CPOptions, algo: str, groups: tuple[tuple[int, ...], ...],
@@ -193,18 +190,20 @@ def split_q_choice(opts: CPOptions, algo: str, groups: tuple[tuple[int, ...], ..
     model's :func:`~charm_megatron.model.choose_split_counterpart_q`): whole blocks without
     a profile (the GPU profiles predict the split slower: it fetches the group's kv blocks
     once per half)."""
-    from charm_megatron.model import choose_split_counterpart_q
-
-    return _split(opts.split_counterpart_q, choose_split_counterpart_q, opts, algo, groups,
-                  causal, roles, q, k, cp_size, cluster)
+    return _split(1, opts, algo, groups, causal, roles, q, k, cp_size, cluster)
 
 
-def _split(mode: str, chooser, opts: CPOptions, algo: str, groups, causal: bool, roles: str,
+def _split(which: int, opts: CPOptions, algo: str, groups, causal: bool, roles: str,
            q: torch.Tensor, k: torch.Tensor, cp_size: int, cluster) -> tuple[bool, bool]:
-    if algo != "charm" or len(groups) < 2 or mode == "off":
+    """Forward and backward of split ``which`` (0: visiting kv, 1: counterpart q): the rule
+    ``auto`` weighs charm with (:func:`split_modes`, :func:`~charm_megatron.model.charm_splits`),
+    so what runs is what was predicted."""
+    if algo != "charm":
         return False, False
-    if mode == "on":
-        return True, True
-    if opts.model_profile is None or cluster is None:
-        return False, False
-    return chooser(groups, _problem(q, k, cp_size), cluster, causal=causal, roles=roles)
+    from charm_megatron.model import charm_splits
+
+    visiting, counterpart_q = split_modes(opts, cluster)
+    forward, backward = charm_splits(groups, _problem(q, k, cp_size), cluster, causal=causal,
+                                     roles=roles, split_visiting=visiting,
+                                     split_counterpart_q=counterpart_q)
+    return forward[which], backward[which]
