@@ -23,8 +23,9 @@ import tempfile
 from collections.abc import Iterator
 
 from charm_megatron.model.auto import ENV as PROFILE_ENV
-from charm_megatron.model.cluster import Profile, get_profile
+from charm_megatron.model.cluster import Profile
 from charm_megatron.model.profile_io import save_profile
+from charm_megatron.model.profiles import get_profile
 from charm_megatron.model.testbed import bench_cluster
 
 #: The base profile when the environment names none (calibrated on this project's testbed).

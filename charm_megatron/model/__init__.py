@@ -23,13 +23,7 @@ See docs/model.md for what is modelled and what is not.
 from charm_megatron.model.auto import ENV as PROFILE_ENV
 from charm_megatron.model.auto import auto_cluster
 from charm_megatron.model.calibrate import calibrate
-from charm_megatron.model.cluster import (
-    PROFILES,
-    Cluster,
-    Profile,
-    default_cluster_for,
-    get_profile,
-)
+from charm_megatron.model.cluster import Cluster, Profile, default_cluster_for
 from charm_megatron.model.predict import (
     CCR,
     Prediction,
@@ -43,6 +37,7 @@ from charm_megatron.model.predict import (
     ring_ccr,
 )
 from charm_megatron.model.profile_io import load_profile, save_profile
+from charm_megatron.model.profiles import PROFILES, get_profile
 from charm_megatron.model.sim import ModelError, RankStats, SimResult, simulate, tile_flops
 
 __all__ = [

@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
-from charm_megatron.model.cluster import Cluster, Profile, get_profile
+from charm_megatron.model.cluster import Cluster, Profile
+from charm_megatron.model.profiles import get_profile
 
 #: The variable the API edges read the profile from (CPOptions.from_env, the model CLI).
 ENV = "CHARM_MODEL_PROFILE"

@@ -16,8 +16,9 @@ import argparse
 import os
 
 from charm_megatron.model.auto import ENV
-from charm_megatron.model.cluster import PROFILES, Cluster, default_cluster_for, get_profile
+from charm_megatron.model.cluster import Cluster, default_cluster_for
 from charm_megatron.model.predict import Prediction, predict, predict_all, ring_ccr
+from charm_megatron.model.profiles import PROFILES, get_profile
 from charm_megatron.plan.cli import add_split_args
 from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args
 from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS

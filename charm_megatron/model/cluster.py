@@ -2,8 +2,8 @@
 
 A :class:`Cluster` says how fast things are; *which* ranks share fast links is the topology
 (groups of CP ranks), passed separately, so one description serves ``2x8`` and ``4x8`` alike.
-Named :data:`PROFILES` (files in ``profile_data/``, written by
-:mod:`charm_megatron.model.refit`) carry a default topology and where each number comes from;
+A :class:`Profile` is a named cluster with a default topology and where each number comes
+from (the named ones are :data:`charm_megatron.model.profiles.PROFILES`);
 :func:`default_cluster_for` is the generic guess used when the user describes nothing.
 
 Units: GB/s means 1e9 bytes per second, per direction (links are full duplex); TFLOP/s is the
@@ -176,20 +176,6 @@ class Profile:
     origin: str | None = field(default=None, compare=False, hash=False)
 
 
-def get_profile(name: str) -> Profile:
-    """The built-in profile called ``name``, or the profile file at path ``name`` (a ``.json``
-    written by ``charm-megatron model --calibrate``); :class:`ValueError` lists the known ones."""
-    from charm_megatron.model.profile_io import is_profile_path, load_profile
-
-    if is_profile_path(name):
-        return load_profile(name)
-    try:
-        return PROFILES[name]
-    except KeyError:
-        raise ValueError(f"unknown profile {name!r}; choose one of {', '.join(PROFILES)} or "
-                         "give the path of a profile file (.json)") from None
-
-
 # The generic guess: a modern GPU node (NVLink-class intra links, one ~200 Gb/s NIC per GPU).
 # Only the *ratios* compute : intra : cross matter for choosing an algorithm; 8x between intra
 # and cross is the paper's observation that cross-hardware links are several times slower.
@@ -209,12 +195,3 @@ def default_cluster_for(groups: Sequence[Sequence[int]]) -> Cluster:
     cross = _GENERIC_INTRA_GBPS / _GENERIC_CROSS_RATIO if num_groups > 1 else _GENERIC_INTRA_GBPS
     return Cluster(intra_gbps=_GENERIC_INTRA_GBPS, cross_gbps=cross, tflops=_GENERIC_TFLOPS,
                    nic="rank", latency_us=10.0)
-
-
-def _builtin() -> dict[str, Profile]:
-    from charm_megatron.model.profile_io import builtin_profiles
-
-    return builtin_profiles()
-
-
-PROFILES: dict[str, Profile] = _builtin()
