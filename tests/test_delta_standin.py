@@ -22,7 +22,7 @@ def test_stand_in_matches_the_real_output(dtype, scale):
     q, k, v = (torch.randn(16, 1, 4, 8, generator=g).to(dtype) for _ in range(3))
     dout = (torch.randn(16, 1, 4, 8, generator=g, dtype=torch.float64) * scale).to(dtype)
     dout[3, 0, 1] = 0  # a zero row stays zero
-    be = get_backend("cpu", dtype, name="torch", environ={})
+    be = get_backend("cpu", dtype, name="torch")
     out, lse = be.forward(q, k, v, True, 0.35)
     want = be.backward(dout, q, k, v, out, lse, True, 0.35)
     e = delta_exponent(dout)

@@ -5,6 +5,7 @@ import torch
 
 from charm_megatron.kernels import available_backends, get_backend
 from charm_megatron.kernels.reference import ReferenceBackend
+from charm_megatron.ops.options import kernel_backend
 
 REF = ReferenceBackend(torch.float64)
 
@@ -71,13 +72,15 @@ def test_backend_against_reference(backend, dtype, tol, causal, sq, sk, hkv):
         assert rel(got, want) < tol
 
 
-def test_backend_override_and_errors(monkeypatch):
-    monkeypatch.setenv("CHARM_ATTN_BACKEND", "reference")
-    assert get_backend("cpu", torch.float32).name == "reference"
-    monkeypatch.setenv("CHARM_ATTN_BACKEND", "nonsense")
+def test_backend_override_and_errors():
+    from charm_megatron.ops.options import CPOptions
+
+    assert get_backend("cpu", torch.float32, name="reference").name == "reference"
     with pytest.raises(ValueError, match="CHARM_ATTN_BACKEND"):
-        get_backend("cpu", torch.float32)
-    monkeypatch.delenv("CHARM_ATTN_BACKEND")
+        get_backend("cpu", torch.float32, name="nonsense")
+    # The variable is read at the API edge only, into the options
+    opts = CPOptions.from_env({"CHARM_ATTN_BACKEND": "reference"})
+    assert kernel_backend(opts, torch.device("cpu"), torch.float32).name == "reference"
     assert get_backend("cpu", torch.float32).name == "torch"
 
 

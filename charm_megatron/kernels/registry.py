@@ -1,10 +1,10 @@
-"""Backend choice: by device and availability, overridable with ``CHARM_ATTN_BACKEND``."""
+"""Backend choice: a name, or by device and availability. The name comes from the caller
+(``CPOptions.backend``, which the API edge reads from ``CHARM_ATTN_BACKEND``); this module reads
+no environment variable."""
 
 from __future__ import annotations
 
 import functools
-import os
-from collections.abc import Mapping
 
 import torch
 
@@ -28,7 +28,8 @@ def _make(name: str) -> AttentionBackend:
 
         return ReferenceBackend(torch.float32)  # float64 blocks still compute in float64
     raise ValueError(
-        f"unknown attention backend {name!r}; CHARM_ATTN_BACKEND must be one of {', '.join(BACKENDS)}"
+        f"unknown attention backend {name!r} (CHARM_ATTN_BACKEND / CPOptions.backend); "
+        f"choose one of {', '.join(BACKENDS)}"
     )
 
 
@@ -52,20 +53,14 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
 
 def get_backend(
     device: torch.device | str = "cpu", dtype: torch.dtype | None = None, name: str | None = None,
-    environ: Mapping[str, str] | None = None,
 ) -> AttentionBackend:
-    """The backend for tensors on ``device``: ``name``, else ``CHARM_ATTN_BACKEND`` in
-    ``environ`` (``os.environ``; ``cp_attention`` passes ``{}``: it resolved the variable into
-    its options already), else automatic.
-
-    Automatic: ``flash_attn`` on CUDA for fp16/bf16 when importable, else ``torch``.
-    """
-    env = os.environ if environ is None else environ
-    name = name or env.get("CHARM_ATTN_BACKEND") or None
+    """The backend for tensors on ``device``: ``name`` (one of :data:`BACKENDS`), else
+    automatic: ``flash_attn`` on CUDA for fp16/bf16 when importable, else ``torch``."""
     if name is not None:
         if name == "flash_attn" and not _flash_attn_importable():
-            raise ValueError("CHARM_ATTN_BACKEND=flash_attn but flash_attn cannot be imported; "
-                             "install it (pip install flash-attn) or unset the variable")
+            raise ValueError("attention backend flash_attn (CHARM_ATTN_BACKEND / "
+                             "CPOptions.backend) cannot be imported; install it (pip install "
+                             "flash-attn) or choose torch")
         return _make(name)
     dev = torch.device(device)
     if dev.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and _flash_attn_importable():
