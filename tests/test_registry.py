@@ -17,11 +17,11 @@ from charm_megatron.megatron import args as megatron_args
 from charm_megatron.model import choose_algo, predict
 from charm_megatron.model.cluster import default_cluster_for
 from charm_megatron.ops import attention
+from charm_megatron.ops.options import CPOptions
 from charm_megatron.plan import cli as plan_cli
 from charm_megatron.plan import registry
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.validate import validate
-from charm_megatron.topology import Topology, resolve_topology
 
 BUILT_IN = ("ring", "rmplus", "charm")
 TOY = toy_algorithm.NAME
@@ -89,7 +89,7 @@ def test_a_registered_algorithm_is_listed_everywhere(toy, capsys):
     lists = _lists()
     for name, names in lists.items():
         assert TOY in names, f"{TOY} missing from {name}: {names}"
-    assert resolve_topology(None, None, TOY, 4) == Topology.flat(4)  # uses_topology=False
+    assert CPOptions().topology_for(TOY, "2x2") is None  # uses_topology=False: flat
     assert megatron_args.charm_comm_types([TOY]) == (TOY,)  # --cp-comm-type toygather: CHARM+
     assert cli_main(["args", "--list-comm-types"]) == 0
     assert TOY in capsys.readouterr().out.split()

@@ -288,33 +288,40 @@ def test_cpu_numa_node_from_fake_sysfs(tmp_path):
 # --------------------------------------------------------------------------- resolution
 
 
-def test_resolve_precedence(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "4x2")
-    assert resolve_topology("2x4", None, "charm", 8) == Topology.parse("2x4")  # argument wins
-    assert resolve_topology(Topology.parse("0,2,4,6/1,3,5,7"), None, "charm", 8).groups[0] == (0, 2, 4, 6)
-    assert resolve_topology(None, None, "charm", 8) == Topology.parse("4x2")  # env next
-    assert resolve_topology(None, None, "ring", 8).is_flat  # ring / rmplus: flat
-    assert resolve_topology(None, None, "rmplus", 8).is_flat
-    monkeypatch.setenv(ENV_VAR, "flat")
-    assert resolve_topology(None, None, "charm", 8) == Topology.flat(8)
-    assert resolve_topology("flat", None, "charm", 3) == Topology.flat(3)
+def _resolve(topology, algo: str, cp: int, env: dict | None = None):
+    """What a cp_attention call resolves: the options' rule (argument, CHARM_TOPOLOGY, probe;
+    flat for algorithms that do not use the topology), then the topology layer."""
+    from charm_megatron.ops.options import CPOptions
+
+    spec = CPOptions.from_env(env or {}).topology_for(algo, topology)
+    return Topology.flat(cp) if spec is None else resolve_topology(spec[0], None, cp,
+                                                                   source=spec[1])
 
 
-def test_resolve_errors(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "2x4")
+def test_resolve_precedence():
+    env = {ENV_VAR: "4x2"}
+    assert _resolve("2x4", "charm", 8, env) == Topology.parse("2x4")  # argument wins
+    assert _resolve(Topology.parse("0,2,4,6/1,3,5,7"), "charm", 8, env).groups[0] == (0, 2, 4, 6)
+    assert _resolve(None, "charm", 8, env) == Topology.parse("4x2")  # env next
+    assert _resolve(None, "ring", 8, env).is_flat  # ring / rmplus: flat
+    assert _resolve("2x4", "rmplus", 8, env).is_flat
+    assert _resolve(None, "charm", 8, {ENV_VAR: "flat"}) == Topology.flat(8)
+    assert resolve_topology("flat", None, 3) == Topology.flat(3)
+
+
+def test_resolve_errors():
     with pytest.raises(ValueError, match="CHARM_TOPOLOGY='2x4'.*has 8 ranks but the CP group has 6"):
-        resolve_topology(None, None, "charm", 6)
+        _resolve(None, "charm", 6, {ENV_VAR: "2x4"})
     with pytest.raises(ValueError, match="topology='3x3'"):
-        resolve_topology("3x3", None, "charm", 8)
+        resolve_topology("3x3", None, 8)
     with pytest.raises(ValueError, match="cannot read"):
-        resolve_topology("two-by-four", None, "charm", 8)
+        resolve_topology("two-by-four", None, 8)
     with pytest.raises(ValueError, match="cp_size"):
-        resolve_topology(None, None, "charm", 0)
-    monkeypatch.delenv(ENV_VAR)
+        resolve_topology("auto", None, 0)
     # Probing without torch.distributed: fine for one rank, an error otherwise.
-    assert resolve_topology(None, None, "charm", 1) == Topology.flat(1)
+    assert _resolve(None, "charm", 1) == Topology.flat(1)
     with pytest.raises(ValueError, match="initialised"):
-        resolve_topology("node", None, "charm", 4)
+        resolve_topology("node", None, 4)
 
 
 # --------------------------------------------------------------------------- CLI helpers

@@ -73,7 +73,7 @@ def _probe_fake(rank, world, hosts, numas):
     g02, g13 = dist.new_group([0, 2]), dist.new_group([1, 3])
     mine = g02 if rank % 2 == 0 else g13
     strided = probe(mine)
-    resolved = resolve_topology(None, mine, "charm", 2)
+    resolved = resolve_topology("auto", mine, 2)
     return {
         "topo": str(r.topology), "level": r.level, "cached": again is r, "gathers": calls["n"],
         "warned": [str(w.message) for w in caught if issubclass(w.category, TopologyWarning)],
@@ -107,8 +107,13 @@ def _resolve_env(rank, world):
     from charm_megatron.topology import resolve_topology
 
     _fake_facts(HOSTS_2X2, [0, 1, 0, 1])
-    return [str(resolve_topology(None, None, "charm", 4)), str(resolve_topology("numa", None, "charm", 4)),
-            str(resolve_topology(None, None, "ring", 4))]
+    from charm_megatron.ops.options import CPOptions
+
+    opts = CPOptions.from_env()  # CHARM_TOPOLOGY from the job's environment
+    spec, source = opts.topology_for("charm", None)
+    return [str(resolve_topology(spec, None, 4, source=source)),
+            str(resolve_topology("numa", None, 4)),
+            "1x4" if opts.topology_for("ring", None) is None else "not flat"]
 
 
 def test_resolve_env_levels():

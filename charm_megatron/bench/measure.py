@@ -35,6 +35,7 @@ from charm_megatron.bench.contenders import DTYPES, Contender, Lineup, line_up
 from charm_megatron.bench.memory import PeakMeter
 from charm_megatron.bench.packing import cumulative, doc_lengths
 from charm_megatron.bench.progress import Progress
+from charm_megatron.ops.options import CPOptions
 from charm_megatron.topology import resolve_topology
 
 
@@ -187,7 +188,8 @@ def _measure_point(job: Job, point: Point, lineup: Lineup, rank: int, world: int
 
 def _resolve_topology(job: Job, world: int) -> tuple[str, list[list[int]]]:
     """The CHARM+ topology every rank uses, and its groups (a probe is a collective)."""
-    topo = resolve_topology(job.topology, None, "charm", world)
+    spec, source = CPOptions.from_env().topology_for("charm", job.topology)
+    topo = resolve_topology(spec, None, world, source=source)
     return str(topo), [list(g) for g in topo.groups]
 
 

@@ -274,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         if explicit is not None:
             source = "--topology" if args.topology else f"{ENV_VAR}={explicit}"
             try:
-                chosen = resolve_topology(explicit, group, "charm", cp)
+                chosen = resolve_topology(explicit, group, cp, source=source)
             except ValueError as exc:
                 error = str(exc)
         rates: dict[tuple[int, int], float] = {}

@@ -1,50 +1,39 @@
-"""Which topology a CP attention call uses: argument, then ``CHARM_TOPOLOGY``, then the probe."""
+"""Which topology a CP attention call uses, from a value: a :class:`Topology`, a topology
+string, or a probe level. Where the value comes from (the call's argument, ``CHARM_TOPOLOGY``
+through the options, the probe by default) is decided at the API edge
+(:meth:`charm_megatron.CPOptions.topology_for`); this module reads no environment variable
+and knows no algorithm."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from charm_megatron.plan.registry import uses_topology
 from charm_megatron.topology.core import Topology
 from charm_megatron.topology.probing import LEVELS, probe
 
 __all__ = ["ENV_VAR", "resolve_topology"]
 
+#: The variable the API edges read a default topology from (CPOptions.from_env, the topo CLI).
 ENV_VAR = "CHARM_TOPOLOGY"
 
 
-def resolve_topology(
-    topology: Topology | str | None, group: Any, algo: str, cp_size: int
-) -> Topology:
-    """The topology for one CP attention call on the CP process group ``group``.
+def resolve_topology(spec: Topology | str, group: Any, cp_size: int, *,
+                     source: str | None = None) -> Topology:
+    """The topology ``spec`` names for the CP process group ``group`` of ``cp_size`` ranks.
 
-    Precedence: an explicit ``topology`` (a :class:`Topology` or a string: ``GxM``, ``flat``,
-    explicit groups, or a probe level ``auto|node|numa``) beats ``CHARM_TOPOLOGY`` (same syntax),
-    which beats the probe at level ``auto``. With ``topology=None``, an ``algo`` registered as not
-    using the topology (ring, rmplus) gets flat (the env var is for CHARM+); any other algo uses
-    the env var or the probe.
-
-    The only communication is the probe's one cached all-gather, so every rank reaches the same
-    result provided all ranks pass the same ``topology`` and see the same ``CHARM_TOPOLOGY``.
-    Raises :class:`ValueError` when the result does not have ``cp_size`` ranks.
+    ``spec``: a :class:`Topology`, a string (``GxM``, ``flat``, explicit groups) or a probe level
+    (``auto``, ``node``, ``numa``: the probe's one cached all-gather over ``group``, the only
+    communication here). ``source`` names where ``spec`` came from in errors (default
+    ``topology=...``). Raises :class:`ValueError` when the result does not have ``cp_size``
+    ranks, or ``spec`` cannot be read.
     """
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be a positive integer, got {cp_size!r}")
-    if topology is None:
-        if not uses_topology(algo):
-            return Topology.flat(cp_size)
-        env = os.environ.get(ENV_VAR, "").strip()
-        source = f"{ENV_VAR}={env!r}"
-        spec: Topology | str = env or "auto"
-        if not env:
-            source = "the probe (CHARM_TOPOLOGY unset)"
-    else:
-        spec, source = topology, f"topology={str(topology)!r}"
+    source = source or f"topology={str(spec)!r}"
     if isinstance(spec, Topology):
         topo = spec
     elif not isinstance(spec, str):
-        raise ValueError(f"topology must be a Topology, a string or None, got {type(spec).__name__}")
+        raise ValueError(f"topology must be a Topology or a string, got {type(spec).__name__}")
     elif spec.strip().lower() in LEVELS and spec.strip().lower() != "flat":
         topo = _probe(group, spec.strip().lower(), cp_size)
     else:
