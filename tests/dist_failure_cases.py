@@ -60,7 +60,7 @@ class FailingBackend:
     name = "torch"
 
     def __init__(self, where: str, fail_at: int, sleep_s: float = 0.0) -> None:
-        self.inner = get_backend("cpu", torch.float32, name="torch", environ={})
+        self.inner = get_backend("cpu", torch.float32, name="torch")
         self.where, self.fail_at, self.sleep_s, self.calls = where, fail_at, sleep_s, 0
 
     def _maybe_fail(self, where: str) -> None:
@@ -276,18 +276,15 @@ def options_in_ctx(rank: int, world: int):
 
 
 def exchange_cost(rank: int, world: int, reps: int):
-    """Median seconds of one agreement exchange and one status exchange on the control group."""
+    """Median seconds of one agreement (its agree and verdict rounds) and one status exchange
+    on the control channel (docs/api.md, "Cost of the checks")."""
     from charm_megatron.ops import agreement, streams
 
     sg = streams.stream_groups(None)
-    x = torch.randn(4, 1, 2, 8)
-    from charm_megatron.ops.call_setup import signature
-
-    sig = signature("forward", 0, x, x, x, "ring", None, True, 0.35, opts(), None)
+    sig = agreement.Signature(tuple((f"field {i}", i) for i in range(20)))
     res = {}
-    for name, fn in (("agree", lambda: agreement.agree(sig, sg.control, world, 30.0)),
-                     ("status", lambda: agreement.exchange_status(0, "", sg.control, world,
-                                                                  30.0))):
+    for name, fn in (("agree", lambda: agreement.agree(sg, sig, 0, False, 30.0)),
+                     ("status", lambda: agreement.report_status(sg, 0, False, 0, "", 30.0))):
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -296,7 +293,6 @@ def exchange_cost(rank: int, world: int, reps: int):
         times.sort()
         res[name] = times[len(times) // 2]
     return res
-
 
 def auto_with_profile(rank: int, world: int):
     """algo="auto" under options.model_profile None / "l20-pcie" (the algorithm each call

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from charm_megatron import cp_attention
 from charm_megatron.layout import thd_index
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
 
 def doc_lengths(kind: str, cp: int) -> tuple[list[int], list[int] | None]:
@@ -107,7 +107,8 @@ def one_case(rank: int, world: int, algo: str, topology, causal: bool, dtype: st
                             return_lse=True, options=options, **kw)
     out.backward(local(dout).to(dt))
     assert out.shape == ql.shape and out.dtype == dt
-    assert lse.shape == (hq, ql.shape[0]) and lse.dtype == torch.float32
+    lse_dtype = torch.float64 if dt == torch.float64 else torch.float32  # one rule at any CP
+    assert lse.shape == (hq, ql.shape[0]) and lse.dtype == lse_dtype, (lse.shape, lse.dtype)
     got = [out, lse, ql.grad, kl.grad, vl.grad]
     want = [local(ref[0]), local(ref[1].t()).t(), local(ref[2]), local(ref[3]), local(ref[4])]
     errs = {}

@@ -68,7 +68,7 @@ MISMATCH = {  # case -> (field named in the message, or the input error's text)
     "algo": "algo",
     "topology": "topology",
     "scale": "softmax_scale",
-    "pass_order": "pass order",
+    "pass_order": "pass_order",
     "roles": "roles",
     "bad_input_one_rank": "divisible by 2\\*cp_size",
     "backward_order": "call number",

@@ -9,13 +9,36 @@ from charm_megatron.model import choose_split_counterpart_q, choose_split_visiti
 from charm_megatron.model.predict import SPLIT_MARGIN, _plan, _role_key
 from charm_megatron.model.sim import simulate
 from charm_megatron.model.testbed import bench_cluster
-from charm_megatron.ops.call_setup import needs_cluster, split_choice, split_q_choice
 from charm_megatron.ops.options import CPOptions
 from charm_megatron.plan.cost import Problem
 
 GROUPS_2X4 = ((0, 1, 2, 3), (4, 5, 6, 7))
 # The bench's issue-12 point: B=2, S=3072, 8 q / 2 kv heads x 64, fp32.
 PROBLEM = Problem(2, 3072, 8, 2, 64, 4)
+
+
+def _splits(opts, algo, groups, q, k, cluster=None):
+    """(split visiting kv, split counterpart q), each (forward, backward), that a call of
+    ``algo`` with these options resolves to on ``groups`` (ops/resolution.py)."""
+    from charm_megatron.ops.prepare import build_request
+    from charm_megatron.ops.resolution import problem
+
+    n = sum(len(g) for g in groups)
+    topo = "/".join(",".join(map(str, g)) for g in groups)
+    request = build_request(q, k, k, cp_size=n, algo=algo, topology=topo, causal=True,
+                            softmax_scale=None, options=opts, roles="bytes", cu_seqlens=None,
+                            cu_seqlens_padded=None)
+    from charm_megatron.ops import resolution
+
+    return resolution._splits(request, algo, tuple(groups), problem(request, n), cluster)
+
+
+def split_choice(opts, algo, groups, causal, roles, q, k, n, cluster=None):
+    return _splits(opts, algo, groups, q, k, cluster)[0]
+
+
+def split_q_choice(opts, algo, groups, causal, roles, q, k, n, cluster=None):
+    return _splits(opts, algo, groups, q, k, cluster)[1]
 
 
 def _testbed(nic: str):
@@ -76,17 +99,6 @@ def test_auto_without_a_profile_keeps_whole_blocks():
     opts = CPOptions(model_profile="cpu-testbed")
     assert split_choice(opts, "charm", GROUPS_2X4, True, "bytes", q, k, 8,
                         _testbed("node")) == (True, True)
-
-
-def test_auto_reads_the_model_profile_only_for_charm():
-    # split_visiting="auto" is the default; it predicts only with a profile.
-    assert needs_cluster("charm", CPOptions(model_profile="h100"))
-    assert not needs_cluster("charm", CPOptions())
-    assert needs_cluster("charm", CPOptions(split_visiting="off", model_profile="h100"))
-    assert not needs_cluster("charm", CPOptions(split_visiting="off", split_counterpart_q="off",
-                                                model_profile="h100"))
-    assert not needs_cluster("ring", CPOptions())
-    assert needs_cluster("auto", CPOptions(split_visiting="off"))
 
 
 # split_counterpart_q="auto": the same rule for pass-q's counterpart q (docs/algorithm.md,
@@ -174,23 +186,23 @@ def test_auto_weighs_charm_with_the_splits_it_runs():
 
 
 def test_call_weighs_charm_with_its_options_splits():
-    """cp_attention's own path (call_setup.algo_and_groups): with a profile and the default
+    """cp_attention's own path (ops/resolution.resolve_call): with a profile and the default
     split_*="auto" the pick counts the split; forced off, or without a profile (charm then
     runs whole blocks), it does not."""
     from charm_megatron.model import auto_cluster
-    from charm_megatron.ops.call_setup import algo_and_groups, split_modes
+    from charm_megatron.ops.prepare import build_request
+    from charm_megatron.ops.resolution import resolve_call
 
     groups, problem, name = SPLIT_FLIPS
     q = torch.empty(problem.s // 4, 1, 8, 64, dtype=torch.bfloat16, device="meta")
-    k = torch.empty(problem.s // 4, 1, 8, 64, dtype=torch.bfloat16, device="meta")
     cluster = auto_cluster(name)
 
     def pick(opts: CPOptions, cl) -> str:
-        return algo_and_groups("auto", "2x2", None, 4, q, k, True, cl, "bytes", opts)[0]
+        request = build_request(q, q, q, cp_size=4, algo="auto", topology="2x2", causal=True,
+                                softmax_scale=None, options=opts, roles="bytes",
+                                cu_seqlens=None, cu_seqlens_padded=None)
+        return resolve_call(request, None, 4, cl).algo
 
     assert pick(CPOptions(model_profile=name), cluster) == "charm"
     assert pick(CPOptions(model_profile=name, split_counterpart_q="off"), cluster) == "ring"
-    assert split_modes(CPOptions(model_profile=name), cluster) == ("auto", "auto")
-    assert split_modes(CPOptions(), None) == ("off", "off")
-    assert split_modes(CPOptions(split_visiting="on"), None) == ("on", "off")
-    assert split_modes(None, cluster) == ("off", "off")
+    assert pick(CPOptions(), None) == pick(CPOptions(split_counterpart_q="off"), None)

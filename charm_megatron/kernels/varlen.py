@@ -50,6 +50,11 @@ class Segments:
         return max((b - a for a, b in zip(self.cu_k, self.cu_k[1:])), default=0)
 
 
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The log-sum-exp's dtype for inputs of ``dtype``: fp32, float64 for float64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _use_varlen(q: torch.Tensor, varlen: bool) -> bool:
     # varlen=False: the caller forced a block backend (CPOptions.backend / CHARM_ATTN_BACKEND,
     # resolved at the API edge), which then runs every document itself.
@@ -59,11 +64,12 @@ def _use_varlen(q: torch.Tensor, varlen: bool) -> bool:
 def segmented_forward(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor,
                       v: torch.Tensor, seg: Segments, scale: float, *, varlen: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [sq, 1, hq, d], lse [1, hq, sq] fp32)`` of the tile, by document; ``varlen``
-    allows the one-call CUDA varlen kernel (fp16/bf16 on CUDA), else ``backend`` per document."""
+    """``(out [sq, 1, hq, d], lse [1, hq, sq])`` of the tile, by document (lse in fp32, or
+    float64 for float64 inputs: float64 end to end); ``varlen`` allows the one-call CUDA varlen
+    kernel (fp16/bf16 on CUDA), else ``backend`` per document."""
     sq, _, hq, d = q.shape
     out = torch.zeros_like(q)
-    lse = torch.full((1, hq, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((1, hq, sq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     if seg.q_index.numel() == 0:
         return out, lse
     qg, kg, vg = q[seg.q_index], k[seg.k_index], v[seg.k_index]
@@ -71,13 +77,13 @@ def segmented_forward(backend: AttentionBackend, q: torch.Tensor, k: torch.Tenso
         og, lg = _cuda_varlen().forward(qg, kg, vg, seg, scale)
     else:
         og = torch.empty_like(qg)
-        lg = torch.empty((1, hq, qg.shape[0]), dtype=torch.float32, device=q.device)
+        lg = torch.empty((1, hq, qg.shape[0]), dtype=lse.dtype, device=q.device)
         for (a, b), (c, e) in zip(zip(seg.cu_q, seg.cu_q[1:]), zip(seg.cu_k, seg.cu_k[1:])):
             o, m = backend.forward(qg[a:b], kg[c:e], vg[c:e], seg.causal, scale)
             og[a:b] = o
             lg[..., a:b] = m
     out.index_copy_(0, seg.q_index, og.to(out.dtype))
-    lse.index_copy_(2, seg.q_index, lg.float())
+    lse.index_copy_(2, seg.q_index, lg.to(lse.dtype))
     return out, lse
 
 

@@ -36,7 +36,6 @@ from charm_megatron.megatron.args import our_comm_types
 from charm_megatron.megatron.comm_types import is_ours, layer_comm_type
 from charm_megatron.ops.options import CPOptions
 from charm_megatron.ops.streams import create_stream_groups
-from charm_megatron.plan.registry import uses_topology
 from charm_megatron.topology import Topology, resolve_topology
 
 __all__ = [
@@ -308,13 +307,12 @@ class CharmDotProductAttention(MegatronModule):
         key = _group_ranks(group) or (0,)
         topo = self._topologies.get(key)
         if topo is None:
-            spec = self.topology_spec
-            if spec is None and uses_topology(self.algo):
-                # The options' default (CHARM_TOPOLOGY, read once at build), else the probe;
-                # ring / rmplus without an explicit topology get flat from resolve_topology.
-                spec = self.options.topology or "auto"
+            # The options' rule (CHARM_TOPOLOGY, read once at build, else the probe; flat for
+            # an algorithm that does not use the topology), as in every cp_attention call.
+            spec = self.options.topology_for(self.algo, self.topology_spec)
             try:
-                topo = resolve_topology(spec, group, self.algo, cp_size)
+                topo = (Topology.flat(cp_size) if spec is None
+                        else resolve_topology(spec[0], group, cp_size, source=spec[1]))
             except ValueError as exc:
                 if group is self.cp_group:
                     raise
@@ -325,6 +323,12 @@ class CharmDotProductAttention(MegatronModule):
                 ) from None
             self._topologies[key] = topo
         return topo
+
+    @property
+    def _tag(self) -> str:
+        # Every rank of a CP group runs the same layer at a time; a rank one layer ahead or
+        # behind (a skipped call) then fails the agreement by name instead of pairing layers.
+        return f"layer {self.layer_number}"
 
     def describe(self) -> dict[str, Any]:
         """What this layer runs: layer number, algo, CP size, topology, its CP-local groups and
@@ -402,6 +406,7 @@ class CharmDotProductAttention(MegatronModule):
                 causal=causal,
                 softmax_scale=self.softmax_scale,
                 options=self.options,
+                tag=self._tag,
             )
         # [s, b, h, d] -> [s, b, h*d]: the layout linear_proj consumes.
         return out.reshape(out.shape[0], out.shape[1], -1)
@@ -502,7 +507,7 @@ class CharmDotProductAttention(MegatronModule):
             query, key, value, group=self.cp_group, algo=self.algo, topology=self.topology,
             causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
             cu_seqlens=psp.cu_seqlens_q, cu_seqlens_padded=psp.cu_seqlens_q_padded,
-            options=self.options,
+            options=self.options, tag=self._tag,
         )
         return out.reshape(out.shape[0], -1)
 

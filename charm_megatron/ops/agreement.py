@@ -1,33 +1,52 @@
 """The ranks of a ``cp_attention`` call agree on it before any data moves, and report how it
-went after.
+went after (docs/api.md, failure model).
 
-Agreement: each rank packs its :class:`Signature` (shapes, dtype, algorithm, topology, mask,
-scale, plan, options; or the error its own checks raised) into one small int64 vector; one
-exchange on the CP group's gloo control group (one all-to-all round) gives every rank every
-rank's vector, so every rank reaches the same verdict and raises the same error, naming the field and the ranks. Status:
-after the plan ran (or raised), one more exchange of one number per rank tells every rank
-whether any rank failed and whether the communicators must be rebuilt.
+Each call direction makes three exchanges on the CP group's control channel
+(:mod:`charm_megatron.ops.control`):
 
-Fields are ``(name, value)`` pairs; adding one (e.g. packed-sequence lengths) is one more entry
-in :func:`signature_fields`; values are hashed to int64 when they are not ints.
+1. **agree**: every rank's :class:`Signature` (the call's fields as int64 codes), or the error
+   its own checks raised;
+2. **verdict**: always sent after an agreement in step, so that a rank never runs a plan its
+   peers gave up on: it carries "go", or this rank's values of the fields that differ;
+3. **status** (after the plan): whether the plan worked here, and the error if not.
+
+Every rank reads the same table of every exchange, so every rank reaches the same verdict and
+raises the same error, naming the field and the ranks.
+
+Out of step. A rank that missed a call, or reached it after its peers gave up waiting
+(``timeout_s``), meets messages of another round or call number. Its peers kept the exchange
+they gave up on (``ControlChannel.pending``); their next call first settles it and, when the
+late rank completed it, sends the late rank the rest of that call marked *abandoned*, so the
+late rank never runs a plan alone. Both sides raise a :class:`CPMismatchError` naming each
+rank's call number, and both set their call counters to the largest one seen, so the call after
+pairs by order again. (A rank that was merely slow cannot be told from one that skipped a call:
+the calls after pair as if it had skipped one.)
+
+Failed transfers mark the stream communicators for rebuilding; the next call's agreement
+carries the mark, and every rank rebuilds them together before any data moves.
 """
 
 from __future__ import annotations
 
 import ast
-import datetime
 import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-import torch.distributed as dist
+from charm_megatron.ops.control import (
+    MAX_CODES,
+    ControlBroken,
+    ControlTimeout,
+    Flag,
+    Message,
+    Round,
+)
 
 # Status codes of the after-call exchange.
 OK, RAISED, BROKEN = 0, 1, 2
-_MSG_BYTES = 1000  # error path only
-MAX_FIELDS = 48
+MAX_FIELDS = MAX_CODES
+_TEXT_LIMIT = 1000
 
 
 class CPAttentionError(RuntimeError):
@@ -35,7 +54,8 @@ class CPAttentionError(RuntimeError):
 
 
 class CPMismatchError(CPAttentionError, ValueError):
-    """The ranks of a ``cp_attention`` call disagree on its inputs or settings."""
+    """The ranks of a ``cp_attention`` call disagree on its inputs or settings, or are out of
+    step (different call numbers)."""
 
 
 def _code(value) -> int:
@@ -57,136 +77,204 @@ class Signature:
     fields: tuple[tuple[str, object], ...]
     error: str = ""  # this rank's own check failed: "TypeName: message"
 
-    def vector(self) -> torch.Tensor:
-        """``[error?, number of fields, codes...]`` padded to a fixed width (one exchange)."""
+    def codes(self) -> tuple[int, ...]:
         if len(self.fields) > MAX_FIELDS:
             raise ValueError(f"a signature holds at most {MAX_FIELDS} fields")
-        codes = [1 if self.error else 0, len(self.fields)] + [_code(v) for _, v in self.fields]
-        return torch.tensor(codes + [0] * (MAX_FIELDS + 2 - len(codes)), dtype=torch.int64)
+        return tuple(_code(v) for _, v in self.fields)
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.fields]
 
 
-def _timeout(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def _all_gather(t: torch.Tensor, group: dist.ProcessGroup, size: int,
-                timeout_s: float, what: str) -> list[torch.Tensor]:
-    # Every rank's tensor to every rank in ONE round of an all-to-all, not gloo's all_gather:
-    # that one is a ring of size - 1 sequential steps, each a network latency (and, with more
-    # ranks than cores, a scheduling delay). Measured on 8 gloo ranks sharing 2 cores, 50
-    # int64: all_gather 11.7-15.0 ms wall and 1.4-1.9 ms CPU per rank; all_to_all_single 3.9 ms
-    # and 0.5 ms. Two of these run per cp_attention call.
-    flat = t.reshape(-1)
-    out = torch.empty(size * flat.numel(), dtype=t.dtype)
+def _by_value(values: Sequence[object]) -> str:
+    groups: dict[str, list[int]] = {}
+    for r, val in enumerate(values):
+        groups.setdefault(str(val), []).append(r)
+    return ", ".join(f"{_ranks(rs)}: {val}" for val, rs in groups.items())
+
+
+# ------------------------------------------------------------------------- the exchanges
+def _exchange(sg, msg: Message, timeout_s: float, what: str) -> list[Message | None]:
     try:
-        work = dist.all_to_all_single(out, flat.repeat(size), group=group, async_op=True)
-        work.wait(_timeout(timeout_s))
-    except Exception as exc:  # noqa: BLE001 - re-raised with what it means
+        return sg.channel.exchange(msg, timeout_s)
+    except ControlTimeout as exc:
         raise CPAttentionError(
-            f"cp_attention: the {what} exchange of the CP group did not complete within "
-            f"{timeout_s:.0f} s ({type(exc).__name__}: {exc}). Likely causes: a rank died or "
-            "stopped calling cp_attention, or ranks make different numbers of cp_attention "
-            "calls; the CP group's communicators are rebuilt from the CP group at the next "
-            "call") from exc
-    return [row.reshape(t.shape) for row in out.chunk(size)]
+            f"cp_attention: the {what} exchange of the CP group ({msg.where()}) did not "
+            f"complete within {timeout_s:.0f} s ({exc}). Likely causes: a rank died or stopped "
+            "calling cp_attention, or ranks make different numbers of cp_attention calls; the "
+            "next call first waits for the late rank once more and then resynchronises the "
+            "CP group") from None
+    except ControlBroken as exc:
+        sg.parent = None  # the control group failed: make every group anew at the next call
+        raise CPAttentionError(
+            f"cp_attention: the control group of the CP group failed during the {what} "
+            f"exchange ({msg.where()}): {exc}; its communicators are made anew from the CP "
+            "group at the next call") from None
 
 
-def _pack_message(text: str) -> torch.Tensor:
-    raw = text.encode("utf-8", "replace")[:_MSG_BYTES]
-    buf = torch.zeros(_MSG_BYTES + 2, dtype=torch.uint8)
-    buf[:2] = torch.tensor([len(raw) // 256, len(raw) % 256], dtype=torch.uint8)
-    if raw:
-        buf[2:2 + len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
-    return buf
+def _in_step(table: Sequence[Message | None], mine: Message) -> bool:
+    return all(m is not None and m.position() == mine.position() for m in table)
 
 
-def _unpack_message(buf: torch.Tensor) -> str:
-    n = int(buf[0]) * 256 + int(buf[1])
-    return bytes(buf[2:2 + n].tolist()).decode("utf-8", "replace")
+def _realign(sg, table: Sequence[Message | None]) -> None:
+    """Call counters to the largest seen, so the next call pairs by order on every rank."""
+    seen = [m.next_call for m in table if m is not None]
+    if seen:
+        sg.calls = max(sg.calls, *seen)
 
 
-def _messages(text: str, group, size: int, timeout_s: float) -> list[str]:
-    got = _all_gather(_pack_message(text), group, size, timeout_s, "error-message")
-    return [_unpack_message(b) for b in got]
+def _out_of_step(sg, table: Sequence[Message | None], mine: Message,
+                 settled: bool = False) -> CPMismatchError:
+    _realign(sg, table)
+    sg.needs_rebuild = True  # cheap, and no stale transfer can ever pair afterwards
+    where = _by_value([m.where() if m is not None else "an unreadable message"
+                       for m in table])
+    counters = _by_value([m.next_call - 1 if m is not None else "?" for m in table])
+    when = ("an exchange this rank had given up on completed late; " if settled else "")
+    return CPMismatchError(
+        f"cp_attention: the ranks of the CP group are out of step ({when}{where}; last call "
+        f"numbers {counters}): a rank made fewer cp_attention calls than the others (it "
+        f"missed a call, or reached it after the others gave up waiting: timeout_s). This call "
+        f"({mine.where()}) is abandoned on every rank; the call counters are resynchronised "
+        f"to {sg.calls}, so the next call pairs by order again")
 
 
-def agree(sig: Signature, group: dist.ProcessGroup, size: int, timeout_s: float,
+def settle(sg, timeout_s: float) -> None:
+    """Before a call posts anything: complete the exchange this rank gave up on earlier (if
+    any), so that every rank has made the same number of exchanges. If a late rank completed
+    it, that rank is inside a call this rank abandoned: send it the rest of that call marked
+    abandoned, then raise (this call is abandoned too, so the calls after pair by order)."""
+    ch = sg.channel
+    p = ch.pending if ch is not None else None
+    if p is None:
+        return
+    try:
+        table = ch.wait(timeout_s)
+    except ControlTimeout:
+        raise CPAttentionError(
+            f"cp_attention: still waiting for the CP group's exchange of {p.sent.where()}, "
+            f"which timed out before: a rank has not reached it within {timeout_s:.0f} s more "
+            "(it died, stopped calling cp_attention, or is far behind). This call is "
+            "abandoned; the next call waits for it again") from None
+    except ControlBroken as exc:
+        sg.parent = None
+        raise CPAttentionError(f"cp_attention: the control group failed while completing an "
+                               f"earlier exchange ({exc}); its communicators are made anew "
+                               "at the next call") from None
+    _realign(sg, table)
+    if p.mirror:
+        return  # the late rank has now finished the call it was in: nothing more owed
+    if _in_step(table, p.sent) and p.sent.round is not Round.STATUS:
+        # The late rank continues that call: owe it the call's remaining rounds.
+        nxt = Round.VERDICT if p.sent.round is Round.AGREE else Round.STATUS
+        mirror = Message(nxt, p.sent.call, p.sent.backward, sg.calls, Flag.ABANDONED,
+                         status=RAISED, text="abandoned after a timeout",
+                         generation=sg.generation)
+        ch.post(mirror, mirror=True)
+        if nxt is Round.STATUS:
+            sg.needs_rebuild = True  # the late rank runs that plan alone
+        else:
+            try:
+                table = ch.wait(timeout_s)  # the late rank posts its verdict at once
+            except (ControlTimeout, ControlBroken):
+                pass  # still pending: settled at the next call
+    raise _out_of_step(sg, table, p.sent, settled=True)
+
+
+def open_call(sg, timeout_s: float, forward_call: int | None = None) -> int:
+    """Start one call direction on this rank: its call number (a new one for a forward, the
+    forward's for its backward ``forward_call``), after settling any exchange given up on
+    earlier (:func:`settle`, which may raise)."""
+    if forward_call is None:
+        call = sg.calls
+        sg.calls += 1
+    else:
+        call = forward_call
+    settle(sg, timeout_s)
+    return call
+
+
+def agree(sg, sig: Signature, call: int, backward: bool, timeout_s: float,
           local_error: BaseException | None = None) -> None:
-    """Raise on every rank unless every rank has the same signature and no local error.
+    """Raise on every rank unless every rank has the same signature and no local error; then
+    rebuild the stream communicators if any rank asks (all together).
 
     A rank whose own checks failed re-raises its own exception (the others raise
     :class:`CPMismatchError` quoting it), so an input error keeps its type and message."""
-    vec = sig.vector()
-    if size == 1:
-        if local_error is not None:
-            raise local_error
-        return
-    rows = _all_gather(vec, group, size, timeout_s, "agreement")
-    table = torch.stack(rows)
-    if local_error is None and bool((table == vec).all()):
-        return  # the common case: one comparison, no per-field work
-    failed = [r for r, row in enumerate(rows) if int(row[0])]
+    flags = (Flag.ERROR if local_error is not None else Flag.NONE) | (
+        Flag.REBUILD if sg.needs_rebuild else Flag.NONE)
+    error_text = sig.error[:_TEXT_LIMIT] if local_error is not None else ""
+    mine = Message(Round.AGREE, call, backward, sg.calls, flags, codes=sig.codes(),
+                   text=error_text, generation=sg.generation)
+    table = _exchange(sg, mine, timeout_s, "agreement")
+    if not _in_step(table, mine):
+        raise _out_of_step(sg, table, mine)
+    failed = [r for r, m in enumerate(table) if m.flags & Flag.ERROR]
+    diffs = [] if failed else _differences(table, sig.names())
+    values = ""
+    if diffs:
+        # The field values (not just their codes) travel only now, to name them.
+        own = dict(sig.fields)
+        values = repr([(n, repr(own.get(n))) for n in diffs])[:_TEXT_LIMIT]
+    verdict = Message(Round.VERDICT, call, backward, sg.calls, Flag.NONE, text=values,
+                      generation=sg.generation)
+    vtable = _exchange(sg, verdict, timeout_s, "verdict")
+    if any(m is not None and m.flags & Flag.ABANDONED for m in vtable):
+        raise _out_of_step(sg, vtable, verdict)
+    if not _in_step(vtable, verdict):
+        raise _out_of_step(sg, vtable, verdict)
     if failed:
-        texts = _messages(sig.error, group, size, timeout_s)
         if local_error is not None:
             raise local_error
-        detail = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
+        detail = "; ".join(f"rank {r}: {table[r].text}" for r in failed)
         raise CPMismatchError(f"cp_attention: the call failed its input checks on "
                               f"{_ranks(failed)} before any data moved ({detail})")
-    names = [name for name, _ in sig.fields]
-    diffs = _differences(rows, names)
     if diffs:
-        # The field values (not just their codes) are exchanged only now, to name them.
-        mine = dict(sig.fields)
-        texts = _messages(repr([(n, repr(mine.get(n))) for n, _ in diffs]), group, size,
-                          timeout_s)
-        raise CPMismatchError(_mismatch_text(diffs, texts, names))
+        _realign(sg, table)  # e.g. call numbers that differ: pair by order from now on
+        raise CPMismatchError(_mismatch_text(diffs, [m.text for m in vtable]))
+    if any(m.flags & Flag.REBUILD for m in table):
+        from charm_megatron.ops.streams import rebuild
+
+        rebuild(sg, max(m.generation for m in table) + 1)
 
 
-def _differences(rows: Sequence[torch.Tensor], names: list[str]) -> list[tuple[str, int]]:
-    """(field, index) of every field whose code differs between ranks."""
-    if len({int(row[1]) for row in rows}) > 1:
-        return [("number of signature fields (different charm_megatron versions?)", -1)]
-    base = rows[0]
-    out = []
-    for i, name in enumerate(names):
-        col = 2 + i
-        if any(int(row[col]) != int(base[col]) for row in rows[1:]):
-            out.append((name, col))
-    return out
+def report_status(sg, call: int, backward: bool, code: int, message: str,
+                  timeout_s: float) -> tuple[list[int], list[str]]:
+    """Every rank's status code (``OK``, ``RAISED``, ``BROKEN``) and message after the plan.
+    A rank whose peers gave up on the call (it was late) raises here."""
+    mine = Message(Round.STATUS, call, backward, sg.calls, Flag.NONE, status=code,
+                   text=message[:_TEXT_LIMIT], generation=sg.generation)
+    try:
+        table = _exchange(sg, mine, timeout_s, "status")
+    except CPAttentionError:
+        sg.needs_rebuild = True  # transfers may still be in flight somewhere
+        raise
+    if not _in_step(table, mine) or any(m.flags & Flag.ABANDONED for m in table):
+        raise _out_of_step(sg, table, mine)
+    return [m.status for m in table], [m.text for m in table]
 
 
-def _mismatch_text(diffs: list[tuple[str, int]], texts: list[str], names: list[str]) -> str:
+def _differences(table: Sequence[Message], names: list[str]) -> list[str]:
+    """Every field whose code differs between ranks."""
+    if len({len(m.codes) for m in table}) > 1:
+        return ["number of signature fields (different charm_megatron versions?)"]
+    base = table[0].codes
+    return [name for i, name in enumerate(names)
+            if any(m.codes[i] != base[i] for m in table[1:])]
+
+
+def _mismatch_text(diffs: list[str], texts: list[str]) -> str:
     values = []
     for t in texts:
         try:
             values.append(dict(ast.literal_eval(t)))
         except (ValueError, SyntaxError):
             values.append({})
-    parts = []
-    for name, _ in diffs:
-        per_rank = [v.get(name, "?") for v in values]  # each value's repr, as sent
-        groups: dict[str, list[int]] = {}
-        for r, val in enumerate(per_rank):
-            groups.setdefault(val, []).append(r)
-        shown = ", ".join(f"{_ranks(rs)}: {val}" for val, rs in groups.items())
-        parts.append(f"{name} ({shown})")
+    parts = [f"{name} ({_by_value([v.get(name, '?') for v in values])})" for name in diffs]
     return ("cp_attention: the ranks of the CP group disagree on " + "; ".join(parts)
             + ". Every rank of a CP group must make the same call (same shapes, dtype, algo, "
             "topology, causal, softmax_scale, options) in the same order; nothing was sent")
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def exchange_status(code: int, message: str, group: dist.ProcessGroup, size: int,
-                    timeout_s: float) -> tuple[list[int], list[str]]:
-    """Every rank's status code (``OK``, ``RAISED``, ``BROKEN``) and, when any is not OK, every
-    rank's message."""
-    got = _all_gather(torch.tensor([code], dtype=torch.int64), group, size, timeout_s,
-                      "status")
-    codes = [int(x) for x in got]
-    if not any(codes):
-        return codes, [""] * size
-    return codes, _messages(message, group, size, timeout_s)

@@ -145,6 +145,22 @@ class CPOptions:
     def comm(self) -> bool:
         return self.ablation != "compute_only"
 
+    def topology_for(self, algo: str, topology) -> tuple[object, str] | None:
+        """The topology spec a call of ``algo`` runs on and where it came from (for errors):
+        ``None`` (one flat group) for an algorithm that does not use the topology, whatever was
+        given; else ``topology``, or when that is ``None`` this value's default
+        (``CHARM_TOPOLOGY``), else the probe (``"auto"``). The one statement of this rule (the
+        Megatron layer and the benchmark call it too)."""
+        from charm_megatron.plan.registry import uses_topology
+
+        if not uses_topology(algo):
+            return None
+        if topology is not None:
+            return topology, f"topology={str(topology)!r}"
+        if self.topology:
+            return self.topology, f"CHARM_TOPOLOGY={self.topology!r}"
+        return "auto", "the probe (CHARM_TOPOLOGY unset)"
+
     @property
     def backend_name(self) -> str:
         """What the agreement check compares for the backend."""
@@ -160,7 +176,7 @@ def kernel_backend(options: CPOptions, device: torch.device,
 
     if options.backend is not None and not isinstance(options.backend, str):
         return options.backend
-    return get_backend(device, dtype, name=options.backend, environ={})
+    return get_backend(device, dtype, name=options.backend)
 
 
 def resolve(options: CPOptions | None) -> CPOptions:
@@ -169,3 +185,18 @@ def resolve(options: CPOptions | None) -> CPOptions:
     if not isinstance(opts, CPOptions):
         raise TypeError(f"cp_attention: options must be a CPOptions, got {type(opts).__name__}")
     return opts
+
+
+def algorithm_settings(options: CPOptions, roles) -> tuple[tuple[str, object], ...]:
+    """The algorithm settings of a call: ``roles`` (the cp_attention argument) and the options'."""
+    from charm_megatron.plan.roles import check_roles
+
+    check_roles(roles, "cp_attention roles")
+    return (("pass_order", options.pass_order), ("roles", roles),
+            ("split_visiting", options.split_visiting),
+            ("split_counterpart_q", options.split_counterpart_q))
+
+
+def setting_env(name: str) -> str | None:
+    """The environment variable of setting ``name`` (``None``: none)."""
+    return next((var for var, (field, _) in ENV_VARS.items() if field == name), None)

@@ -1,4 +1,5 @@
-"""Packed sequences (THD) under every CP algorithm: ``cp_attention(..., cu_seqlens=...)``.
+"""Packed sequences (THD) under every CP algorithm: ``cp_attention(..., cu_seqlens=...)``
+(the :class:`~charm_megatron.ops.layouts.Thd` layout of a call).
 
 The plans are not changed. The trick is a permutation at the edge:
 
@@ -25,29 +26,16 @@ import hashlib
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-from charm_megatron.kernels.base import check_qkv
-from charm_megatron.kernels.varlen import Segments, segmented_backward, segmented_forward
-from charm_megatron.ops import agreement
-from charm_megatron.ops.call_setup import (
-    algo_and_groups,
-    check_backend,
-    check_scale,
-    default_topology,
-    model_cluster,
-    needs_cluster,
-    signature,
-    split_choice,
-    split_q_choice,
+from charm_megatron.kernels.varlen import (
+    Segments,
+    lse_dtype,
+    segmented_backward,
+    segmented_forward,
 )
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.failsafe import GuardedBackend
-from charm_megatron.ops.options import CPOptions, kernel_backend
-from charm_megatron.ops.plan_run import Call, run_backward, run_forward
-from charm_megatron.ops.streams import StreamGroups, stream_groups
 from charm_megatron.plan.core import Half, TileSpec
-from charm_megatron.plan.roles import RoleShape, check_roles
 
 
 # --------------------------------------------------------------------------------- layout
@@ -57,11 +45,17 @@ class THDLayout:
 
     cp: int
     real: tuple[int, ...]  # real length of each document
-    padded: tuple[int, ...]  # padded length (a multiple of 2·cp)
+    padded: tuple[int, ...]  # padded length (a multiple of 2·cp; any length at CP size 1)
+
+    @property
+    def parts(self) -> int:
+        """Chunks of every document per rank: 2 under CP (Megatron's load balance), 1 at CP
+        size 1 (the documents in place, any lengths: no half is ever asked for)."""
+        return 2 if self.cp > 1 else 1
 
     @property
     def chunks(self) -> tuple[int, ...]:
-        return tuple(p // (2 * self.cp) for p in self.padded)
+        return tuple(p // (self.parts * self.cp) for p in self.padded)
 
     @property
     def half_rows(self) -> int:
@@ -69,7 +63,7 @@ class THDLayout:
 
     @property
     def t_local(self) -> int:
-        return 2 * self.half_rows
+        return self.parts * self.half_rows
 
     def real_in_chunk(self, doc: int, chunk: int) -> int:
         """Real tokens at the start of chunk ``chunk`` of document ``doc``."""
@@ -99,8 +93,9 @@ class THDLayout:
         first, second, start = [], [], 0
         for c in self.chunks:
             first.extend(range(start, start + c))
-            second.extend(range(start + c, start + 2 * c))
-            start += 2 * c
+            if self.parts == 2:
+                second.extend(range(start + c, start + 2 * c))
+            start += self.parts * c
         return first + second
 
 
@@ -246,8 +241,8 @@ class PackedExecutor(Executor):
                                          self.scale, varlen=self.varlen)
             except Exception as exc:  # noqa: BLE001 - reported after the plan, on every rank
                 self._failed(exc)
-        lse = torch.full((1, q.shape[2], q.shape[0]), float("-inf"), dtype=torch.float32,
-                         device=q.device)
+        lse = torch.full((1, q.shape[2], q.shape[0]), float("-inf"),
+                         dtype=lse_dtype(q.dtype), device=q.device)
         return torch.zeros_like(q), lse
 
     def _kernel_backward(self, spec, dout, q, k, v, out, lse):
@@ -260,145 +255,10 @@ class PackedExecutor(Executor):
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
 
-def _make_executor(call, sg: StreamGroups, q, k, layout: THDLayout,
-                   direction: str) -> PackedExecutor:
-    opts = call.options
-    shape = BlockShape(q.shape[0], 1, q.shape[2], k.shape[2], q.shape[3], q.dtype, q.device)
-    backend = GuardedBackend(kernel_backend(opts, q.device, q.dtype))
-    return PackedExecutor(sg, backend, shape, call.scale, layout,
-                          varlen=opts.backend is None, compute=opts.compute, comm=opts.comm,
-                          timeout_s=opts.timeout_s, what=call.what(direction))
-
-
-class _PackedCPAttention(torch.autograd.Function):
-    """Internal-order tensors ``[t, 1, h, d]``; the same plans as the unpacked operator, run
-    and failed the same way (ops/plan_run.py)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, call, layout):
-        out, acc_lse = run_forward(
-            call, lambda sg, d: _make_executor(call, sg, q, k, layout, d), q, k, v)
-        ctx.save_for_backward(q, k, v, out, acc_lse)
-        ctx.call, ctx.layout = call, layout
-        lse = acc_lse[:, 0, :].t().contiguous()  # [h, t]
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse_sbh = ctx.saved_tensors
-        call, layout = ctx.call, ctx.layout
-        grads = run_backward(call, lambda sg, d: _make_executor(call, sg, q, k, layout, d),
-                             q, k, v, out, lse_sbh, dout, extra=layout_fields(layout))
-        return (*grads, None, None)
-
-
-class _LocalPacked(torch.autograd.Function):
-    """CP size 1: every document attended in place (one segmented tile, no plan)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, seg, scale, opts):
-        backend = kernel_backend(opts, q.device, q.dtype)
-        out, lse = segmented_forward(backend, q, k, v, seg, scale, varlen=opts.backend is None)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cfg = (seg, scale, opts)
-        lse_ht = lse[0].contiguous()
-        ctx.mark_non_differentiable(lse_ht)
-        return out, lse_ht
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        seg, scale, opts = ctx.cfg
-        backend = kernel_backend(opts, q.device, q.dtype)
-        dq, dk, dv = segmented_backward(backend, dout.to(q.dtype).contiguous(), q, k, v, out,
-                                        lse, seg, scale, varlen=opts.backend is None)
-        return dq, dk, dv, None, None, None
-
-
 @functools.lru_cache(maxsize=64)
-def _local_segments(layout: THDLayout, causal: bool, device: str) -> Segments:
-    rows, cu = [], [0]
-    start = 0
-    for n, p in zip(layout.real, layout.padded):
-        if n:
-            rows.extend(range(start, start + n))
-            cu.append(len(rows))
-        start += p
-    idx = torch.tensor(rows, dtype=torch.long, device=device)
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
-    return Segments(idx, idx, tuple(cu), tuple(cu), causal, cu_t, cu_t)
-
-
-@functools.lru_cache(maxsize=64)
-def _permutation(layout: THDLayout, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+def permutation(layout: THDLayout, device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(THD-local -> internal, internal -> THD-local) row indices on ``device``."""
     perm = torch.tensor(layout.permutation(), dtype=torch.long)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel())
     return perm.to(device), inv.to(device)
-
-
-def packed_cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cu_seqlens,
-                        cu_seqlens_padded, group, algo: str, topology, causal: bool,
-                        softmax_scale: float | None, return_lse: bool,
-                        options: CPOptions | None = None, roles: str = "bytes"):
-    """:func:`charm_megatron.cp_attention` for packed THD tensors (see its docstring). The role
-    mix ``roles`` picks the plans as for sbhd tensors; the byte rule reads the THD shapes
-    (``q [t, h_q, d]``, ``k [t, h_kv, d]``)."""
-    opts = options if options is not None else CPOptions.from_env()
-    cp_size = dist.get_world_size(group)
-    layout, scale, error, cluster = None, softmax_scale, None, None
-    try:  # this rank's own checks; the verdict is shared by the agreement check below
-        check_roles(roles, "cp_attention roles")
-        check_qkv(q, k, v, causal=causal, equal_lengths=True, who="cp_attention", layout="thd")
-        if cu_seqlens is None:
-            raise ValueError("cp_attention: cu_seqlens_padded given without cu_seqlens; pass "
-                             "both (cu_seqlens are the real document lengths)")
-        layout = make_layout(cu_seqlens, cu_seqlens_padded, cp_size, q.shape[0])
-        scale = check_scale(softmax_scale, q.shape[-1])
-        check_backend(opts, q)
-        if needs_cluster(algo, opts) and cp_size > 1:
-            cluster = model_cluster(opts)
-    except (ValueError, TypeError) as exc:
-        error = exc
-    sg = stream_groups(group, opts.timeout_s)
-    seq = sg.calls
-    sg.calls += 1
-    if cp_size > 1 and opts.check != "off":
-        # The same agreement as the unpacked call, the document lengths as extra fields; the
-        # signature's tensors are the THD ones (3-D), so a packed call never matches an
-        # unpacked one.
-        sig = signature("forward", seq, q, k, v, algo, topology, causal, scale, opts, error,
-                         cluster, roles, extra=layout_fields(layout))
-        agreement.agree(sig, sg.control, cp_size, opts.timeout_s, error)
-    elif error is not None:
-        raise error
-    assert layout is not None
-    if cp_size == 1:
-        seg = _local_segments(layout, causal, str(q.device))
-        out, lse = _LocalPacked.apply(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), seg,
-                                      float(scale), opts)
-        out = out.squeeze(1)
-        return (out, lse) if return_lse else out
-    q4 = q.unsqueeze(1)
-    topology = default_topology(topology, algo, opts)
-    algo, groups = algo_and_groups(algo, topology, group, cp_size, q4, k.unsqueeze(1), causal, cluster,
-                            roles, opts)
-    # The byte rule reads the shape (the ranks agreed on the THD shapes, so on the plans too);
-    # the edge permutation keeps every half-block message half-sized, so the bytes it compares
-    # are the bytes that move.
-    shape = RoleShape(q.shape[1], k.shape[1], q.shape[2], q.element_size())
-    split = split_choice(opts, algo, groups, causal, roles, q4, k.unsqueeze(1), cp_size,
-                         cluster)
-    split_q = split_q_choice(opts, algo, groups, causal, roles, q4, k.unsqueeze(1), cp_size,
-                             cluster)
-    call = Call(group, algo, groups, causal, float(scale), opts, seq, roles, shape, split,
-                split_q)
-    perm, inv = _permutation(layout, str(q.device))
-    qi, ki, vi = (t.index_select(0, perm).unsqueeze(1) for t in (q, k, v))
-    out, lse = _PackedCPAttention.apply(qi, ki, vi, call, layout)
-    out = out.squeeze(1).index_select(0, inv)
-    if not return_lse:
-        return out
-    return out, lse.index_select(1, inv)

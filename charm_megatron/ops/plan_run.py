@@ -1,137 +1,103 @@
-"""One CP call's plans and how a rank runs them: the resolved call (:class:`Call`), its validated
-forward / backward plans, and :func:`run_forward` / :func:`run_backward` with the failure model's
-status exchange (docs/api.md). Shared by the sbhd autograd function (ops/attention.py) and the
-packed one (ops/packed.py), which differ only in the executor they build."""
+"""How a rank runs a prepared call's plans: one executor factory, :func:`run_forward` and
+:func:`run_backward`, and the failure model's status exchange after each plan (docs/api.md).
+The same for both layouts; the layout builds the executor (ops/layouts.py)."""
 
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from charm_megatron.ops import agreement
 from charm_megatron.ops.agreement import CPAttentionError
-from charm_megatron.ops.call_setup import signature
-from charm_megatron.ops.executor import Executor, delta_exponent
-from charm_megatron.ops.options import CPOptions
-from charm_megatron.ops.streams import StreamGroups, control_timeout_s, rebuild, stream_groups
+from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent
+from charm_megatron.ops.failsafe import GuardedBackend
+from charm_megatron.ops.options import kernel_backend
+from charm_megatron.ops.prepare import Call
+from charm_megatron.ops.streams import StreamGroups, control_timeout_s, stream_groups
 from charm_megatron.plan.core import Plan
-from charm_megatron.plan.registry import build_plan
-from charm_megatron.plan.roles import RoleShape
-from charm_megatron.plan.validate import validate
+from charm_megatron.plan.vocab import Direction
 
 
-@functools.lru_cache(maxsize=256)
-def plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool, order: str,
-          roles: str = "paper", shape: RoleShape | None = None,
-          split: tuple[bool, bool] = (False, False),
-          split_q: tuple[bool, bool] = (False, False)) -> tuple[Plan, Plan]:
-    """Forward and backward plans, validated once per (algo, topology, mask, pass order, role
-    mix, the shape the byte rule reads, split visiting kv and split counterpart q, each
-    (forward, backward)): every rank derives the same plans from them."""
-    fwd = build_plan(algo, "forward", groups, causal, order, roles, shape,
-                     split_visiting=split[0], split_counterpart_q=split_q[0])
-    bwd = build_plan(algo, "backward", groups, causal, order, roles, shape,
-                     split_visiting=split[1], split_counterpart_q=split_q[1])
-    validate(fwd)
-    validate(bwd)
-    return fwd, bwd
+def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor,
+                  direction: Direction) -> Executor:
+    """The executor of one direction of ``call`` on internal ``[s, b, h, d]`` blocks: its
+    kernels behind the failure guard, its layout's tile computation."""
+    opts = call.options
+    shape = BlockShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype,
+                       q.device)
+    backend = GuardedBackend(kernel_backend(opts, q.device, q.dtype))
+    return call.layout.executor(sg, backend, shape, call.scale,
+                                forced_backend=opts.backend is not None,
+                                compute=opts.compute, comm=opts.comm,
+                                timeout_s=opts.timeout_s, what=call.what(direction))
 
 
-@dataclass(frozen=True)
-class Call:
-    """One call's resolved settings, kept in the autograd context for its backward."""
-
-    group: dist.ProcessGroup | None
-    algo: str
-    groups: tuple[tuple[int, ...], ...]
-    causal: bool
-    scale: float
-    options: CPOptions
-    seq: int  # the forward's call number on its CP group
-    roles: str = "paper"  # the role mix of rmplus / charm (plan/roles.py)
-    shape: RoleShape | None = None  # what the byte rule reads
-    split: tuple[bool, bool] = (False, False)  # split visiting kv (forward, backward)
-    split_q: tuple[bool, bool] = (False, False)  # split counterpart q (forward, backward)
-
-    def what(self, direction: str) -> str:
-        return f"cp_attention(algo={self.algo}, {direction})"
-
-    def plans(self) -> tuple[Plan, Plan]:
-        return plans(self.algo, self.groups, self.causal, self.options.pass_order, self.roles,
-                      self.shape, self.split, self.split_q)
-
-
-def run_plan(call: Call, sg: StreamGroups, ex: Executor, ops, direction: str) -> None:
+def run_plan(call: Call, sg: StreamGroups, ex: Executor, ops, direction: Direction) -> None:
     """Run this rank's ops, then share how it went (docs/api.md, failure model).
 
     A kernel error is held back by the guarded backend, so every transfer still completes;
-    any other error (a transfer that failed or timed out) breaks the stream communicators,
-    which every rank then rebuilds together. Either way every rank raises."""
+    any other error (a transfer that failed or timed out) marks the stream communicators for
+    rebuilding, which every rank does together at the next call. Either way every rank
+    raises."""
     exc: BaseException | None = None
     code = agreement.OK
     try:
         ex.run(ops)
     except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
         exc, code = e, agreement.BROKEN
+        sg.needs_rebuild = True
     if exc is None and ex.backend.error is not None:
         exc, code = ex.backend.error, agreement.RAISED
-    if sg.size == 1 or call.options.check == "off":
+    if sg.size == 1 or not call.checked:
         if exc is not None:
             raise exc
         return
     message = f"{type(exc).__name__}: {exc}" if exc is not None else ""
-    try:
-        # Bounded by the control group's longer timeout: a peer may first have to wait out
-        # a transfer of its own before it gets here.
-        codes, texts = agreement.exchange_status(code, message, sg.control, sg.size,
-                                                 control_timeout_s(call.options.timeout_s))
-    except CPAttentionError:
-        sg.parent = None  # even the control group failed: rebuild all from the CP group
-        raise
+    # Bounded by the control group's longer timeout: a peer may first have to wait out a
+    # transfer of its own before it gets here.
+    codes, texts = agreement.report_status(sg, call.seq, direction is Direction.BACKWARD, code,
+                                           message, control_timeout_s(call.options.timeout_s))
     if agreement.BROKEN in codes:
-        rebuild(call.group, sg)
+        sg.needs_rebuild = True  # every rank read the same table: all rebuild at the next call
     if exc is not None:
         raise exc
     failed = [r for r, c in enumerate(codes) if c != agreement.OK]
     if failed:
         detail = "; ".join(f"rank {r}: {texts[r]}" for r in failed)
-        state = ("its communicators were rebuilt" if agreement.BROKEN in codes
+        state = ("its communicators are rebuilt at the next call" if agreement.BROKEN in codes
                  else "every transfer completed")
         raise CPAttentionError(f"{call.what(direction)} failed on CP rank(s) {failed} "
                                f"({detail}); this rank's results are discarded, {state} and "
                                "the CP group is ready for the next call")
 
 
-def run_forward(call: Call, make_executor, q: torch.Tensor, k: torch.Tensor,
+def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's forward plan (shared by the sbhd and the packed operator): ``out`` in q's
-    dtype and the accumulated lse ``[s, b, h]``. ``make_executor(sg, direction)`` builds the
-    executor (the packed one adds its document layout)."""
+    """This rank's forward plan on internal blocks: ``out`` in q's dtype and the accumulated
+    lse ``[s, b, h]`` (fp32; float64 for float64 inputs)."""
     fwd, _ = call.plans()
     sg = stream_groups(call.group, call.options.timeout_s)
-    ex = make_executor(sg, "forward")
+    ex = make_executor(call, sg, q, k, Direction.FORWARD)
     ex.set_own("own.q", "q", q)
     ex.set_own("own.kv", "kv", k, v)
-    run_plan(call, sg, ex, fwd.ops[dist.get_rank(call.group)], "forward")
+    run_plan(call, sg, ex, fwd.ops[dist.get_rank(call.group)], Direction.FORWARD)
     acc_out, acc_lse = ex.result(Plan.OUT)
     return acc_out.to(q.dtype), acc_lse
 
 
-def run_backward(call: Call, make_executor, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor, out: torch.Tensor, lse_sbh: torch.Tensor,
-                 dout: torch.Tensor, extra: tuple = ()) -> tuple[torch.Tensor, ...]:
-    """This rank's backward plan after the ranks agree again (``extra``: more signature
-    fields, e.g. the packed layout): dq, dk, dv in the inputs' dtypes."""
+def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse_sbh: torch.Tensor,
+                 dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """This rank's backward plan after the ranks agree again: dq, dk, dv in the inputs'
+    dtypes."""
     _, bwd = call.plans()
     sg = stream_groups(call.group, call.options.timeout_s)
-    if sg.size > 1 and call.options.check != "off":
-        sig = signature("backward", call.seq, q, k, v, call.algo, call.groups, call.causal,
-                         call.scale, call.options, None, roles=call.roles, extra=extra)
-        agreement.agree(sig, sg.control, sg.size, call.options.timeout_s)
-    ex = make_executor(sg, "backward")
+    if sg.size > 1 and call.checked:
+        timeout_s = call.options.timeout_s
+        agreement.open_call(sg, timeout_s, forward_call=call.seq)
+        sig = agreement.Signature(call.fields(Direction.BACKWARD))
+        agreement.agree(sg, sig, call.seq, True, timeout_s)
+    ex = make_executor(call, sg, q, k, Direction.BACKWARD)
     dout = dout.to(q.dtype)
     # delta = rowsum(dout * out) is all the tiles' backward needs of the output (see
     # executor._out_with_delta), so the q-side bundle carries it instead of out, scaled by
@@ -144,7 +110,7 @@ def run_backward(call: Call, make_executor, q: torch.Tensor, k: torch.Tensor,
                torch.stack([lse_sbh, delta.to(lse_sbh.dtype)], -1))
     ex.set_own_output("own.qgrad", out.to(q.dtype))
     ex.set_own("own.kv", "kv", k, v)
-    run_plan(call, sg, ex, bwd.ops[dist.get_rank(call.group)], "backward")
+    run_plan(call, sg, ex, bwd.ops[dist.get_rank(call.group)], Direction.BACKWARD)
     (dq,) = ex.result(Plan.DQ)
     dk, dv = ex.result(Plan.DKV)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,5 +1,6 @@
 """One process group per plan stream, so kv, q and cross traffic really run concurrently, plus a
-CPU control group for the agreement and status checks (ops/agreement.py).
+CPU control group for the agreement and status checks (ops/agreement.py, over the control
+channel of ops/control.py).
 
 On NCCL each stream group is its own communicator (its own CUDA stream inside ProcessGroupNCCL),
 so a kv exchange never queues behind a q exchange; on gloo each group has its own transport
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from charm_megatron.ops.control import CONTROL_PG_TIMEOUT_S, ControlChannel
 from charm_megatron.plan.core import STREAMS
 
 log = logging.getLogger(__name__)
@@ -53,8 +55,11 @@ class StreamGroups:
     generation: int = 0
     timeout_s: float = 600.0
     parent: weakref.ReferenceType | None = field(default=None, repr=False)
-    needs_rebuild: bool = False  # set when a transfer failed: rebuilt (by all) at the next call
+    # Set when a transfer failed or the ranks were out of step; the next call's agreement
+    # carries it, and every rank rebuilds the stream groups together (ops/agreement.py).
+    needs_rebuild: bool = False
     calls: int = 0  # forward calls made on this CP group (the same count on every rank)
+    channel: ControlChannel | None = field(default=None, repr=False)
 
     @property
     def size(self) -> int:
@@ -146,6 +151,10 @@ def _build(group: dist.ProcessGroup, ranks: list[int], timeout_s: float, uid: st
                                   timeout_s, f"charm_cp_{name}")
     control = _new_group(f"charm_cp/{uid}/{generation}/{CONTROL}", ranks, "gloo",
                          control_timeout_s(timeout_s), "charm_cp_control")
+    # Made within the call's bound; then its operations live long, because every wait on it is
+    # bounded by the call instead and an exchange given up on must stay alive until the late
+    # rank completes it (ops/control.py).
+    _set_op_timeout(control, CONTROL_PG_TIMEOUT_S)
     if "nccl" in backend:
         # NCCL creates communicators lazily, and a batched P2P call as a communicator's first
         # operation must involve every rank; one tiny all-reduce per stream group creates them
@@ -154,7 +163,16 @@ def _build(group: dist.ProcessGroup, ranks: list[int], timeout_s: float, uid: st
         for g in groups.values():
             dist.all_reduce(probe, group=g)
     return StreamGroups(list(ranks), groups, control, uid, generation, timeout_s,
-                        weakref.ref(group))
+                        weakref.ref(group), channel=ControlChannel(control, len(ranks)))
+
+
+def _set_op_timeout(group: dist.ProcessGroup, seconds: float) -> None:
+    setter = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:  # a torch without it: the creation bound stays the operations' bound
+        log.warning("cp_attention: this torch cannot lengthen the control group's timeout; an "
+                    "exchange a late rank completes after it is lost")
+        return
+    setter(_timeout(seconds), group)
 
 
 def _destroy(sg: StreamGroups) -> None:
@@ -190,6 +208,9 @@ def stream_groups(group: dist.ProcessGroup | None, timeout_s: float = 600.0) -> 
     cached = _CACHE.get(key)
     if cached is not None and cached.alive(group):
         return cached
+    # Groups made anew (the control group failed, or the process group was re-created) keep
+    # counting calls where the old ones stopped, as the other ranks' do.
+    calls = cached.calls if cached is not None else 0
     _sweep()
     ranks = list(key[1])
     if len(ranks) == 1:
@@ -197,6 +218,7 @@ def stream_groups(group: dist.ProcessGroup | None, timeout_s: float = 600.0) -> 
     else:
         uid = _agree_uid(group, ranks, str(dist.get_backend(group)).lower(), timeout_s)
         sg = _build(group, ranks, timeout_s, uid, 0)
+    sg.calls = calls
     _CACHE[key] = sg
     # When the CP group object itself goes away, its communicators go with it (destroying a
     # process group is local: no peer is involved).
@@ -224,14 +246,16 @@ def create_stream_groups(group: dist.ProcessGroup | None = None,
     return stream_groups(group, timeout_s)
 
 
-def rebuild(group: dist.ProcessGroup | None, sg: StreamGroups) -> StreamGroups:
-    """New communicators for ``sg`` (called on every rank together, after the status exchange
-    of a failed call said so). The control group is kept: it carried the decision."""
+def rebuild(sg: StreamGroups, generation: int) -> StreamGroups:
+    """New stream communicators for ``sg``, generation ``generation`` (called on every rank
+    together, after an agreement in which some rank asked for it; the generation is the same
+    on every rank). The control group is kept: it carried the decision."""
+    group = sg.parent() if sg.parent is not None else None
     if group is None:
         group = dist.group.WORLD
     backend = str(dist.get_backend(group)).lower()
     old = dict(sg.groups)
-    sg.generation += 1
+    sg.generation = generation
     sg.groups = {name: _new_group(f"charm_cp/{sg.uid}/{sg.generation}/{name}", sg.ranks,
                                   backend, sg.timeout_s, f"charm_cp_{name}")
                  for name in STREAMS}

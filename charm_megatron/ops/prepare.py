@@ -1,0 +1,127 @@
+"""One preparation for every ``cp_attention`` call: request -> agreement -> resolved call.
+
+:func:`prepare` turns a call's arguments into a :class:`Call` in four steps, the same for both
+layouts (the layout is a strategy it is given, :mod:`charm_megatron.ops.layouts`):
+
+1. **Request** (this rank alone): options resolved from the environment once, the layout built
+   from ``cu_seqlens``, every argument checked, the model profile read. Any ``TypeError`` or
+   ``ValueError`` here is kept, not raised.
+2. **Agreement** (the CP group): the request's fields, or this rank's error, reach every rank
+   before any data moves (ops/agreement.py); every rank raises the same error.
+3. **Resolution** (pure functions of what the ranks agreed on, plus the probe's collective):
+   the topology, the algorithm (``auto``: the performance model's pick), the algorithm's own
+   variants and its validated plans (ops/resolution.py).
+4. The :class:`Call`, which the autograd function keeps for the backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from charm_megatron.ops import agreement
+from charm_megatron.ops.layouts import Layout, Sbhd, Thd
+from charm_megatron.ops.options import CPOptions, algorithm_settings, resolve
+from charm_megatron.ops.request import CallRequest, TensorDesc, check_backend, check_scale
+from charm_megatron.ops.resolution import Resolved, model_cluster, resolve_call
+from charm_megatron.ops.streams import StreamGroups, stream_groups
+from charm_megatron.plan.core import Plan
+from charm_megatron.plan.registry import CHOICES
+from charm_megatron.plan.vocab import Direction
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call, resolved and agreed on; kept in the autograd context for its backward."""
+
+    group: dist.ProcessGroup | None
+    request: CallRequest
+    resolved: Resolved
+    seq: int  # the forward's call number on its CP group
+    cluster: object = None  # the model's cluster the call predicted with (None: generic)
+
+    @property
+    def options(self) -> CPOptions:
+        return self.request.options
+
+    @property
+    def layout(self) -> Layout:
+        return self.request.layout
+
+    @property
+    def algo(self) -> str:
+        return self.resolved.algo
+
+    @property
+    def groups(self) -> tuple[tuple[int, ...], ...]:
+        return self.resolved.groups
+
+    @property
+    def scale(self) -> float:
+        return self.request.scale
+
+    @property
+    def checked(self) -> bool:
+        return self.options.check != "off"
+
+    def what(self, direction: Direction | str) -> str:
+        return f"cp_attention(algo={self.algo}, {direction})"
+
+    def plans(self) -> tuple[Plan, Plan]:
+        return self.resolved.plans
+
+    def fields(self, direction: Direction) -> tuple[tuple[str, object], ...]:
+        return self.request.fields(direction, self.seq, self.cluster)
+
+
+def build_request(q, k, v, *, cp_size: int, algo: str, topology, causal: bool,
+                  softmax_scale, options, roles, cu_seqlens, cu_seqlens_padded,
+                  tag=None) -> CallRequest:
+    """This rank's request, every argument checked (TypeError / ValueError naming it)."""
+    opts = resolve(options)
+    if algo not in CHOICES:
+        raise ValueError(f"cp_attention: unknown algo {algo!r}; choose one of "
+                         f"{', '.join(CHOICES)}")
+    settings = algorithm_settings(opts, roles)
+    layout: Layout = (Thd.of(cu_seqlens, cu_seqlens_padded, cp_size, q)
+                      if cu_seqlens is not None or cu_seqlens_padded is not None else Sbhd())
+    layout.check(q, k, v, causal, cp_size)
+    scale = check_scale(softmax_scale, q.shape[-1])
+    check_backend(opts, q)
+    if tag is not None and not isinstance(tag, str):
+        raise TypeError(f"cp_attention: tag must be a string or None, got {type(tag).__name__}")
+    return CallRequest(TensorDesc.of(q), TensorDesc.of(k), TensorDesc.of(v), layout, algo,
+                       topology, bool(causal), scale, opts, settings, tag)
+
+
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, **arguments) -> Call:
+    """The prepared call of ``cp_attention(q, k, v, group=group, **arguments)`` (see module
+    docstring); raises what ``cp_attention`` documents, on every rank alike."""
+    cp_size = dist.get_world_size(group)
+    request, cluster, error = None, None, None
+    try:  # this rank's own checks; the verdict is shared by the agreement below
+        request = build_request(q, k, v, cp_size=cp_size, **arguments)
+        cluster = model_cluster(request.options)  # a profile this rank cannot read fails all
+    except (TypeError, ValueError) as exc:
+        error = exc
+    opts = request.options if request is not None else CPOptions()
+    sg = stream_groups(group, opts.timeout_s)
+    checked = cp_size > 1 and opts.check != "off"
+    seq = agreement.open_call(sg, opts.timeout_s) if checked else _count(sg)
+    if checked:
+        fields = request.fields(Direction.FORWARD, seq, cluster) if request is not None else ()
+        sig = agreement.Signature(fields, f"{type(error).__name__}: {error}" if error else "")
+        agreement.agree(sg, sig, seq, False, opts.timeout_s, error)
+    elif error is not None:
+        raise error
+    assert request is not None
+    resolved = resolve_call(request, group, cp_size, cluster)
+    return Call(group, request, resolved, seq, cluster)
+
+
+def _count(sg: StreamGroups) -> int:
+    seq = sg.calls
+    sg.calls += 1
+    return seq

@@ -1,0 +1,131 @@
+"""One ``cp_attention`` call as a value: what it is, before anything is resolved or sent.
+
+A :class:`CallRequest` holds the descriptions of the tensors (never the tensors), the layout,
+the algorithm as asked for, the topology as given, the mask, the scale, the options and the
+algorithm settings. Every rank builds it from its own arguments; its :meth:`fields` are what
+the ranks agree on (ops/agreement.py), so agreeing on them is agreeing on the plans, which are
+a pure function of them (and of the probe's all-gathered result).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import torch
+
+import charm_megatron
+from charm_megatron.ops.layouts import Layout
+from charm_megatron.ops.options import CPOptions
+from charm_megatron.plan.vocab import Direction
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """Shape, dtype and device type of one input (what a message's size depends on)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: str
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorDesc:
+        return cls(tuple(t.shape), t.dtype, t.device.type)
+
+    def field(self) -> tuple:
+        return (self.shape, str(self.dtype), self.device)
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def check_scale(softmax_scale, head_dim: int) -> float:
+    """The softmax scale of a call (``None``: ``1/sqrt(head_dim)``)."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+        raise TypeError(f"cp_attention: softmax_scale must be a number or None, got "
+                        f"{type(softmax_scale).__name__}")
+    scale = float(softmax_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"cp_attention: softmax_scale={softmax_scale!r} must be a finite "
+                         "number > 0 (None gives 1/sqrt(head_dim)); 0 or a negative scale has "
+                         "no meaning for attention and gives NaN under the causal mask")
+    return scale
+
+
+def check_backend(opts: CPOptions, q: torch.Tensor) -> None:
+    if opts.backend == "flash_attn" and (q.device.type != "cuda"
+                                         or q.dtype not in (torch.float16, torch.bfloat16)):
+        raise ValueError(f"cp_attention: the flash_attn backend runs fp16/bf16 on CUDA only, "
+                         f"not {q.dtype} on {q.device.type}; choose backend 'torch' "
+                         "(CHARM_ATTN_BACKEND / CPOptions.backend) or cast the inputs")
+
+
+def _topology_desc(topology) -> str:
+    groups = getattr(topology, "groups", None)
+    return repr(tuple(tuple(g) for g in groups)) if groups is not None else repr(topology)
+
+
+def cluster_digest(cluster) -> str | None:
+    """A digest of the cluster the call predicts with (``None``: the generic one), so that ranks
+    that read different profile files under one name disagree loudly instead of choosing
+    different plans."""
+    if cluster is None:
+        return None
+    return hashlib.sha256(repr(cluster).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class CallRequest:
+    """Everything one call is (see module docstring)."""
+
+    q: TensorDesc
+    k: TensorDesc
+    v: TensorDesc
+    layout: Layout
+    algo: str
+    topology: object  # a Topology, a topology string, or None (the options' default)
+    causal: bool
+    scale: float
+    options: CPOptions
+    settings: tuple[tuple[str, object], ...]  # the algorithm settings (name, value)
+    tag: str | None = None  # the caller's name for the call site (Megatron: the layer)
+
+    def setting(self, name: str):
+        return dict(self.settings)[name]
+
+    def fields(self, direction: Direction, call: int,
+               cluster=None) -> tuple[tuple[str, object], ...]:
+        """What the ranks must agree on for ``direction`` of call number ``call``."""
+        opts = self.options
+        return (
+            ("charm_megatron version", charm_megatron.__version__),
+            ("direction", str(direction)),
+            ("call number on this CP group", call),
+            ("layout", self.layout.name),
+            ("q shape/dtype/device", self.q.field()),
+            ("k shape/dtype/device", self.k.field()),
+            ("v shape/dtype/device", self.v.field()),
+            ("algo", self.algo),
+            ("topology", _topology_desc(self.topology)),
+            ("causal", bool(self.causal)),
+            ("softmax_scale", self.scale),
+            ("call tag", self.tag),
+            ("kernel backend", opts.backend_name),
+            ("default topology (CHARM_TOPOLOGY)", opts.topology),
+            ("ablation", str(opts.ablation)),
+            ("model profile (CHARM_MODEL_PROFILE)", (opts.model_profile,
+                                                     cluster_digest(cluster))),
+            *((f"{name}{_env_hint(name)}", str(value)) for name, value in self.settings),
+            *self.layout.fields(),
+        )
+
+
+def _env_hint(name: str) -> str:
+    from charm_megatron.ops.options import setting_env
+
+    env = setting_env(name)
+    return f" ({env})" if env else ""
