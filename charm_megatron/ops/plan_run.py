@@ -31,10 +31,10 @@ def plans(algo: str, groups: tuple[tuple[int, ...], ...], causal: bool, order: s
     """Forward and backward plans, validated once per (algo, topology, mask, pass order, role
     mix, the shape the byte rule reads, split visiting kv and split counterpart q, each
     (forward, backward)): every rank derives the same plans from them."""
-    fwd = build_plan(algo, "forward", groups, causal, order, roles, shape,
+    fwd = build_plan(algo, "forward", groups, causal, shape=shape, pass_order=order, roles=roles,
                      split_visiting=split[0], split_counterpart_q=split_q[0])
-    bwd = build_plan(algo, "backward", groups, causal, order, roles, shape,
-                     split_visiting=split[1], split_counterpart_q=split_q[1])
+    bwd = build_plan(algo, "backward", groups, causal, shape=shape, pass_order=order,
+                     roles=roles, split_visiting=split[1], split_counterpart_q=split_q[1])
     validate(fwd)
     validate(bwd)
     return fwd, bwd

@@ -60,8 +60,8 @@ class Setting:
 
     def parse(self, value: object, where: str = "") -> enum.Enum:
         """The member of :attr:`kind` that ``value`` names: a member, its string value, or, for
-        a kind with ``on`` / ``off`` members, True / False. ``ValueError`` naming the setting,
-        ``where`` (e.g. ``"cp_attention"``) and the choices otherwise."""
+        a kind with ``on`` / ``off`` members, True / False. ``ValueError`` naming ``where``
+        (e.g. ``"cp_attention"``), the setting, its variable and the choices otherwise."""
         if isinstance(value, self.kind):
             return value
         if isinstance(value, bool):
@@ -72,7 +72,8 @@ class Setting:
                 if member.value == value:
                     return member
         prefix = f"{where}: " if where else ""
-        raise ValueError(f"{prefix}{self.name}={value!r}; choose one of "
+        env = f" ({self.env})" if self.env else ""
+        raise ValueError(f"{prefix}{self.name}={value!r}{env}; choose one of "
                          f"{', '.join(self.choices)}")
 
 
