@@ -5,6 +5,7 @@ Pure Python (no torch). Entry points:
 * :class:`Cluster` - link bandwidths, NIC model, compute rate, overheads; :data:`PROFILES`
   (``l20-pcie``, ``h20``, ``h100``, ``cpu-testbed``) and :func:`default_cluster_for`;
 * :func:`simulate` - one plan on one cluster (a discrete-event simulation of all ranks);
+  :class:`ClusterTimer` - the same as the plan layer's clock (what ``auto`` splits time with);
 * :func:`predict` / :func:`predict_all` - forward and backward per algorithm;
   :func:`ring_ccr` - the paper's computation-to-communication ratio;
 * :func:`choose_algo` (and :func:`choose_algo_cached`) - the fastest of ring / rmplus / charm,
@@ -44,12 +45,14 @@ from charm_megatron.model.predict import (
 )
 from charm_megatron.model.profile_io import load_profile, save_profile
 from charm_megatron.model.sim import ModelError, RankStats, SimResult, simulate, tile_flops
+from charm_megatron.model.timer import ClusterTimer
 
 __all__ = [
     "CCR",
     "PROFILES",
     "PROFILE_ENV",
     "Cluster",
+    "ClusterTimer",
     "ModelError",
     "Prediction",
     "Profile",

@@ -8,11 +8,14 @@ from functools import lru_cache
 
 from charm_megatron.model.cluster import Cluster, default_cluster_for
 from charm_megatron.model.sim import SimResult, simulate
+from charm_megatron.model.timer import ClusterTimer
+from charm_megatron.plan import registry
+from charm_megatron.plan.charm import SPLIT_MARGIN  # noqa: F401  (docs cite it from here)
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
-from charm_megatron.plan.registry import build_plan
 from charm_megatron.plan.roles import RoleShape, check_roles
+from charm_megatron.plan.vocab import SplitMode
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -21,14 +24,25 @@ def _groups(groups: Sequence[Sequence[int]]) -> Groups:
     return tuple(tuple(int(r) for r in g) for g in groups)
 
 
-@lru_cache(maxsize=256)
+def _plans(algo: str, groups: Groups, causal: bool, roles: str, problem: Problem,
+           timer: ClusterTimer | None = None, **splits: object) -> tuple[Plan, Plan]:
+    """``algo``'s forward and backward plans as the model replays them: role mix ``roles``
+    (for ``bytes``, the byte rule reads ``problem``'s shape), the CHARM+ splits ``splits``
+    (a mode or a bool each; ``auto`` is timed with ``timer``, off without one). Memoised by
+    :func:`~charm_megatron.plan.registry.plans`: plans depend on the topology, mask, role mix
+    and settings, not on the sequence length."""
+    roles, shape = _role_key(roles, problem)
+    return registry.plans(algo, groups, causal, shape=shape, timer=timer, roles=roles, **splits)
+
+
 def _plan(algo: str, direction: str, groups: Groups, causal: bool, roles: str = "paper",
           shape: RoleShape | None = None, split_visiting: bool = False,
           split_counterpart_q: bool = False) -> Plan:
-    # Plans depend on the topology, mask, role mix and (for roles="bytes") the head shape,
-    # not on the sequence length: build each once.
-    return build_plan(algo, direction, groups, causal, roles=roles, shape=shape,
-                      split_visiting=split_visiting, split_counterpart_q=split_counterpart_q)
+    """One direction of ``algo``'s plan (for callers that hold a shape rather than a problem)."""
+    fwd, bwd = registry.plans(algo, groups, causal, shape=shape, roles=roles,
+                              split_visiting=split_visiting,
+                              split_counterpart_q=split_counterpart_q)
+    return fwd if direction == "forward" else bwd
 
 
 def role_shape(problem: Problem) -> RoleShape:
@@ -63,11 +77,9 @@ def predict(algo: str, groups: Sequence[Sequence[int]], problem: Problem, cluste
     ``bytes`` is what ``cp_attention`` runs by default; ``split_visiting``,
     ``split_counterpart_q``: as :func:`~charm_megatron.plan.registry.build_plan`'s)."""
     g = _groups(groups)
-    key = _role_key(roles, problem)
-    splits = (split_visiting, split_counterpart_q)
-    fwd = simulate(_plan(algo, "forward", g, causal, *key, *splits), problem, cluster, g)
-    bwd = simulate(_plan(algo, "backward", g, causal, *key, *splits), problem, cluster, g)
-    return Prediction(algo, fwd, bwd)
+    fwd, bwd = _plans(algo, g, causal, roles, problem, split_visiting=split_visiting,
+                      split_counterpart_q=split_counterpart_q)
+    return Prediction(algo, simulate(fwd, problem, cluster, g), simulate(bwd, problem, cluster, g))
 
 
 def predict_all(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
@@ -104,7 +116,14 @@ def ring_ccr(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster
 
 #: How a split of CHARM+'s blocks is set (``CPOptions.split_visiting`` and
 #: ``split_counterpart_q``): ``auto`` is the model's per-direction pick.
-SPLIT_MODES = ("auto", "off", "on")
+SPLIT_MODES = tuple(m.value for m in SplitMode)
+
+
+def _split_modes(split_visiting: object, split_counterpart_q: object) -> dict[str, SplitMode]:
+    """The two split settings, checked (``ValueError`` naming ``choose_algo`` otherwise)."""
+    settings = registry.all_settings()
+    given = {"split_visiting": split_visiting, "split_counterpart_q": split_counterpart_q}
+    return {name: settings[name].parse(mode, "choose_algo") for name, mode in given.items()}
 
 
 def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
@@ -125,14 +144,13 @@ def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
     """
     if not algos:
         raise ValueError("choose_algo needs at least one algorithm")
+    splits = _split_modes(split_visiting, split_counterpart_q)
     g = _groups(groups)
-    cl = cluster if cluster is not None else default_cluster_for(g)
-    # Checked for every call, simulated only where charm is a candidate.
-    splits = charm_splits(g if "charm" in algos else (), problem, cl, causal=causal,
-                          roles=roles, split_visiting=split_visiting,
-                          split_counterpart_q=split_counterpart_q)
-    times = [(_predict_as_run(a, g, problem, cl, causal, roles, splits), i, a)
-             for i, a in enumerate(algos)]
+    timer = ClusterTimer(cluster if cluster is not None else default_cluster_for(g), problem, g)
+    # Every candidate with the same settings: the splits time plans only where there is a
+    # cross round to split (charm), the others' plans are whole.
+    times = [(sum(map(timer.seconds, _plans(a, g, causal, roles, problem, timer, **splits))),
+              i, a) for i, a in enumerate(algos)]
     return min(times)[2]
 
 
@@ -141,37 +159,19 @@ def charm_splits(groups: Sequence[Sequence[int]], problem: Problem, cluster: Clu
                  split_counterpart_q: str = "off") -> tuple[tuple[bool, bool], tuple[bool, bool]]:
     """The ``(split visiting kv, split counterpart q)`` CHARM+ runs with, forward and backward,
     under these modes (:data:`SPLIT_MODES`): ``off`` / ``on`` as given, ``auto`` the model's
-    pick on ``cluster`` (:func:`choose_split_visiting`, :func:`choose_split_counterpart_q`).
-    One group has no cross round to split: never."""
-    for name, mode in (("split_visiting", split_visiting),
-                       ("split_counterpart_q", split_counterpart_q)):
-        if mode not in SPLIT_MODES:
-            raise ValueError(f"choose_algo: {name}={mode!r}; choose one of "
-                             f"{', '.join(SPLIT_MODES)}")
+    pick on ``cluster`` (:func:`choose_split_visiting`, :func:`choose_split_counterpart_q`;
+    the rule is the CHARM+ entry's, :func:`charm_megatron.plan.charm.charm_variants`). One
+    group has no cross round to split: never."""
+    splits = _split_modes(split_visiting, split_counterpart_q)
     g = _groups(groups)
-
-    def per_direction(mode: str, which: str) -> tuple[bool, bool]:
-        if len(g) < 2 or mode == "off":
-            return False, False
-        if mode == "on":
-            return True, True
-        return _split_cached(g, problem, cluster, causal, roles, which)
-
-    visiting = per_direction(split_visiting, "visiting")
-    counterpart_q = per_direction(split_counterpart_q, "counterpart_q")
-    return (visiting[0], counterpart_q[0]), (visiting[1], counterpart_q[1])
-
-
-def _predict_as_run(algo: str, groups: Groups, problem: Problem, cluster: Cluster, causal: bool,
-                    roles: str, splits: tuple[tuple[bool, bool], tuple[bool, bool]]) -> float:
-    """Predicted forward + backward seconds of ``algo`` (:func:`predict`'s sum), charm with
-    ``splits`` per direction, the others whole."""
-    if algo != "charm":
-        splits = ((False, False), (False, False))
-    key = _role_key(roles, problem)
-    return sum(simulate(_plan(algo, direction, groups, causal, *key, *split), problem, cluster,
-                        groups).time_s
-               for direction, split in zip(("forward", "backward"), splits))
+    if len(g) < 2:  # nothing to time (and no cluster to default to for no groups)
+        return (False, False), (False, False)
+    timer = ClusterTimer(cluster if cluster is not None else default_cluster_for(g), problem, g)
+    roles, shape = _role_key(roles, problem)
+    fwd, bwd = registry.variants("charm", g, causal, shape=shape, timer=timer, roles=roles,
+                                 **splits)
+    return ((fwd.split_visiting, fwd.split_counterpart_q),
+            (bwd.split_visiting, bwd.split_counterpart_q))
 
 
 def choose_split_visiting(groups: Sequence[Sequence[int]], problem: Problem,
@@ -179,14 +179,16 @@ def choose_split_visiting(groups: Sequence[Sequence[int]], problem: Problem,
                           roles: str = "paper") -> tuple[bool, bool]:
     """Whether CHARM+ should send visiting kv blocks in two row halves, for the forward and
     for the backward: where the split changes the plan, the one of the two plans predicted
-    faster on ``cluster`` by more than :data:`SPLIT_MARGIN` (``None``:
-    :func:`default_cluster_for` the topology). Memoised; a pure function of its arguments, so
-    every rank decides alike without communicating.
+    faster on ``cluster`` by more than :data:`~charm_megatron.plan.charm.SPLIT_MARGIN`
+    (``None``: :func:`default_cluster_for` the topology). Memoised; a pure function of its
+    arguments, so every rank decides alike without communicating.
 
     The split hides the visiting blocks' slow trip where one link carries many of them (one
     NIC per node) and costs more, smaller messages and a merge per split tile elsewhere
     (docs/algorithm.md, *Visiting kv in two halves*)."""
-    return _split_cached(_groups(groups), problem, cluster, causal, roles, "visiting")
+    fwd, bwd = charm_splits(groups, problem, cluster, causal=causal, roles=roles,
+                            split_visiting="auto")
+    return fwd[0], bwd[0]
 
 
 def choose_split_counterpart_q(groups: Sequence[Sequence[int]], problem: Problem,
@@ -195,40 +197,13 @@ def choose_split_counterpart_q(groups: Sequence[Sequence[int]], problem: Problem
     """:func:`choose_split_visiting` for the other side of the exchange: whether CHARM+
     pass-q should send a counterpart's q block that every tile needs whole in two row halves
     (its partial going home per half), forward and backward, by the same rule: where it
-    changes the plan, the split where it is predicted more than :data:`SPLIT_MARGIN` faster
-    on ``cluster``. It shortens pass-q's serial chain (q across, the group's rounds, the
-    partial back) where that chain is the critical path (docs/algorithm.md, *Counterpart q in
-    two halves*)."""
-    return _split_cached(_groups(groups), problem, cluster, causal, roles, "counterpart_q")
-
-
-#: A split plan is chosen only where it is predicted at least this much faster than whole
-#: blocks. The model's errors against measurement are larger than a few per cent
-#: (docs/model.md), and a split adds messages and merges; a near-tie keeps the simpler plan.
-SPLIT_MARGIN = 0.05
-
-
-@lru_cache(maxsize=256)
-def _split_cached(groups: Groups, problem: Problem, cluster: Cluster | None, causal: bool,
-                  roles: str, which: str) -> tuple[bool, bool]:
-    """Per direction, whether the ``which`` split (``visiting``: pass-kv's visiting kv;
-    ``counterpart_q``: pass-q's counterpart q) is predicted faster than whole blocks (each
-    judged with the other split off: a cross round is pass-kv or pass-q, so they rarely
-    touch the same plan), by more than :data:`SPLIT_MARGIN`."""
-    cl = cluster if cluster is not None else default_cluster_for(groups)
-    key = _role_key(roles, problem)
-    on = (True, False) if which == "visiting" else (False, True)
-    picks = []
-    for direction in ("forward", "backward"):
-        whole = _plan("charm", direction, groups, causal, *key, False, False)
-        split = _plan("charm", direction, groups, causal, *key, *on)
-        if split.ops == whole.ops:
-            picks.append(False)
-            continue
-        t_whole = simulate(whole, problem, cl, groups).time_s
-        t_split = simulate(split, problem, cl, groups).time_s
-        picks.append(t_split < (1.0 - SPLIT_MARGIN) * t_whole)
-    return picks[0], picks[1]
+    changes the plan, the split where it is predicted more than
+    :data:`~charm_megatron.plan.charm.SPLIT_MARGIN` faster on ``cluster``. It shortens
+    pass-q's serial chain (q across, the group's rounds, the partial back) where that chain is
+    the critical path (docs/algorithm.md, *Counterpart q in two halves*)."""
+    fwd, bwd = charm_splits(groups, problem, cluster, causal=causal, roles=roles,
+                            split_counterpart_q="auto")
+    return fwd[1], bwd[1]
 
 
 @lru_cache(maxsize=256)
