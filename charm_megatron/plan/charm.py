@@ -47,16 +47,16 @@ ROLES = Setting(
     "roles", RoleMix, RoleMix.BYTES,
     "role mix of rmplus / charm exchanges: bytes (default: the cheaper role per exchange), "
     "paper (Algorithm 1), kv or q (every exchange passes kv / q)")
+# The splits' help says what "on" does; SplitMode says what auto / off mean.
 SPLIT_VISITING = Setting(
     "split_visiting", SplitMode, SplitMode.AUTO,
-    "charm pass-kv: visiting kv blocks that every tile needs whole cross in two row halves: "
-    "auto (default: where the model predicts it faster), off or on (docs/algorithm.md)",
+    "charm pass-kv: visiting kv blocks that every tile needs whole cross in two row halves "
+    "(docs/algorithm.md)",
     env="CHARM_SPLIT_VISITING")
 SPLIT_COUNTERPART_Q = Setting(
     "split_counterpart_q", SplitMode, SplitMode.AUTO,
     "charm pass-q: a counterpart's q block that every tile needs whole crosses in two row "
-    "halves, its partial going home per half: auto (default: where the model predicts it "
-    "faster), off or on (docs/algorithm.md)",
+    "halves, its partial going home per half (docs/algorithm.md)",
     env="CHARM_SPLIT_COUNTERPART_Q")
 SETTINGS = (PASS_ORDER, ROLES, SPLIT_VISITING, SPLIT_COUNTERPART_Q)
 
