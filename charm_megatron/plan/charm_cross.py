@@ -42,6 +42,8 @@ class CrossExchange(RmPlusPasses):
         super().__init__(rank, groups, causal, direction, variant)
         self.order = variant.order
         self.cross_in: dict[int, int] = {}  # cross round -> handle of its block's exchange
+        # cross round -> handle of its block's second half (rounds sent in halves only)
+        self.cross_in2: dict[int, int] = {}
         self.trailing: list[int] = []  # send-only second halves, waited at the end
         # Our partials coming home from counterparts, one list per cross pass (a split
         # return is two batches).
@@ -74,15 +76,15 @@ class CrossExchange(RmPlusPasses):
         self.decisions.append(Decision("cross", other[self.local], role, kv_b, q_b))
         return role
 
-    def _post_cross_halves(self, k: int, cp: int, src: Loc, kind: Kind,
-                           rx: tuple[Loc, Loc], second_in: dict[int, int], send_rows: Half,
-                           recv_rows: Half, out_split: bool, in_split: bool) -> None:
+    def _post_cross_halves(self, k: int, cp: int, src: Loc, kind: Kind, rx: tuple[Loc, Loc],
+                           send_rows: Half, recv_rows: Half, out_split: bool,
+                           in_split: bool) -> None:
         """Post the cross exchange of round ``k`` with counterpart ``cp``: block ``kind`` from
         ``src`` out, the counterpart's into ``rx[0]``. Where a side splits (``out_split``: the
         counterpart splits what we send; ``in_split``: we split what we receive), the first
         row half goes in this batch and the second in one of its own right after (same stream,
         so it arrives second, into ``rx[1]``), waited for only by the second sub-pass
-        (``second_in[k]``); a send-only second half is waited for at the end."""
+        (``cross_in2[k]``); a send-only second half is waited for at the end."""
         r, slot = self.rank, k % 2
         self.cross_in[k] = self.p.comm(
             Stream.CROSS,
@@ -97,7 +99,7 @@ class CrossExchange(RmPlusPasses):
             recvs=[Xfer(cp, rx[1].at(slot), kind, cp, Half.SECOND)] if in_split else [],
         )
         if in_split:
-            second_in[k] = h
+            self.cross_in2[k] = h
         else:
             self.trailing.append(h)
 

@@ -9,17 +9,11 @@ Plan layer: no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from charm_megatron.plan.charm_cross import CrossExchange
 from charm_megatron.plan.core import Half, Kind, Loc, Plan, Reset, Wait, tile_spec
-from charm_megatron.plan.entries import Groups
 from charm_megatron.plan.program import Return
 from charm_megatron.plan.rmplus import OWN_KV, Item, KvHeld, Pass
-from charm_megatron.plan.vocab import Direction
-
-if TYPE_CHECKING:
-    from charm_megatron.plan.charm import CharmVariant
 
 __all__ = ["PassKv"]
 
@@ -32,25 +26,18 @@ _VISIT_DKV2 = Loc("acc.vdkvb")  # backward, split: the second half's dkv
 class PassKv(CrossExchange):
     """The visiting passes: the own q against the counterpart's kv block.
 
-    ``split_visiting``: where every tile of a visiting pass needs all rows of the visiting kv
+    ``variant.split_visiting``: where every tile of a visiting pass needs all rows of the visiting kv
     blocks (the earlier group under the causal layout; both groups without a mask), those
     blocks cross in two messages, first row half then second, and the visiting pass runs as
     two sub-passes, one per kv row half: the first half's tiles run while the second half is
     still on the slow link (:meth:`_run_visiting_pass`).
     """
 
-    def __init__(self, rank: int, groups: Groups, causal: bool, direction: Direction,
-                 variant: CharmVariant) -> None:
-        super().__init__(rank, groups, causal, direction, variant)
-        self.split_visiting = variant.split_visiting
-        # cross round -> handle of the visiting block's second half (split rounds only)
-        self.cross_in2: dict[int, int] = {}
-
     def _post_visiting_kv(self, k: int, cp: int, other: Sequence[int]) -> None:
         """Swap kv blocks with ``cp``, our counterpart of pass-kv round ``k`` in group
         ``other`` (ours visits their group), in halves where either side splits."""
         self._post_cross_halves(
-            k, cp, OWN_KV, Kind.KV, (_CROSS_KV, _CROSS_KV2), self.cross_in2,
+            k, cp, OWN_KV, Kind.KV, (_CROSS_KV, _CROSS_KV2),
             self._kv_half(self.rank, other), self._kv_half(cp, self.group),
             self._splits(other, self.group), self._splits(self.group, other))
 
@@ -116,6 +103,6 @@ class PassKv(CrossExchange):
         ``visiting`` in two row halves: asked for, and every one of its tiles needs all kv rows
         and no mask (so each tile is exactly its two kv-half sub-tiles). Both groups compute
         it alike for both directions of the exchange."""
-        return self.split_visiting and all(
+        return self.variant.split_visiting and all(
             (s := tile_spec(i, j, self.causal)).kv_half is Half.FULL and not s.causal
             for i in receiving for j in visiting)

@@ -8,17 +8,12 @@ Plan layer: no torch.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from charm_megatron.plan.charm_cross import CrossExchange
 from charm_megatron.plan.core import Half, Loc, tile_spec
-from charm_megatron.plan.entries import Groups
 from charm_megatron.plan.program import Return
 from charm_megatron.plan.rmplus import Item, Pass
-from charm_megatron.plan.vocab import Direction, PassOrder
-
-if TYPE_CHECKING:
-    from charm_megatron.plan.charm import CharmVariant
+from charm_megatron.plan.vocab import PassOrder
 
 __all__ = ["PassQ"]
 
@@ -32,25 +27,18 @@ class PassQ(CrossExchange):
     """The passes that hold q blocks: the own q's, a counterpart's, or both (the joint order's
     first pass).
 
-    ``split_counterpart_q``: where every tile of a counterpart's q block needs all its rows
+    ``variant.split_counterpart_q``: where every tile of a counterpart's q block needs all its rows
     and no mask (the earlier group under the causal layout; both groups without a mask), the
     block crosses as two row-half messages and its pass runs as two sub-passes, q rows 1st
     then 2nd; each half's partial goes home as soon as its sub-pass is done, so the first
     half's crosses back while the second half is computed (:meth:`_run_counterpart_pass`).
     """
 
-    def __init__(self, rank: int, groups: Groups, causal: bool, direction: Direction,
-                 variant: CharmVariant) -> None:
-        super().__init__(rank, groups, causal, direction, variant)
-        self.split_counterpart_q = variant.split_counterpart_q
-        # cross round -> handle of the counterpart q block's second half (split rounds only)
-        self.cross_q_in2: dict[int, int] = {}
-
     def _post_counterpart_q(self, k: int, cp: int, other: Sequence[int]) -> None:
         """Swap q blocks with ``cp``, our counterpart of pass-q round ``k`` in group
         ``other``, in halves where either side splits."""
         self._post_cross_halves(
-            k, cp, self.own_q, self.qkind, (_CROSS_Q, _CROSS_Q2), self.cross_q_in2,
+            k, cp, self.own_q, self.qkind, (_CROSS_Q, _CROSS_Q2),
             self._q_half(self.rank, other), self._q_half(cp, self.group),
             self._q_splits(k, other, self.group), self._q_splits(k, self.group, other))
 
@@ -65,7 +53,7 @@ class PassQ(CrossExchange):
         items = [Item(o, self.own_q, self.own_acc) if o == r else
                  Item(o, _CROSS_Q.at(k % 2), _CROSS_ACC.at(self.n_cross_done % 2))
                  for o in owners]
-        if not ps.own and k in self.cross_q_in2:
+        if not ps.own and k in self.cross_in2:
             self._run_counterpart_pass(ps, k, owners[0])
             return
         held_back = self._pass(ps, items, self.cross_in.get(k) if k is not None else None)
@@ -91,7 +79,7 @@ class PassQ(CrossExchange):
     def _q_split_sides(self, k: int) -> tuple[bool, bool]:
         """Whether our pass of round ``k`` ran split, and whether the counterpart's did."""
         other = self.groups[self.cross[k][self.g]]
-        return k in self.cross_q_in2, self._q_splits(k, other, self.group)
+        return k in self.cross_in2, self._q_splits(k, other, self.group)
 
     def _run_counterpart_pass(self, ps: Pass, k: int, cp: int) -> None:
         """Split (:meth:`_q_splits`): the counterpart ``cp``'s q block in two sub-passes, the
@@ -109,7 +97,7 @@ class PassQ(CrossExchange):
         rets: list[Return] = []
         for rows, q_loc, acc, handle in (
                 (Half.FIRST, _CROSS_Q.at(k % 2), accs[0], self.cross_in[k]),
-                (Half.SECOND, _CROSS_Q2.at(k % 2), accs[1], self.cross_q_in2[k])):
+                (Half.SECOND, _CROSS_Q2.at(k % 2), accs[1], self.cross_in2[k])):
             self.q_rows = rows
             held_back = self._pass(ps, [Item(cp, q_loc, acc)], handle)
             self.q_rows = Half.FULL
@@ -126,7 +114,7 @@ class PassQ(CrossExchange):
         blocks (not the joint order's first pass, which holds the own q too), and every one
         of their tiles needs all q rows and no mask (so each tile is exactly its two q-half
         sub-tiles). Both groups compute it alike for both directions of the exchange."""
-        if not self.split_counterpart_q or (self.order is PassOrder.JOINT and k == 0):
+        if not self.variant.split_counterpart_q or (self.order is PassOrder.JOINT and k == 0):
             return False
         return all((s := tile_spec(i, j, self.causal)).q_half is Half.FULL and not s.causal
                    for i in visiting for j in receiving)

@@ -6,24 +6,10 @@ Plan layer: no torch.
 
 from __future__ import annotations
 
-from charm_megatron.plan.core import (
-    Half,
-    Kind,
-    Loc,
-    Merge,
-    Op,
-    Plan,
-    Reset,
-    Stream,
-    Tile,
-    TileBwd,
-    Wait,
-    Xfer,
-    tile_spec,
-)
+from charm_megatron.plan.core import Merge, Op, Plan, Reset, Tile, TileBwd, Wait, Xfer, tile_spec
 from charm_megatron.plan.entries import Algorithm, Groups, register
 from charm_megatron.plan.program import Program
-from charm_megatron.plan.vocab import Direction
+from charm_megatron.plan.vocab import Direction, Half, Kind, Loc, Stream
 
 __all__ = ["RING", "ring_rank"]
 

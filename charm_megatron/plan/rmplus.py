@@ -131,7 +131,7 @@ class RmPlusPasses:
 
     ``variant`` (:class:`~charm_megatron.plan.charm.CharmVariant`) gives the role choice and
     the memory variants (``lean``, ``early_returns``) read here; the splits and the pass order
-    are read by the subclasses that use them.
+    are read by the subclasses where they act.
     """
 
     def __init__(self, rank: int, groups: Groups, causal: bool, direction: Direction,
@@ -141,6 +141,7 @@ class RmPlusPasses:
         self.causal = causal
         self.direction = direction = Direction(direction)
         self.bwd = direction is Direction.BACKWARD
+        self.variant = variant  # the splits and the pass order are read where they act
         self.roles = variant.roles
         # lean: a unit's exchange is posted only once the previous unit's tiles ran and its
         # partials came home (one unit's blocks in memory instead of two and its returns;
