@@ -20,10 +20,12 @@ from hypothesis import strategies as st
 
 from charm_megatron.bench.memory import call_peaks
 from charm_megatron.local_ranks import run_ranks
+from charm_megatron.plan.charm import CharmVariant
 from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.entries import assemble
 from charm_megatron.plan.lifetimes import lifetimes
 from charm_megatron.plan.memory import plan_peak
-from charm_megatron.plan.registry import _assemble, build_plan, get
+from charm_megatron.plan.registry import build_plan, get
 from charm_megatron.plan.roles import ROLE_MIXES, RoleChoice, RoleShape
 from charm_megatron.plan.validate import validate
 
@@ -43,8 +45,8 @@ def _model_ratio(algo: str, topology: str, hkv: int, causal: bool, roles: str,
     problem = Problem(b=2, s=256 * n, hq=HQ, hkv=hkv, d=D, elem=4)
     flat = (tuple(range(n)),)
     ring = build_plan("ring", direction, flat, causal)
-    plan = build_plan(algo, direction, groups if algo == "charm" else flat, causal, "split",
-                      roles, RoleShape(HQ, hkv, D, 4))
+    plan = build_plan(algo, direction, groups if algo == "charm" else flat, causal, roles=roles,
+                      shape=RoleShape(HQ, hkv, D, 4))
     return (max(p.bytes for p in plan_peak(plan, problem))
             / max(p.bytes for p in plan_peak(ring, problem)))
 
@@ -77,13 +79,11 @@ def test_lean_plans_only_where_the_bound_needs_them():
     for topo in ("2x2", "2x4"):
         for hkv in (8, 2):
             for direction in ("forward", "backward"):
-                plan = build_plan("charm", direction, _groups(topo), True, "split", "bytes",
-                                  shape(hkv))
+                plan = build_plan("charm", direction, _groups(topo), True, shape=shape(hkv))
                 assert not plan.lean, (topo, hkv, direction)
     # Full attention on 2x4 needs them (1.34x / 1.17x ring prefetching, 1.01x / 1.00x lean).
     for hkv in (8, 2):
-        assert build_plan("charm", "forward", _groups("2x4"), False, "split", "bytes",
-                          shape(hkv)).lean
+        assert build_plan("charm", "forward", _groups("2x4"), False, shape=shape(hkv)).lean
     # Without a shape there is nothing to size: the paper's plans as they are.
     assert not build_plan("charm", "forward", _groups("2x4"), False).lean
 
@@ -104,7 +104,8 @@ def test_every_memory_variant_validates(n_and_grouping, causal, direction, roles
     for algo in ("rmplus", "charm"):
         grp = groups if algo == "charm" else (tuple(range(n)),)
         for flags in ({"lean": True}, {"early_returns": True}):
-            plan = _assemble(get(algo), direction, grp, n, causal, order, choice, **flags)
+            plan = assemble(algo, get(algo).build_rank, direction, grp, causal,
+                            CharmVariant(order, choice, **flags))
             stats = validate(plan)
             assert all(t == n for t in stats.tiles)
 
@@ -115,16 +116,16 @@ def test_backward_returns_stay_in_flight_where_the_bound_allows():
     forward does: at the bench's 8 q / 2 kv point (fp32, causal, 2x4) the returns in flight
     hold 1.16x ring's peak; with multi-head attention they fit (0.89x) and stay in flight."""
     groups = _groups("2x4")
-    gqa = build_plan("charm", "backward", groups, True, "split", "bytes", RoleShape(8, 2, 64, 4))
-    mha = build_plan("charm", "backward", groups, True, "split", "bytes", RoleShape(8, 8, 64, 4))
+    gqa = build_plan("charm", "backward", groups, True, shape=RoleShape(8, 2, 64, 4))
+    mha = build_plan("charm", "backward", groups, True, shape=RoleShape(8, 8, 64, 4))
     assert gqa.early_returns and not gqa.lean
     assert not mha.early_returns and not mha.lean
     # The variant left out is the one that breaks the bound, not just another plan.
     problem = Problem(b=2, s=256 * 8, hq=8, hkv=2, d=64, elem=4)
     ring = max(p.bytes for p in plan_peak(build_plan("ring", "backward", ((*range(8),),),
                                                      True), problem))
-    plain = _assemble(get("charm"), "backward", groups, 8, True, "split",
-                      RoleChoice("bytes", RoleShape(8, 2, 64, 4)))
+    plain = assemble("charm", get("charm").build_rank, "backward", groups, True,
+                     CharmVariant(roles=RoleChoice("bytes", RoleShape(8, 2, 64, 4))))
     assert max(p.bytes for p in plan_peak(plain, problem)) > BOUND * ring
     assert plain.ops != gqa.ops
 
@@ -135,7 +136,7 @@ def test_lifetimes_free_every_receive_buffer_and_keep_the_results(n):
     groups = _groups(f"2x{n // 2}")
     for algo, grp in (("ring", (tuple(range(n)),)), ("charm", groups)):
         for direction in ("forward", "backward"):
-            plan = build_plan(algo, direction, grp, True, "split", "bytes", RoleShape(8, 2, 64))
+            plan = build_plan(algo, direction, grp, True, shape=RoleShape(8, 2, 64))
             for ops in plan.ops[:4]:
                 life = lifetimes(ops)
                 freed = [loc for locs in life.free_after.values() for loc in locs]

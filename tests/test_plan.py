@@ -18,7 +18,7 @@ def _groups(G, M):
 
 
 def test_algorithm1_example_m4():
-    # ALGORITHM.md §3: m = 4, level 2: 0 kv<->2, 0 q<->3, 1 q<->2, 1 kv<->3.
+    # docs/algorithm.md, RM+: m = 4, level 2: 0 kv<->2, 0 q<->3, 1 q<->2, 1 kv<->3.
     rounds = rmplus_rounds(4)
     roles = {}
     for rd in rounds:
@@ -295,10 +295,11 @@ def test_split_counterpart_q_full_mask_splits_both_groups():
 
 def test_split_counterpart_q_leaves_joint_first_pass_whole():
     # the joint order's first pass holds the own q with the counterpart's: no sub-passes
-    plan = build_plan("charm", "forward", _groups(2, 2), True, "joint", "q",
+    plan = build_plan("charm", "forward", _groups(2, 2), True, pass_order="joint", roles="q",
                       split_counterpart_q=True)
     validate(plan)
-    assert plan.ops == build_plan("charm", "forward", _groups(2, 2), True, "joint", "q").ops
+    assert plan.ops == build_plan("charm", "forward", _groups(2, 2), True, pass_order="joint",
+                                  roles="q").ops
 
 
 def test_validator_rejects_a_lone_q_sub_tile():

@@ -76,7 +76,7 @@ def dump(algo: str, n: int) -> str:
     out = io.StringIO()
     for (g, m), causal, direction, order in cases(algo, n):
         groups = _groups(g, m)
-        plan = build_plan(algo, direction, groups, causal, order)
+        plan = build_plan(algo, direction, groups, causal, pass_order=order)
         stats = validate(plan)
         t = traffic(plan, PROBLEM, groups)
         mask = "causal" if causal else "full"
@@ -140,7 +140,8 @@ def test_flat_algorithms_ignore_grouping(algo: str) -> None:
             for direction in ("forward", "backward"):
                 ref = build_plan(algo, direction, _groups(1, n), True)
                 for order in ORDERS:
-                    assert build_plan(algo, direction, _groups(g, m), True, order).ops == ref.ops
+                    plan = build_plan(algo, direction, _groups(g, m), True, pass_order=order)
+                    assert plan.ops == ref.ops
         assert flat.groups == (tuple(range(n)),)
 
 

@@ -39,8 +39,8 @@ def test_every_role_mix_validates(n_and_grouping, causal, direction, roles, shap
     without split visiting kv (pass-kv) and split counterpart q (pass-q)."""
     n, (G, M) = n_and_grouping
     for algo in ("rmplus", "charm"):
-        plan = build_plan(algo, direction, _groups(G, M), causal, order, roles, shape,
-                          split_visiting=split_visiting,
+        plan = build_plan(algo, direction, _groups(G, M), causal, pass_order=order, roles=roles,
+                          shape=shape, split_visiting=split_visiting,
                           split_counterpart_q=split_counterpart_q)
         stats = validate(plan)
         assert sum(stats.tiles) == n * n
@@ -107,7 +107,7 @@ def _decisions(direction, shape, causal=False, G=2, M=2, mix="bytes"):
 
 
 def test_bytes_follow_the_block_table():
-    """Full mask, one q block per pass: the per-token bytes of ALGORITHM.md §7 (both ways)."""
+    """Full mask, one q block per pass: the per-token bytes of docs/algorithm.md, *Roles by bytes* (both ways)."""
     hq, hkv, d, e = 8, 2, 16, 2
     shape = RoleShape(hq, hkv, d, e)
     fwd = _decisions("forward", shape)[0]
@@ -160,10 +160,11 @@ def test_every_decision_is_the_cheaper_or_a_tie():
 
 
 def test_unknown_roles_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"unknown roles 'fastest'.*bytes, paper, kv, q"):
+    with pytest.raises(ValueError, match=r"roles='fastest'.*bytes, paper, kv, q"):
         build_plan("charm", "forward", _groups(2, 2), True, roles="fastest")
-    with pytest.raises(ValueError, match="needs the attention shape"):
-        build_plan("charm", "forward", _groups(2, 2), True, roles="bytes")
+    # bytes without a shape is the paper's rule (what shape-free plans are), not an error
+    assert build_plan("charm", "forward", _groups(2, 2), True, roles="bytes").ops == \
+        build_plan("charm", "forward", _groups(2, 2), True, roles="paper").ops
     with pytest.raises(ValueError, match="cp_attention roles"):
         check_roles("Q", "cp_attention roles")
 

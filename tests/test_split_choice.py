@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from charm_megatron.model import choose_split_counterpart_q, choose_split_visiting, get_profile
-from charm_megatron.model.predict import SPLIT_MARGIN, _plan, _role_key
+from charm_megatron.model.predict import _plan, _role_key
 from charm_megatron.model.sim import simulate
 from charm_megatron.model.testbed import bench_cluster
 from charm_megatron.ops.options import CPOptions
+from charm_megatron.plan.charm import SPLIT_MARGIN
 from charm_megatron.plan.cost import Problem
 
 GROUPS_2X4 = ((0, 1, 2, 3), (4, 5, 6, 7))

@@ -24,14 +24,17 @@ from charm_megatron.plan.core import (
     Xfer,
     tile_spec,
 )
+from charm_megatron.plan.vocab import Direction
 
 NAME = "toygather"
 
 
-def toygather_rank(rank: int, groups: registry.Groups, causal: bool, backward: bool,
-                   order: str) -> list[Op]:
-    """The builder: rank ``rank``'s ops (``groups`` is one flat group: it ignores topology)."""
+def toygather_rank(rank: int, groups: registry.Groups, causal: bool, direction: Direction,
+                   variant: object) -> list[Op]:
+    """The builder: rank ``rank``'s ops (``groups`` is one flat group: it ignores topology;
+    ``variant``: its settings' values, none)."""
     n = sum(len(g) for g in groups)
+    backward = direction == Direction.BACKWARD
     ops: list[Op] = []
     handles = itertools.count()
 

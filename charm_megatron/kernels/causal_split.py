@@ -2,7 +2,7 @@
 
 PyTorch's CPU flash-attention backward kernel computes most of the masked half of a causal
 block anyway. Under Megatron's load-balanced layout every rank's own tile is such a block (both
-local chunks against themselves, ALGORITHM.md §5), at every step of every algorithm.
+local chunks against themselves, docs/algorithm.md, notation), at every step of every algorithm.
 
 A causal square block is its two diagonal halves (causal, each half the size) plus the unmasked
 lower-left quarter (the second half of the rows against the first half of the keys); each level

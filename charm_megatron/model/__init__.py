@@ -5,10 +5,12 @@ Pure Python (no torch). Entry points:
 * :class:`Cluster` - link bandwidths, NIC model, compute rate, overheads; :data:`PROFILES`
   (``l20-pcie``, ``h20``, ``h100``, ``cpu-testbed``) and :func:`default_cluster_for`;
 * :func:`simulate` - one plan on one cluster (a discrete-event simulation of all ranks);
+  :class:`ClusterTimer` - the same as the plan layer's clock (what ``auto`` splits time with);
 * :func:`predict` / :func:`predict_all` - forward and backward per algorithm;
   :func:`ring_ccr` - the paper's computation-to-communication ratio;
-* :func:`choose_algo` (and :func:`choose_algo_cached`) - the fastest of ring / rmplus / charm,
-  for ``algo="auto"``, charm weighed with the splits :func:`charm_splits` says it runs;
+* :func:`choose_algo` (and :func:`choose_algo_cached`) - the fastest registered algorithm,
+  for ``algo="auto"``, each weighed with the variants its entry picks (:func:`variants`, e.g.
+  CHARM+'s ``auto`` splits);
 * :func:`auto_cluster` - the cluster ``auto`` predicts with (its profile argument, which
   ``cp_attention`` takes from ``CPOptions.model_profile`` / ``CHARM_MODEL_PROFILE``, else the
   generic default);
@@ -27,24 +29,24 @@ from charm_megatron.model.cluster import Cluster, Profile, default_cluster_for
 from charm_megatron.model.predict import (
     CCR,
     Prediction,
-    charm_splits,
     choose_algo,
     choose_algo_cached,
-    choose_split_counterpart_q,
-    choose_split_visiting,
     predict,
     predict_all,
     ring_ccr,
+    variants,
 )
 from charm_megatron.model.profile_io import load_profile, save_profile
 from charm_megatron.model.profiles import PROFILES, get_profile
 from charm_megatron.model.sim import ModelError, RankStats, SimResult, simulate, tile_flops
+from charm_megatron.model.timer import ClusterTimer
 
 __all__ = [
     "CCR",
     "PROFILES",
     "PROFILE_ENV",
     "Cluster",
+    "ClusterTimer",
     "ModelError",
     "Prediction",
     "Profile",
@@ -52,11 +54,8 @@ __all__ = [
     "SimResult",
     "auto_cluster",
     "calibrate",
-    "charm_splits",
     "choose_algo",
     "choose_algo_cached",
-    "choose_split_counterpart_q",
-    "choose_split_visiting",
     "default_cluster_for",
     "get_profile",
     "load_profile",
@@ -66,4 +65,5 @@ __all__ = [
     "save_profile",
     "simulate",
     "tile_flops",
+    "variants",
 ]

@@ -35,7 +35,7 @@ def cp_attention(
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_padded: torch.Tensor | None = None,
     options: CPOptions | None = None,
-    roles: str = "bytes",
+    roles: str | None = None,
     tag: str | None = None,
 ):
     """Context-parallel attention over the CP process group ``group``.
@@ -66,9 +66,10 @@ def cp_attention(
             ablation, model profile, the algorithms' settings); ``None`` reads them from the
             ``CHARM_*`` environment variables, once, here (docs/api.md).
         roles: what the exchanges of rmplus / charm move (:mod:`charm_megatron.plan.roles`):
-            ``"bytes"`` (default: per exchange the role that moves fewer bytes for this shape
-            and direction), ``"paper"`` (the paper's Algorithm 1), ``"kv"`` or ``"q"`` (every
-            exchange passes kv / q). The same for packed sequences.
+            ``"bytes"`` (per exchange the role that moves fewer bytes for this shape and
+            direction), ``"paper"`` (the paper's Algorithm 1), ``"kv"`` or ``"q"`` (every
+            exchange passes kv / q); ``None``: the options' ``roles`` setting (default
+            ``"bytes"``). The same for packed sequences.
         tag: a name for the call site that every rank must pass alike (the Megatron layer
             passes its layer number), so that ranks whose calls are out of order get an
             error naming it instead of pairing two different calls.
@@ -99,7 +100,7 @@ def cp_attention(
 
 def resolve_algo(q: torch.Tensor, k: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                  algo: str = "auto", topology=None, causal: bool = True,
-                 options: CPOptions | None = None, roles: str = "bytes") -> str:
+                 options: CPOptions | None = None, roles: str | None = None) -> str:
     """The algorithm ``cp_attention(q, k, v, algo=algo, ...)`` runs with these arguments (sbhd
     ``q``, ``k``; tensors on the ``meta`` device do): for ``"auto"`` the performance model's pick,
     made by the same code as the call's; any other name unchanged. No communication unless the

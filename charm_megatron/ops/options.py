@@ -4,113 +4,180 @@
 (:meth:`CPOptions.from_env`); this is the only place in the package's attention path that reads
 environment variables. An explicit ``options=CPOptions(...)`` is used as given and no variable is
 read. The value is stored in the autograd context, so a call's backward runs with exactly the
-settings of its forward (pass order, timeout, kernel, checks), whatever the environment says by
-then.
+settings of its forward (timeout, kernel, checks, the algorithm's settings), whatever the
+environment says by then.
+
+Two kinds of settings live here: the call's own (timeout, kernel backend, default topology,
+checks, ablation, model profile: fields of :class:`CPOptions`), and the algorithms' (CHARM+'s
+pass order, role mix and splits, or any registered algorithm's: declared by its registry entry,
+:mod:`charm_megatron.plan.settings`, and given here by name, ``CPOptions(pass_order="joint")``).
+Their environment variables come from their declarations.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields
 
 import torch
 
 from charm_megatron.kernels.base import AttentionBackend
+from charm_megatron.plan import registry
+from charm_megatron.plan.settings import Values
+from charm_megatron.plan.vocab import _Named
 
-PASS_ORDERS = ("split", "joint")
-SPLIT_VISITING = ("auto", "off", "on")
-SPLIT_COUNTERPART_Q = SPLIT_VISITING
-CHECKS = ("every_call", "off")
-ABLATIONS = ("none", "compute_only", "comm_only")
 
-# variable -> (CPOptions field, what it sets); docs/api.md lists the same table.
-ENV_VARS = {
-    "CHARM_PASS_ORDER": ("pass_order", "CHARM+/RM+ pass order: split (default) or joint"),
+class Check(_Named):
+    """Whether the ranks agree on every call and report its status after (docs/api.md)."""
+
+    EVERY_CALL = "every_call"
+    OFF = "off"
+
+
+class Ablation(_Named):
+    """Which side of a plan runs (timing a plan's parts; results are then meaningless)."""
+
+    NONE = "none"
+    COMPUTE_ONLY = "compute_only"
+    COMM_ONLY = "comm_only"
+
+
+# The call's own variables: variable -> (CPOptions field, what it sets). docs/api.md lists them
+# with the algorithms' (ENV_VARS).
+_OWN_VARS = {
     "CHARM_COMM_TIMEOUT_S": ("timeout_s", "bound on every blocking wait, seconds (default 600)"),
     "CHARM_ATTN_BACKEND": ("backend", "kernel backend: torch, flash_attn or reference"),
-    "CHARM_TOPOLOGY": ("topology", "topology for algo charm/auto when the argument is None"),
+    "CHARM_TOPOLOGY": ("topology", "topology for algorithms that use one (charm, auto) when "
+                       "the argument is None"),
     "CHARM_CHECK": ("check", "agreement/status checks: every_call (default) or off"),
-    "CHARM_MODEL_PROFILE": ("model_profile", "performance-model profile for algo auto: a "
-                            "built-in name or a profile file (default: a generic cluster)"),
-    "CHARM_SPLIT_VISITING": ("split_visiting", "CHARM+ pass-kv visiting kv in two row halves: "
-                             "auto (default: where the model predicts it faster), off or on"),
-    "CHARM_SPLIT_COUNTERPART_Q": ("split_counterpart_q", "CHARM+ pass-q counterpart q in two "
-                                  "row halves, partials home per half: auto (default: where "
-                                  "the model predicts it faster), off or on"),
+    "CHARM_MODEL_PROFILE": ("model_profile", "performance-model profile for algo auto and the "
+                            "algorithms' auto settings: a built-in name or a profile file "
+                            "(default: a generic cluster, auto settings off)"),
 }
 
 
-@dataclass(frozen=True)
+class _EnvVars(Mapping[str, tuple[str, str]]):
+    """Every variable :meth:`CPOptions.from_env` reads: the call's own, then each registered
+    algorithm setting's (live: an algorithm registered later adds its own)."""
+
+    def _table(self) -> dict[str, tuple[str, str]]:
+        table = dict(_OWN_VARS)
+        for s in registry.all_settings().values():
+            if s.env:
+                table[s.env] = (s.name, f"{s.help}; {', '.join(s.choices)} (default "
+                                        f"{s.default.value})")
+        return table
+
+    def __getitem__(self, var: str) -> tuple[str, str]:
+        return self._table()[var]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+#: variable -> (CPOptions field or setting name, what it sets).
+ENV_VARS: Mapping[str, tuple[str, str]] = _EnvVars()
+
+
+def setting_env(name: str) -> str | None:
+    """The environment variable of algorithm setting ``name`` (``None``: none)."""
+    s = registry.all_settings().get(name)
+    return s.env if s is not None else None
+
+
+@dataclass(frozen=True, init=False)
 class CPOptions:
     """Settings of one ``cp_attention`` call; every rank of the CP group must pass equal ones
     (the agreement check compares them, except ``timeout_s``).
 
     Attributes:
-        pass_order: ``"split"`` or ``"joint"`` (docs/algorithm.md).
         timeout_s: bound on every blocking wait of the call, seconds.
         backend: kernel backend name (``torch``, ``flash_attn``, ``reference``), a backend
             object, or ``None`` for the automatic choice.
-        topology: default topology string for ``algo`` ``charm``/``auto`` when the call's
-            ``topology`` argument is ``None``; ``None`` means the probe.
-        check: ``"every_call"``: the ranks agree on the call before any data moves and report
-            their status after it (docs/api.md, failure model); ``"off"`` skips both (a
-            mismatch is then undetected and a rank-local error leaves peers with garbage).
-        ablation: ``"none"``; ``"compute_only"`` (no communication) or ``"comm_only"`` (no
-            kernels) for timing a plan's parts; results are then meaningless.
-        model_profile: the cluster ``algo="auto"`` predicts with: a built-in profile name or a
-            profile file written by ``charm-megatron model --calibrate``
-            (:func:`charm_megatron.model.auto_cluster`); ``None``: a generic cluster.
-        split_visiting: ``"on"``: CHARM+ pass-kv sends a visiting kv block that every tile
-            needs whole in two row halves and runs its pass per half (docs/algorithm.md,
-            *Visiting kv in two halves*); ``"off"``: whole blocks; ``"auto"`` (default): per
-            direction, the split where the performance model predicts it more than 5 %
-            faster on the cluster of ``model_profile``, else whole blocks
-            (:func:`charm_megatron.model.choose_split_visiting`).
-        split_counterpart_q: the same for CHARM+ pass-q: ``"on"`` sends a counterpart's q
-            block that every tile needs whole in two row halves, runs its pass per half and
-            sends each half's partial home as soon as it is done (docs/algorithm.md,
-            *Counterpart q in two halves*); ``"off"``: whole blocks; ``"auto"`` (default):
-            per direction, the model's pick on ``model_profile``'s cluster
-            (:func:`charm_megatron.model.choose_split_counterpart_q`).
+        topology: default topology string for algorithms that use one (``charm``, ``auto``)
+            when the call's ``topology`` argument is ``None``; ``None`` means the probe.
+        check: :class:`Check`: ``every_call``: the ranks agree on the call before any data
+            moves and report their status after it (docs/api.md, failure model); ``off``
+            skips both: a mismatch is then undetected, a rank-local error leaves its peers with
+            wrong results or waiting (in a forward + backward step, the others wait in the
+            backward until their bound), and failed transfers leave the communicators as they
+            are.
+        ablation: :class:`Ablation`: ``none``; ``compute_only`` (no communication) or
+            ``comm_only`` (no kernels) for timing a plan's parts; results are then meaningless.
+        model_profile: the cluster the performance model predicts with, for ``algo="auto"``
+            and for an algorithm setting left to the model (``auto``): a built-in profile name
+            or a profile file written by ``charm-megatron model --calibrate``
+            (:func:`charm_megatron.model.auto_cluster`); ``None``: a generic cluster for
+            ``auto``, and the algorithms' ``auto`` settings off.
+        settings: the algorithm settings given, as sorted ``(name, value)`` pairs; pass them
+            by name instead (``CPOptions(pass_order="joint", split_visiting="on")``, any
+            setting of :func:`charm_megatron.plan.registry.all_settings`); the others take
+            their declared defaults. Read one with ``opts.pass_order`` or :meth:`setting`.
     """
 
-    pass_order: str = "split"
-    timeout_s: float = 600.0
-    backend: str | AttentionBackend | None = None
-    topology: str | None = None
-    check: str = "every_call"
-    ablation: str = "none"
-    model_profile: str | None = None
-    split_visiting: str = "auto"
-    split_counterpart_q: str = "auto"
+    timeout_s: float
+    backend: str | AttentionBackend | None
+    topology: str | None
+    check: Check
+    ablation: Ablation
+    model_profile: str | None
+    settings: tuple[tuple[str, object], ...]
 
-    def __post_init__(self) -> None:
-        if self.pass_order not in PASS_ORDERS:
-            raise ValueError(f"cp_attention: pass_order={self.pass_order!r} (CHARM_PASS_ORDER); "
-                             f"choose one of {', '.join(PASS_ORDERS)}")
-        if not (isinstance(self.timeout_s, (int, float)) and math.isfinite(self.timeout_s)
-                and self.timeout_s > 0):
-            raise ValueError(f"cp_attention: timeout_s={self.timeout_s!r} (CHARM_COMM_TIMEOUT_S) "
+    def __init__(self, *, timeout_s: float = 600.0,
+                 backend: str | AttentionBackend | None = None, topology: str | None = None,
+                 check: Check | str = Check.EVERY_CALL, ablation: Ablation | str = Ablation.NONE,
+                 model_profile: str | None = None,
+                 settings: tuple[tuple[str, object], ...] | Mapping[str, object] = (),
+                 **algorithm_settings: object) -> None:
+        given = dict(settings.items() if isinstance(settings, Mapping) else settings)
+        given.update(algorithm_settings)
+        known = registry.all_settings()
+        unknown = sorted(set(given) - set(known))
+        if unknown:
+            raise ValueError(f"cp_attention: unknown option(s) {', '.join(unknown)}; the "
+                             f"options are {', '.join(f.name for f in fields(self))} and the "
+                             f"algorithms' settings {', '.join(known) or '(none)'}")
+        parsed = tuple(sorted((name, known[name].parse(value, "cp_attention"))
+                              for name, value in given.items()))
+        for name, value in (("timeout_s", timeout_s), ("backend", backend),
+                            ("topology", topology), ("check", _enum(Check, check, "check",
+                                                                    "CHARM_CHECK")),
+                            ("ablation", _enum(Ablation, ablation, "ablation", None)),
+                            ("model_profile", model_profile), ("settings", parsed)):
+            object.__setattr__(self, name, value)
+        if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
+                and math.isfinite(timeout_s) and timeout_s > 0):
+            raise ValueError(f"cp_attention: timeout_s={timeout_s!r} (CHARM_COMM_TIMEOUT_S) "
                              "must be a positive number of seconds")
-        if self.check not in CHECKS:
-            raise ValueError(f"cp_attention: check={self.check!r} (CHARM_CHECK); choose one of "
-                             f"{', '.join(CHECKS)}")
-        if self.model_profile is not None and not (isinstance(self.model_profile, str)
-                                                   and self.model_profile.strip()):
-            raise ValueError(f"cp_attention: model_profile={self.model_profile!r} "
+        if model_profile is not None and not (isinstance(model_profile, str)
+                                              and model_profile.strip()):
+            raise ValueError(f"cp_attention: model_profile={model_profile!r} "
                              "(CHARM_MODEL_PROFILE) must be a profile name or file, or None")
-        if self.split_visiting not in SPLIT_VISITING:
-            raise ValueError(f"cp_attention: split_visiting={self.split_visiting!r} "
-                             f"(CHARM_SPLIT_VISITING); choose one of {', '.join(SPLIT_VISITING)}")
-        if self.split_counterpart_q not in SPLIT_COUNTERPART_Q:
-            raise ValueError(f"cp_attention: split_counterpart_q={self.split_counterpart_q!r} "
-                             "(CHARM_SPLIT_COUNTERPART_Q); choose one of "
-                             f"{', '.join(SPLIT_COUNTERPART_Q)}")
-        if self.ablation not in ABLATIONS:
-            raise ValueError(f"cp_attention: ablation={self.ablation!r}; choose one of "
-                             f"{', '.join(ABLATIONS)}")
+
+    def __getattr__(self, name: str):
+        # An algorithm setting by name (opts.pass_order); only reached when no field matches.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name in registry.all_settings():
+            return self.setting(name)
+        raise AttributeError(f"'CPOptions' object has no attribute {name!r}")
+
+    def setting(self, name: str):
+        """The value of algorithm setting ``name``: as given, else its declared default."""
+        given = dict(self.settings)
+        if name in given:
+            return given[name]
+        return registry.all_settings()[name].default
+
+    def values(self, **overrides: object) -> Values:
+        """Every registered algorithm setting's value (``overrides`` first, then these
+        options', then the defaults): what a call's plans are keyed on."""
+        return registry.settings_values(**{**dict(self.settings), **overrides})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> CPOptions:
@@ -118,32 +185,29 @@ class CPOptions:
         ``overrides``."""
         env = os.environ if environ is None else environ
         values: dict = {}
-        for var, (field, _) in ENV_VARS.items():
+        for var, (name, _) in ENV_VARS.items():
             raw = env.get(var, "").strip()
             if not raw:
                 continue
-            if field == "timeout_s":
+            if name == "timeout_s":
                 try:
-                    values[field] = float(raw)
+                    values[name] = float(raw)
                 except ValueError:
                     raise ValueError(f"cp_attention: {var}={raw!r} is not a number of "
                                      "seconds") from None
             else:
-                values[field] = raw
+                values[name] = raw
         values.update(overrides)
         return cls(**values)
 
     def with_(self, **changes) -> CPOptions:
-        """A copy with ``changes`` (e.g. ``opts.with_(ablation="compute_only")``)."""
-        return replace(self, **changes)
-
-    @property
-    def compute(self) -> bool:
-        return self.ablation != "comm_only"
-
-    @property
-    def comm(self) -> bool:
-        return self.ablation != "compute_only"
+        """A copy with ``changes`` (fields or algorithm settings by name, e.g.
+        ``opts.with_(ablation="compute_only")``)."""
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "settings"}
+        settings = dict(self.settings)
+        for name, value in changes.items():
+            (own if name in own else settings)[name] = value
+        return CPOptions(**own, settings=settings)
 
     def topology_for(self, algo: str, topology) -> tuple[object, str] | None:
         """The topology spec a call of ``algo`` runs on and where it came from (for errors):
@@ -151,9 +215,7 @@ class CPOptions:
         given; else ``topology``, or when that is ``None`` this value's default
         (``CHARM_TOPOLOGY``), else the probe (``"auto"``). The one statement of this rule (the
         Megatron layer and the benchmark call it too)."""
-        from charm_megatron.plan.registry import uses_topology
-
-        if not uses_topology(algo):
+        if not registry.uses_topology(algo):
             return None
         if topology is not None:
             return topology, f"topology={str(topology)!r}"
@@ -162,11 +224,32 @@ class CPOptions:
         return "auto", "the probe (CHARM_TOPOLOGY unset)"
 
     @property
+    def compute(self) -> bool:
+        return self.ablation is not Ablation.COMM_ONLY
+
+    @property
+    def comm(self) -> bool:
+        return self.ablation is not Ablation.COMPUTE_ONLY
+
+    @property
+    def checked(self) -> bool:
+        return self.check is not Check.OFF
+
+    @property
     def backend_name(self) -> str:
         """What the agreement check compares for the backend."""
         if self.backend is None or isinstance(self.backend, str):
             return self.backend or "auto"
         return str(getattr(self.backend, "name", type(self.backend).__name__))
+
+
+def _enum(kind, value, name: str, env: str | None):
+    try:
+        return kind(value)
+    except ValueError:
+        var = f" ({env})" if env else ""
+        raise ValueError(f"cp_attention: {name}={value!r}{var}; choose one of "
+                         f"{', '.join(m.value for m in kind)}") from None
 
 
 def kernel_backend(options: CPOptions, device: torch.device,
@@ -185,18 +268,3 @@ def resolve(options: CPOptions | None) -> CPOptions:
     if not isinstance(opts, CPOptions):
         raise TypeError(f"cp_attention: options must be a CPOptions, got {type(opts).__name__}")
     return opts
-
-
-def algorithm_settings(options: CPOptions, roles) -> tuple[tuple[str, object], ...]:
-    """The algorithm settings of a call: ``roles`` (the cp_attention argument) and the options'."""
-    from charm_megatron.plan.roles import check_roles
-
-    check_roles(roles, "cp_attention roles")
-    return (("pass_order", options.pass_order), ("roles", roles),
-            ("split_visiting", options.split_visiting),
-            ("split_counterpart_q", options.split_counterpart_q))
-
-
-def setting_env(name: str) -> str | None:
-    """The environment variable of setting ``name`` (``None``: none)."""
-    return next((var for var, (field, _) in ENV_VARS.items() if field == name), None)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from charm_megatron.ops import agreement
 from charm_megatron.ops.layouts import Layout, Sbhd, Thd
-from charm_megatron.ops.options import CPOptions, algorithm_settings, resolve
+from charm_megatron.ops.options import CPOptions, resolve
 from charm_megatron.ops.request import CallRequest, TensorDesc, check_backend, check_scale
 from charm_megatron.ops.resolution import Resolved, model_cluster, resolve_call
 from charm_megatron.ops.streams import StreamGroups, stream_groups
@@ -64,7 +64,7 @@ class Call:
 
     @property
     def checked(self) -> bool:
-        return self.options.check != "off"
+        return self.options.checked
 
     def what(self, direction: Direction | str) -> str:
         return f"cp_attention(algo={self.algo}, {direction})"
@@ -84,7 +84,8 @@ def build_request(q, k, v, *, cp_size: int, algo: str, topology, causal: bool,
     if algo not in CHOICES:
         raise ValueError(f"cp_attention: unknown algo {algo!r}; choose one of "
                          f"{', '.join(CHOICES)}")
-    settings = algorithm_settings(opts, roles)
+    # cp_attention's roles argument, where given, over the options' (default bytes).
+    settings = opts.values(**({} if roles is None else {"roles": roles}))
     layout: Layout = (Thd.of(cu_seqlens, cu_seqlens_padded, cp_size, q)
                       if cu_seqlens is not None or cu_seqlens_padded is not None else Sbhd())
     layout.check(q, k, v, causal, cp_size)
@@ -108,7 +109,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, **argum
         error = exc
     opts = request.options if request is not None else CPOptions()
     sg = stream_groups(group, opts.timeout_s)
-    checked = cp_size > 1 and opts.check != "off"
+    checked = cp_size > 1 and opts.checked
     seq = agreement.open_call(sg, opts.timeout_s) if checked else _count(sg)
     if checked:
         fields = request.fields(Direction.FORWARD, seq, cluster) if request is not None else ()

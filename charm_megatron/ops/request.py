@@ -18,6 +18,7 @@ import torch
 import charm_megatron
 from charm_megatron.ops.layouts import Layout
 from charm_megatron.ops.options import CPOptions
+from charm_megatron.plan.settings import Values
 from charm_megatron.plan.vocab import Direction
 
 
@@ -91,11 +92,8 @@ class CallRequest:
     causal: bool
     scale: float
     options: CPOptions
-    settings: tuple[tuple[str, object], ...]  # the algorithm settings (name, value)
+    settings: Values  # every registered algorithm setting's value for this call
     tag: str | None = None  # the caller's name for the call site (Megatron: the layer)
-
-    def setting(self, name: str):
-        return dict(self.settings)[name]
 
     def fields(self, direction: Direction, call: int,
                cluster=None) -> tuple[tuple[str, object], ...]:
@@ -119,7 +117,8 @@ class CallRequest:
             ("ablation", str(opts.ablation)),
             ("model profile (CHARM_MODEL_PROFILE)", (opts.model_profile,
                                                      cluster_digest(cluster))),
-            *((f"{name}{_env_hint(name)}", str(value)) for name, value in self.settings),
+            *((f"{name}{_env_hint(name)}", str(value)) for name, value in
+              self.settings.items()),
             *self.layout.fields(),
         )
 

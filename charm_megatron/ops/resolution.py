@@ -1,7 +1,10 @@
 """What an agreed request runs: its topology, its algorithm and the algorithm's validated plans.
 
 Every function here is a pure function of the request the ranks agreed on (and of the probe's
-all-gathered result), so every rank resolves a call alike without communicating.
+all-gathered result), so every rank resolves a call alike without communicating. Nothing here
+names an algorithm or its settings: the registry entries own them (plan/registry.py), and
+``auto`` is the performance model's pick among the entries, each weighed with the variants it
+would run.
 """
 
 from __future__ import annotations
@@ -10,10 +13,11 @@ import functools
 from dataclasses import dataclass
 
 from charm_megatron.ops.request import CallRequest
+from charm_megatron.plan import registry
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
-from charm_megatron.plan.registry import build_plan, uses_topology
 from charm_megatron.plan.roles import RoleShape
+from charm_megatron.plan.settings import Values
 from charm_megatron.plan.validate import validate
 
 Groups = tuple[tuple[int, ...], ...]
@@ -21,32 +25,23 @@ Groups = tuple[tuple[int, ...], ...]
 
 @dataclass(frozen=True)
 class Resolved:
-    """The algorithm a call runs, its groups (one flat group unless it uses the topology) and
-    its validated forward and backward plans."""
+    """The algorithm a call runs, its groups (one flat group unless it uses the topology),
+    the variant its entry runs in each direction, and its validated forward and backward
+    plans."""
 
     algo: str
     groups: Groups
+    variants: tuple[object, object]
     plans: tuple[Plan, Plan]
 
 
 def model_cluster(opts):
-    """The cluster of ``opts.model_profile`` (``None``: generic); ValueError names the option."""
+    """The cluster of ``opts.model_profile`` (``None``: none given); ValueError names the
+    option."""
     from charm_megatron.model import auto_cluster
 
     return auto_cluster(opts.model_profile,
                         where="model_profile (CPOptions.model_profile / CHARM_MODEL_PROFILE)")
-
-
-def problem(request: CallRequest, cp_size: int) -> Problem:
-    """The performance model's problem of a call (sizes of one rank's shard)."""
-    s, b, hq, hkv, d = request.layout.heads(_Shape(request.q.shape), _Shape(request.k.shape))
-    return Problem(b, s * cp_size, hq, hkv, d, request.q.element_size)
-
-
-def role_shape(request: CallRequest) -> RoleShape:
-    """What the byte rule reads of a call."""
-    _, _, hq, hkv, d = request.layout.heads(_Shape(request.q.shape), _Shape(request.k.shape))
-    return RoleShape(hq, hkv, d, request.q.element_size)
 
 
 class _Shape:
@@ -56,64 +51,60 @@ class _Shape:
         self.shape = shape
 
 
+def _heads(request: CallRequest) -> tuple[int, int, int, int, int]:
+    return request.layout.heads(_Shape(request.q.shape), _Shape(request.k.shape))
+
+
+def problem(request: CallRequest, cp_size: int) -> Problem:
+    """The performance model's problem of a call (sizes of one rank's shard)."""
+    s, b, hq, hkv, d = _heads(request)
+    return Problem(b, s * cp_size, hq, hkv, d, request.q.element_size)
+
+
+def role_shape(request: CallRequest) -> RoleShape:
+    """What the plan rules (the byte rule, the memory bound) read of a call."""
+    _, _, hq, hkv, d = _heads(request)
+    return RoleShape(hq, hkv, d, request.q.element_size)
+
+
 def resolve_call(request: CallRequest, group, cp_size: int, cluster) -> Resolved:
     """The topology (the options' default rule), the algorithm (``auto``: the model's pick on
-    ``cluster``, weighing each candidate with the variants it would run) and its plans."""
+    ``cluster``, or on the generic cluster without a profile) and its plans. A setting left to
+    the model (``auto``, e.g. CHARM+'s splits) is the model's pick only where a profile is
+    given (``cluster``); without one it is off, so no call guesses from the generic cluster."""
     from charm_megatron.topology import resolve_topology
 
-    opts = request.options
-    spec = opts.topology_for(request.algo, request.topology)
+    spec = request.options.topology_for(request.algo, request.topology)
     flat = (tuple(range(cp_size)),)
     topo_groups = flat
     if spec is not None:
         topo = resolve_topology(spec[0], group, cp_size, source=spec[1])
         topo_groups = tuple(tuple(g) for g in topo.groups)
     algo = request.algo
-    prob, shape = problem(request, cp_size), role_shape(request)
-    if algo == "auto":
+    prob = problem(request, cp_size)
+    if algo == registry.AUTO:
         from charm_megatron.model import choose_algo_cached
 
-        visiting, counterpart_q = _split_modes(request, cluster)
         algo = choose_algo_cached(topo_groups, prob, cluster, causal=request.causal,
-                                  roles=request.setting("roles"), split_visiting=visiting,
-                                  split_counterpart_q=counterpart_q)
-    groups = topo_groups if uses_topology(algo) else flat
-    split, split_q = _splits(request, algo, groups, prob, cluster)
-    plans = _validated(algo, groups, request.causal, request.setting("pass_order"),
-                       request.setting("roles"), shape, split, split_q)
-    return Resolved(algo, groups, plans)
+                                  tune=cluster is not None, **request.settings)
+    groups = topo_groups if registry.uses_topology(algo) else flat
+    timer = None
+    if cluster is not None:
+        from charm_megatron.model import ClusterTimer
 
-
-def _split_modes(request: CallRequest, cluster) -> tuple[str, str]:
-    profiled = request.options.model_profile is not None and cluster is not None
-
-    def mode(m: str) -> str:
-        return "off" if m == "auto" and not profiled else m
-
-    return mode(request.setting("split_visiting")), mode(request.setting("split_counterpart_q"))
-
-
-def _splits(request: CallRequest, algo: str, groups: Groups, prob: Problem, cluster):
-    if algo != "charm":
-        return (False, False), (False, False)
-    from charm_megatron.model import charm_splits
-
-    visiting, counterpart_q = _split_modes(request, cluster)
-    forward, backward = charm_splits(groups, prob, cluster, causal=request.causal,
-                                     roles=request.setting("roles"), split_visiting=visiting,
-                                     split_counterpart_q=counterpart_q)
-    return (forward[0], backward[0]), (forward[1], backward[1])
+        timer = ClusterTimer(cluster, prob, topo_groups)  # the hardware's groups
+    shape = role_shape(request)
+    variants = registry.variants(algo, groups, request.causal, shape=shape, timer=timer,
+                                 **request.settings)
+    plans = _validated(algo, groups, request.causal, shape, timer, request.settings)
+    return Resolved(algo, groups, variants, plans)
 
 
 @functools.lru_cache(maxsize=256)
-def _validated(algo: str, groups: Groups, causal: bool, order: str, roles: str,
-               shape: RoleShape, split: tuple[bool, bool],
-               split_q: tuple[bool, bool]) -> tuple[Plan, Plan]:
-    """Forward and backward plans, validated once per key: every rank derives the same."""
-    fwd = build_plan(algo, "forward", groups, causal, order, roles, shape,
-                     split_visiting=split[0], split_counterpart_q=split_q[0])
-    bwd = build_plan(algo, "backward", groups, causal, order, roles, shape,
-                     split_visiting=split[1], split_counterpart_q=split_q[1])
+def _validated(algo: str, groups: Groups, causal: bool, shape: RoleShape, timer,
+               values: Values) -> tuple[Plan, Plan]:
+    """The registry's plans, validated once per key: every rank derives the same."""
+    fwd, bwd = registry.plans(algo, groups, causal, shape=shape, timer=timer, values=values)
     validate(fwd)
     validate(bwd)
     return fwd, bwd

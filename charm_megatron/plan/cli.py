@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+from collections.abc import Collection
 
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args, traffic
 from charm_megatron.plan.memory import max_peak
-from charm_megatron.plan.registry import ALGORITHM_NAMES, build_plan, get, names
+from charm_megatron.plan.registry import (
+    ALGORITHM_NAMES,
+    Values,
+    all_settings,
+    build_plan,
+    get,
+    names,
+    settings_values,
+)
 from charm_megatron.plan.roles import Decision, RoleShape
 from charm_megatron.plan.validate import validate
 from charm_megatron.topology import Topology
@@ -28,21 +37,52 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="schedule to print: " + "; ".join(
                             f"{a}: {get(a).description}" for a in names()))
     parser.add_argument("--direction", choices=("forward", "backward"), default="forward")
-    add_split_args(parser)
+    add_setting_args(parser)
     add_problem_args(parser)
 
 
+def add_setting_args(parser: argparse.ArgumentParser,
+                     names: Collection[str] | None = None) -> None:
+    """A flag per registered setting (``names``: only those; ``roles`` is the problem's,
+    :func:`~charm_megatron.plan.cost.add_problem_args`), made from its declaration. These
+    commands time no plans, so a setting left to the model (``auto``) would be off: an on /
+    off setting is a bare flag that turns it on; any other takes one of its values."""
+    for s in all_settings().values():
+        if s.name == "roles" or (names is not None and s.name not in names):
+            continue
+        if s.switch:
+            env = f" (cp_attention: {s.env}=on)" if s.env else ""
+            parser.add_argument(s.flag, dest=s.name, action="store_true",
+                                help=f"{s.help}; the flag turns it on{env}")
+        else:
+            env = f" (cp_attention: {s.env})" if s.env else ""
+            parser.add_argument(s.flag, dest=s.name, choices=s.choices, default=None,
+                                help=f"{s.help}{env}")
+
+
 def add_split_args(parser: argparse.ArgumentParser) -> None:
-    """The flags forcing CHARM+'s row-half splits on (``build_plan``'s ``split_visiting`` and
+    """The flags forcing CHARM+'s row-half splits on (``split_visiting``,
     ``split_counterpart_q``), shared by ``charm-megatron plan`` and ``model``."""
-    parser.add_argument("--split-visiting", action="store_true",
-                        help="charm pass-kv: visiting kv blocks that every tile needs whole "
-                             "cross in two row halves (CHARM_SPLIT_VISITING=on; "
-                             "docs/algorithm.md)")
-    parser.add_argument("--split-counterpart-q", action="store_true",
-                        help="charm pass-q: a counterpart's q block that every tile needs "
-                             "whole crosses in two row halves, its partial going home per "
-                             "half (CHARM_SPLIT_COUNTERPART_Q=on; docs/algorithm.md)")
+    add_setting_args(parser, ("split_visiting", "split_counterpart_q"))
+
+
+def _settings(args: argparse.Namespace) -> dict[str, object]:
+    """The settings the command line sets (``roles`` included), by name."""
+    return {name: getattr(args, name) for name in all_settings()
+            if getattr(args, name, None) is not None}
+
+
+def _settings_note(values: Values) -> str:
+    """`` split-visiting``, `` pass-order=joint``: the settings (other than ``roles``) that
+    are not at their default, for the header (a switch turned on: its name alone)."""
+    out = ""
+    for name, s in all_settings().items():
+        value = values[name]
+        if name == "roles" or value is s.default or (s.switch and value.value == "off"):
+            continue
+        label = s.flag[2:]
+        out += f" {label}" if s.switch and value.value == "on" else f" {label}={value.value}"
+    return out
 
 
 def _mb(x: float) -> str:
@@ -80,12 +120,12 @@ def run(args: argparse.Namespace) -> int:
     problem = problem_from_args(args)
     shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem)
     mask = "causal" if args.causal else "full"
+    settings = _settings(args)
     if args.rank is not None:
         if not 0 <= args.rank < args.cp:
             raise SystemExit(f"--rank must be in [0, {args.cp})")
-        plan = build_plan(args.algo, args.direction, groups, args.causal, roles=args.roles,
-                          shape=shape, split_visiting=args.split_visiting,
-                          split_counterpart_q=args.split_counterpart_q)
+        plan = build_plan(args.algo, args.direction, groups, args.causal, shape=shape,
+                          **settings)
         validate(plan)
         print(f"# {args.algo} {args.direction}, topology {topo}, {mask}, rank {args.rank}, "
               f"roles {args.roles}")
@@ -98,8 +138,7 @@ def run(args: argparse.Namespace) -> int:
         print()
     print(f"# cp={args.cp} topology={topo} mask={mask} b={args.batch} s={args.seq} "
           f"heads={args.heads}/{problem.hkv} dim={args.head_dim} {args.dtype} "
-          f"roles={args.roles}{' split-visiting' if args.split_visiting else ''}"
-          f"{' split-counterpart-q' if args.split_counterpart_q else ''}")
+          f"roles={args.roles}{_settings_note(settings_values(**settings))}")
     print("# critical path: longest chain of data-dependent messages; MiB sent per rank; "
           "peak MiB of buffers and tile outputs per rank (plan/memory.py); roles: cross phase "
           "and RM+ pairs (all ranks); early-returns / lean: built so to stay within 1.1x ring's "
@@ -109,9 +148,7 @@ def run(args: argparse.Namespace) -> int:
     print(header)
     for direction in ("forward", "backward"):
         for algo in names():
-            plan = build_plan(algo, direction, groups, args.causal, roles=args.roles,
-                              shape=shape, split_visiting=args.split_visiting,
-                              split_counterpart_q=args.split_counterpart_q)
+            plan = build_plan(algo, direction, groups, args.causal, shape=shape, **settings)
             stats = validate(plan)
             t = traffic(plan, problem, groups)
             print(f"{algo:8} {direction:8} {stats.critical_path:9d} {max(stats.messages):9d} "

@@ -63,7 +63,8 @@ class TileSpec:
 
 
 def tile_spec(q_owner: int, kv_owner: int, causal: bool) -> TileSpec:
-    """The tile ``(q_owner, kv_owner)`` under Megatron's load-balanced layout (ALGORITHM.md §5).
+    """The tile ``(q_owner, kv_owner)`` under Megatron's load-balanced layout
+    (docs/algorithm.md, notation).
 
     Diagonal: causal over both local chunks. Earlier kv (``kv < q``): all q rows against the
     first kv half, no mask. Later kv: the second q half against all kv rows, no mask.

@@ -1,15 +1,20 @@
-"""The algorithm registry: the one list of CP attention algorithms, and the plan dispatcher.
+"""The algorithm registry: the one list of CP attention algorithms, their settings, and the plan
+dispatcher.
 
 Every place that names the algorithms derives its list from here: ``cp_attention``'s ``algo``
 choices, the topology rule (which algorithms ignore the topology), Megatron's
 ``--cp-comm-type`` values, the ``args`` / ``plan`` CLIs and the SLURM scripts (which ask the
-``args`` CLI). An entry is a name, a per-rank op builder, whether the algorithm uses the
-topology groups, and a one-line description. ``auto`` is not an entry: it names a choice the
-performance model makes among the entries (:func:`charm_megatron.model.choose_algo`).
+``args`` CLI). An entry (:class:`Algorithm`) is a name, a per-rank op builder, whether the
+algorithm uses the topology groups, a one-line description, and what the algorithm owns: its
+settings (:class:`~charm_megatron.plan.settings.Setting`), the rule that turns their values
+into the builder's variant per direction, and an optional finish rule on the assembled plan.
+``auto`` is not an entry: it names a choice the performance model makes among the entries
+(:func:`charm_megatron.model.choose_algo`).
 
-Adding an algorithm: write a builder ``(rank, groups, causal, backward, order) -> list[Op]``
-and :func:`register` an :class:`Algorithm` with it (the built-ins are registered at the bottom of
-this module). The validator, executor, model, printouts and every list above then know it.
+Adding an algorithm: write a builder ``(rank, groups, causal, direction, variant) ->
+list[Op]`` and :func:`register` an :class:`Algorithm` with it (the built-ins are registered
+by their own modules, :mod:`charm_megatron.plan.ring` and :mod:`charm_megatron.plan.charm`,
+imported here). The validator, executor, model, printouts and every list above then know it.
 
 Plan layer: no torch.
 """
@@ -17,14 +22,35 @@ Plan layer: no torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
-from charm_megatron.plan.builders import _CharmRank, _ring
-from charm_megatron.plan.core import Op, Plan
-from charm_megatron.plan.cost import Problem
-from charm_megatron.plan.memory import BOUND, max_peak, peak
-from charm_megatron.plan.roles import ROLE_MIXES, RoleChoice, RoleShape, check_roles
+# The built-in entries register themselves on import, ring first (charm imports it).
+import charm_megatron.plan.charm  # noqa: F401
+import charm_megatron.plan.ring  # noqa: F401
+from charm_megatron.plan.core import Plan
+from charm_megatron.plan.entries import (
+    AUTO,
+    AUTO_DESCRIPTION,
+    Algorithm,
+    Groups,
+    PlanRule,
+    PlanTimer,
+    RankBuilder,
+    VariantContext,
+    VariantRule,
+    all_settings,
+    assemble,
+    find,
+    get,
+    names,
+    register,
+    registered,
+    unregister,
+)
+from charm_megatron.plan.roles import ROLE_MIXES, RoleShape
+from charm_megatron.plan.settings import Setting, Values
+from charm_megatron.plan.vocab import Direction
 
 __all__ = [
     "ALGORITHM_NAMES",
@@ -35,85 +61,35 @@ __all__ = [
     "DIRECTIONS",
     "Groups",
     "NameView",
+    "PlanRule",
+    "PlanTimer",
     "RankBuilder",
+    "ROLE_MIXES",
+    "Setting",
+    "Values",
+    "VariantContext",
+    "VariantRule",
+    "all_settings",
     "build_plan",
     "choices",
     "describe_choices",
     "get",
     "names",
+    "plans",
     "register",
-    "ROLE_MIXES",
+    "settings_values",
     "unregister",
     "uses_topology",
+    "variants",
 ]
 
-Groups = tuple[tuple[int, ...], ...]
-#: ``(rank, groups, causal, backward, order) -> rank's ops``; ``groups`` are CP-local ranks,
-#: one flat group for an algorithm that does not use the topology; ``order`` is the CHARM+ pass
-#: order (builders without pass orders ignore it).
-RankBuilder = Callable[[int, Groups, bool, bool, str], list[Op]]
-
-#: ``algo`` value that lets the performance model pick among the registered algorithms.
-AUTO = "auto"
-AUTO_DESCRIPTION = ("the fastest registered algorithm for this topology and shape, as predicted "
-                    "by the performance model (the same choice on every rank)")
-DIRECTIONS = ("forward", "backward")
-
-
-@dataclass(frozen=True)
-class Algorithm:
-    """One registry entry."""
-
-    name: str
-    build_rank: RankBuilder
-    uses_topology: bool
-    description: str
-    #: The builder takes ``roles=`` (a :class:`~charm_megatron.plan.roles.RoleChoice`) and
-    #: returns ``(ops, decisions)``: its exchanges' roles are chosen by bytes or forced.
-    uses_roles: bool = False
-
-
-_REGISTRY: dict[str, Algorithm] = {}
-
-
-def register(algo: Algorithm) -> Algorithm:
-    """Add ``algo``; its name must be new and must not be ``auto``. Returns it."""
-    if not isinstance(algo.name, str) or not algo.name.isidentifier():
-        raise ValueError(f"algorithm name {algo.name!r} must be an identifier-like string")
-    if algo.name == AUTO:
-        raise ValueError(f"{AUTO!r} is reserved: it names the performance model's choice")
-    if algo.name in _REGISTRY:
-        raise ValueError(f"algorithm {algo.name!r} is already registered")
-    _REGISTRY[algo.name] = algo
-    return algo
-
-
-def unregister(name: str) -> None:
-    """Remove the entry ``name`` (for tests that register a temporary algorithm)."""
-    del _REGISTRY[name]
-
-
-def names() -> tuple[str, ...]:
-    """The registered algorithms, in registration order (``auto`` excluded)."""
-    return tuple(_REGISTRY)
+DIRECTIONS = tuple(d.value for d in Direction)
 
 
 def choices() -> tuple[str, ...]:
     """What an ``algo`` / ``--cp-comm-type`` served by charm-megatron accepts: the names and
     ``auto``."""
-    return (*_REGISTRY, AUTO)
-
-
-def get(name: str) -> Algorithm:
-    """The entry ``name``; ``ValueError`` naming the choices for an unknown name (``auto``
-    included: resolve it with the model first)."""
-    try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        hint = (f"{AUTO!r} is resolved to one of them by the performance model first; "
-                if name == AUTO else "")
-        raise ValueError(f"unknown algo {name!r}; {hint}choose one of "
-                         f"{', '.join(_REGISTRY)}") from None
+    return (*names(), AUTO)
 
 
 def uses_topology(name: str) -> bool:
@@ -121,13 +97,13 @@ def uses_topology(name: str) -> bool:
 
     Unknown names count as topology users, so a caller's own error about the name is what the
     user sees."""
-    entry = _REGISTRY.get(name)
+    entry = find(name)
     return entry is None or entry.uses_topology
 
 
 def describe_choices() -> str:
     """``name: description`` for every choice, ``auto`` last, joined by ``; `` (CLI help)."""
-    parts = [f"{a.name}: {a.description}" for a in _REGISTRY.values()]
+    parts = [f"{a.name}: {a.description}" for a in registered()]
     return "; ".join([*parts, f"{AUTO}: {AUTO_DESCRIPTION}"])
 
 
@@ -167,116 +143,97 @@ ALGORITHM_NAMES = NameView(names)
 CHOICES = NameView(choices)
 
 
-def build_plan(
-    algo: str,
-    direction: str,
-    groups: Sequence[Sequence[int]],
-    causal: bool,
-    order: str = "split",
-    roles: str = "paper",
-    shape: RoleShape | None = None,
-    split_visiting: bool = False,
-    split_counterpart_q: bool = False,
-) -> Plan:
+# ------------------------------------------------------------------------------- settings
+def settings_values(**given: object) -> Values:
+    """Every registered setting's value: those ``given`` (a member, its string value, or
+    True / False for an on / off setting) parsed, the defaults for the rest. An unknown name
+    is a ``ValueError`` naming the known settings."""
+    known = all_settings()
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise ValueError(f"unknown setting{'s' if len(unknown) > 1 else ''} "
+                         f"{', '.join(unknown)}; the registered settings are "
+                         f"{', '.join(known) or 'none'}")
+    return Values(tuple((name, s.parse(given[name]) if name in given else s.default)
+                        for name, s in known.items()))
+
+
+# ---------------------------------------------------------------------------------- plans
+def variants(algo: str, groups: Sequence[Sequence[int]], causal: bool, *,
+             shape: RoleShape | None = None, timer: PlanTimer | None = None,
+             **settings: object) -> tuple[Any, Any]:
+    """The forward and backward variant the builder of ``algo`` runs under ``settings`` (by
+    name; the others at their defaults) on ``groups``: its variant rule's, or its settings'
+    :class:`Values` for both directions where it has none. ``shape``: what byte and memory
+    rules read (``None``: shape-free); ``timer``: the performance model's clock, without
+    which a setting left to the model (a split's ``auto``) is off. Memoised."""
+    entry = get(algo)
+    return _variants(entry, _algo_groups(entry, groups), causal, shape, timer,
+                     _own(entry, settings_values(**settings)))
+
+
+def build_plan(algo: str, direction: Direction | str, groups: Sequence[Sequence[int]],
+               causal: bool, *, shape: RoleShape | None = None,
+               timer: PlanTimer | None = None, **settings: object) -> Plan:
     """The plan of the registered ``algo`` for ``direction`` (``forward`` or ``backward``) on CP
     ranks partitioned into ``groups`` (CP-local ranks); an algorithm that does not use the
-    topology gets one flat group. ``order`` is the CHARM+ pass order (``split`` or ``joint``).
-
-    ``roles`` is the role mix of RM+ / CHARM+ exchanges (:data:`ROLE_MIXES`; ``bytes`` needs
-    ``shape``); algorithms without roles ignore both. Without a shape the default is the
-    paper's Algorithm 1, so a shape-free plan is the paper's.
-
-    ``split_visiting`` (CHARM+ pass-kv): visiting kv blocks that every tile needs whole cross
-    in two row halves and their pass runs per half (docs/algorithm.md, *Visiting kv in two
-    halves*); ``False`` sends them whole. ``split_counterpart_q`` (CHARM+ pass-q): the same
-    for a counterpart's q block that every tile needs whole, its partial going home per half
-    (*Counterpart q in two halves*). Builders without roles ignore both."""
+    topology gets one flat group. ``settings``: the algorithm's settings by name (e.g.
+    ``pass_order="joint", roles="kv", split_visiting=True``; :func:`all_settings`), the others
+    at their defaults; ``shape``, ``timer``: as :func:`variants`'. Without a shape the plan is
+    shape-free (the default role mix ``bytes`` is then the paper's Algorithm 1)."""
     entry = get(algo)
-    check_roles(roles)
-    choice = RoleChoice(roles, shape)
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    ctx = VariantContext(_algo_groups(entry, groups), causal, shape, timer)
+    fwd, bwd = _variants(entry, ctx.groups, causal, shape, timer,
+                         _own(entry, settings_values(**settings)))
+    return _build(entry, Direction(direction), ctx, fwd if direction == "forward" else bwd)
+
+
+def plans(algo: str, groups: Sequence[Sequence[int]], causal: bool, *,
+          shape: RoleShape | None = None, timer: PlanTimer | None = None,
+          values: Values | None = None, **settings: object) -> tuple[Plan, Plan]:
+    """The forward and backward plans of :func:`build_plan`, memoised (callers share them:
+    do not modify) and not validated (callers validate). ``values``: resolved settings
+    (:func:`settings_values`); ``settings`` by name override them."""
+    if values is None or settings:
+        values = settings_values(**{**(values or {}), **settings})
+    entry = get(algo)
+    return _plans(entry, _algo_groups(entry, groups), causal, shape, timer, _own(entry, values))
+
+
+def _algo_groups(entry: Algorithm, groups: Sequence[Sequence[int]]) -> Groups:
+    """``groups`` as ``entry`` sees them: one flat group unless it uses the topology."""
     groups_t = tuple(tuple(g) for g in groups)
-    n = sum(len(g) for g in groups_t)
-    if not entry.uses_topology:
-        groups_t = (tuple(range(n)),)
-    # Passed only when on, so builders registered before the option need not know it.
-    split = {name: True for name, on in (("split_visiting", split_visiting),
-                                         ("split_counterpart_q", split_counterpart_q)) if on}
-    plan = _assemble(entry, direction, groups_t, n, causal, order, choice, **split)
-    if entry.uses_roles and shape is not None:
-        plan = _within_memory_bound(plan, entry, groups_t, order, choice, shape, split)
-    return plan
+    if entry.uses_topology:
+        return groups_t
+    return (tuple(range(sum(len(g) for g in groups_t))),)
 
 
-def _assemble(entry: Algorithm, direction: str, groups: Groups, n: int, causal: bool,
-              order: str, choice: RoleChoice, lean: bool = False, early_returns: bool = False,
-              **split: bool) -> Plan:
-    plan = Plan(entry.name, direction, n, groups, causal, early_returns=early_returns,
-                lean=lean)
-    backward = direction == "backward"
-    # The memory variants are passed only when on, like the splits.
-    variant = {name: True for name, on in (("lean", lean), ("early_returns", early_returns))
-               if on}
-    for rank in range(n):
-        if entry.uses_roles:
-            ops, decisions = entry.build_rank(rank, groups, causal, backward, order,
-                                              roles=choice, **variant, **split)
-            plan.decisions.append(decisions)
-        else:
-            ops = entry.build_rank(rank, groups, causal, backward, order)
-        plan.ops.append(ops)
-    return plan
+def _own(entry: Algorithm, values: Values) -> Values:
+    """The values of ``entry``'s own settings (what its rules see, and what keys its plans)."""
+    return values.only(s.name for s in entry.settings)
 
 
-def _within_memory_bound(plan: Plan, entry: Algorithm, groups: Groups, order: str,
-                         choice: RoleChoice, shape: RoleShape,
-                         split: dict[str, bool] | None = None) -> Plan:
-    """``plan`` if its peak memory (:mod:`plan.memory`, the executor's allocation rule) is
-    within :data:`~charm_megatron.plan.memory.BOUND` x ring's; else the first variant that is,
-    from the least to the most costly in time: q-pair returns completed before the next
-    unit's tiles (``early_returns``), then lean (one unit's blocks at a time); else ``plan``.
-    Peaks scale with the rows alike, so two rows per rank decide for every sequence length
-    (and every rank decides alike)."""
-    n = plan.n
-    problem = Problem(1, 2 * n, shape.hq, shape.hkv, shape.d, shape.elem)
-    ring = _assemble(_REGISTRY["ring"], plan.direction.value, ((*range(n),),), n, plan.causal,
-                     order, choice)
-    bound = BOUND * max_peak(ring, problem)
-    if all(peak(ops, problem, n).bytes <= bound for ops in plan.ops):
-        return plan
-    backward = plan.direction.value == "backward"
-    for flags in ({"early_returns": True}, {"lean": True}):
-        variant = Plan(entry.name, plan.direction, n, groups, plan.causal, **flags)
-        for rank in range(n):  # rank by rank: the first one over the bound settles it
-            ops, decisions = entry.build_rank(rank, groups, plan.causal, backward, order,
-                                              roles=choice, **flags, **(split or {}))
-            if peak(ops, problem, n).bytes > bound:
-                break
-            variant.ops.append(ops)
-            variant.decisions.append(decisions)
-        else:
-            return variant
-    return plan
+@lru_cache(maxsize=256)
+def _variants(entry: Algorithm, groups: Groups, causal: bool, shape: RoleShape | None,
+              timer: PlanTimer | None, values: Values) -> tuple[Any, Any]:
+    if entry.variants is None:
+        return values, values
+    return entry.variants(values, VariantContext(groups, causal, shape, timer))
 
 
-# ------------------------------------------------------------------------- built-in entries
-def _ring_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: str) -> list[Op]:
-    return _ring(rank, sum(len(g) for g in groups), causal, backward)
+def _build(entry: Algorithm, direction: Direction, ctx: VariantContext, variant: Any) -> Plan:
+    plan = assemble(entry.name, entry.build_rank, direction, ctx.groups, ctx.causal, variant)
+    assert plan is not None  # no keep test: every rank assembled
+    return entry.finish(plan, ctx, variant) if entry.finish is not None else plan
 
 
-def _charm_rank(rank: int, groups: Groups, causal: bool, backward: bool, order: str,
-                roles: RoleChoice | None = None, lean: bool = False,
-                early_returns: bool = False, split_visiting: bool = False,
-                split_counterpart_q: bool = False) -> tuple[list[Op], list]:
-    builder = _CharmRank(rank, groups, causal, backward, order, roles, lean, early_returns,
-                         split_visiting, split_counterpart_q)
-    return builder.build(), builder.decisions
-
-
-register(Algorithm("ring", _ring_rank, uses_topology=False,
-                   description="TransformerEngine's p2p ring over a flat group"))
-register(Algorithm("rmplus", _charm_rank, uses_topology=False, uses_roles=True,
-                   description="RM+ over a flat group (CHARM+ with one group)"))
-register(Algorithm("charm", _charm_rank, uses_topology=True, uses_roles=True,
-                   description="CHARM+: RM+ inside each topology group, queries across groups"))
+@lru_cache(maxsize=256)
+def _plans(entry: Algorithm, groups: Groups, causal: bool, shape: RoleShape | None,
+           timer: PlanTimer | None, values: Values) -> tuple[Plan, Plan]:
+    # Keyed on the entry itself (not its name), so a re-registered name never hits old plans.
+    ctx = VariantContext(groups, causal, shape, timer)
+    fwd, bwd = _variants(entry, groups, causal, shape, timer, values)
+    return (_build(entry, Direction.FORWARD, ctx, fwd),
+            _build(entry, Direction.BACKWARD, ctx, bwd))

@@ -2,7 +2,7 @@
 
 An RM+ pair is a *kv-pair* (both send their kv; backward the dk/dv partials come back) or a
 *q-pair* (both send their q side; the partial outputs / dq come back). Across groups a rank
-*passes q* (the paper) or *passes kv* (ALGORITHM.md §7). With grouped-query attention a kv
+*passes q* (the paper) or *passes kv* (docs/algorithm.md, *Pass-kv across groups*). With grouped-query attention a kv
 block is ``h_q / h_kv`` times smaller than a q block, so the paper's fixed choice moves several
 times the bytes it needs to.
 
@@ -14,7 +14,10 @@ ratios. An alternative must move at least :data:`TIE_MARGIN` fewer bytes to repl
 paper's choice: with multi-head attention the forward roles differ only by the fp32 lse
 (``4·h`` bytes per token against ``2·h·d·e``), and the paper's schedule is kept.
 
-A *role mix* (:data:`ROLE_MIXES`) forces the choice for experiments.
+A *role mix* (:class:`~charm_megatron.plan.vocab.RoleMix`, its values :data:`ROLE_MIXES`)
+forces the choice for experiments. The default, ``bytes``, needs the shape to weigh bytes;
+without one (a shape-free plan) it keeps the paper's roles, so shape-free plans are the
+paper's.
 
 Plan layer: no torch.
 """
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from charm_megatron.plan.vocab import BLOCKS, Half, Kind, Role
+from charm_megatron.plan.vocab import BLOCKS, Half, Kind, Role, RoleMix
 
 __all__ = ["ROLE_MIXES", "TIE_MARGIN", "Decision", "RoleChoice", "RoleShape", "check_roles",
            "choose", "row_bytes"]
@@ -31,18 +34,19 @@ __all__ = ["ROLE_MIXES", "TIE_MARGIN", "Decision", "RoleChoice", "RoleShape", "c
 #: ``bytes``: every exchange takes the role that moves fewer bytes for this shape and
 #: direction; ``paper``: the paper's Algorithm 1 (RM+ rounds alternate kv / q, queries cross
 #: the slow link); ``kv`` / ``q``: every exchange (RM+ pairs and the cross phase) passes kv / q.
-ROLE_MIXES = ("bytes", "paper", "kv", "q")
+ROLE_MIXES = tuple(m.value for m in RoleMix)
 #: An alternative replaces the paper's role only if it moves this fraction fewer bytes.
 TIE_MARGIN = 0.05
 
 
-def check_roles(value: object, option: str = "roles") -> str:
-    """``value`` if it names a role mix, else a ``ValueError`` naming ``option`` and the choices."""
+def check_roles(value: object, option: str = "roles") -> RoleMix:
+    """The role mix ``value`` names (a :class:`RoleMix` or its value), else a ``ValueError``
+    naming ``option`` and the choices."""
     if value not in ROLE_MIXES:
         raise ValueError(f"unknown {option} {value!r}; choose one of {', '.join(ROLE_MIXES)} "
                          "(bytes: the cheaper role per exchange; paper: Algorithm 1; kv / q: "
                          "every exchange passes kv / q)")
-    return str(value)
+    return RoleMix(value)
 
 
 @dataclass(frozen=True)
@@ -69,16 +73,15 @@ def row_bytes(kind: Kind, shape: RoleShape, half: Half = Half.FULL) -> float:
 
 @dataclass(frozen=True)
 class RoleChoice:
-    """How a builder picks roles: the ``mix`` and, for ``bytes``, the ``shape``."""
+    """How a builder picks roles: the ``mix`` and the ``shape`` its bytes are weighed for
+    (``None``: shape-free, so ``bytes`` keeps the paper's roles)."""
 
-    mix: str = "paper"
+    mix: RoleMix = RoleMix.BYTES
     shape: RoleShape | None = None
 
     def __post_init__(self) -> None:
-        check_roles(self.mix)
-        if self.mix == "bytes" and self.shape is None:
-            raise ValueError("roles='bytes' needs the attention shape (RoleShape: heads, kv "
-                             "heads, head dim, element bytes); pass shape= or roles='paper'")
+        # A plain string is accepted and stored as its member, so equal choices hash alike.
+        object.__setattr__(self, "mix", check_roles(self.mix))
 
 
 @dataclass(frozen=True)
@@ -100,13 +103,15 @@ class Decision:
 def choose(choice: RoleChoice, paper: Role, kv_bytes: float | None,
            q_bytes: float | None) -> Role:
     """The role of one exchange: forced by the mix, or the one moving fewer bytes (by more than
-    :data:`TIE_MARGIN`; otherwise the paper's ``paper``). Every rank of the exchange computes
-    the same bytes, so both sides agree."""
-    if choice.mix == "paper":
+    :data:`TIE_MARGIN`; otherwise, and where the bytes are unknown for want of a shape, the
+    paper's ``paper``). Every rank of the exchange computes the same bytes, so both sides
+    agree."""
+    if choice.mix is RoleMix.PAPER:
         return paper
-    if choice.mix in ("kv", "q"):
-        return Role(choice.mix)
-    assert kv_bytes is not None and q_bytes is not None
+    if choice.mix in (RoleMix.KV, RoleMix.Q):
+        return Role(choice.mix.value)
+    if kv_bytes is None or q_bytes is None:
+        return paper
     cheaper = Role.KV if kv_bytes < q_bytes else Role.Q
     low, high = sorted((kv_bytes, q_bytes))
     return cheaper if low < (1.0 - TIE_MARGIN) * high else paper

@@ -7,6 +7,8 @@ validator, the cost model and the performance model agree by construction:
   their shapes and dtypes (in a message and in an accumulator) and so its bytes;
 * :class:`Stream` - which communicator a batch is posted on; :class:`Role` - what an RM+ pair
   exchanges; :class:`Direction` - forward or backward;
+* :class:`PassOrder`, :class:`RoleMix`, :class:`SplitMode` - the values of CHARM+'s
+  settings (:mod:`charm_megatron.plan.charm`);
 * :class:`Half` - which rows of a block a message or a tile uses;
 * :class:`Loc` - a buffer of a rank (where a block or a partial lives).
 
@@ -83,6 +85,35 @@ class Direction(_Named):
     def query_partial(self) -> Kind:
         """What a tile produces for a q block: ``out`` forward, ``dq`` backward."""
         return Kind.OUT if self is Direction.FORWARD else Kind.DQ
+
+
+class PassOrder(_Named):
+    """CHARM+'s pass order (docs/algorithm.md): ``split`` runs the own q's first rounds while
+    a counterpart's q crosses, then one pass per counterpart, then the own q's rest; ``joint``
+    is the paper's single pass with own and counterpart q side by side."""
+
+    SPLIT = "split"
+    JOINT = "joint"
+
+
+class RoleMix(_Named):
+    """How RM+ / CHARM+ exchanges pick their roles (:mod:`charm_megatron.plan.roles`):
+    ``bytes`` the cheaper role for the call's shape (the paper's without a shape), ``paper``
+    Algorithm 1, ``kv`` / ``q`` every exchange passes kv / q."""
+
+    BYTES = "bytes"
+    PAPER = "paper"
+    KV = "kv"
+    Q = "q"
+
+
+class SplitMode(_Named):
+    """Whether a CHARM+ block crosses in two row halves: ``on``, ``off``, or ``auto`` (the
+    performance model's per-direction pick; off where no model times the plans)."""
+
+    AUTO = "auto"
+    OFF = "off"
+    ON = "on"
 
 
 class Half(enum.Enum):
