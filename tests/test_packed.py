@@ -151,7 +151,7 @@ BAD = {
     "padded_shorter": "padded length",
     "float_cu": "must be int32",
     "not_3d": "must be 3-D",
-    "roles": "unknown cp_attention roles 'pepper'",
+    "roles": "cp_attention: roles='pepper'; choose one of bytes, paper, kv, q",
 }
 
 

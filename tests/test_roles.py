@@ -177,7 +177,7 @@ def test_cp_attention_rejects_unknown_roles_before_communicating():
     q = torch.randn(4, 1, 2, 8)
     # A one-rank gloo group: the error must come from the roles check, not from a missing group.
     with _one_rank_group(), pytest.raises(
-            ValueError, match=r"roles 'pairs'.*choose one of bytes, paper, kv, q"):
+            ValueError, match=r"roles='pairs'.*choose one of bytes, paper, kv, q"):
         cp_attention(q, q, q, algo="charm", roles="pairs")
 
 
@@ -198,7 +198,7 @@ def test_model_replays_every_role_mix(roles):
     problem = Problem(b=1, s=32768, hq=32, hkv=8, d=128, elem=2)
     cluster = default_cluster_for(tuple(map(tuple, groups)))
     for algo in ("rmplus", "charm"):
-        p = predict(algo, groups, problem, cluster, True, roles)
+        p = predict(algo, groups, problem, cluster, True, roles=roles)
         assert math.isfinite(p.total_s) and p.total_s > 0
     assert choose_algo(groups, problem, cluster, roles=roles) in ("ring", "rmplus", "charm")
 
@@ -207,6 +207,6 @@ def test_model_prefers_kv_roles_for_gqa():
     groups = _groups(2, 8)
     problem = Problem(b=1, s=32768, hq=32, hkv=4, d=128, elem=2)
     cluster = default_cluster_for(tuple(map(tuple, groups)))
-    by_bytes = predict("charm", groups, problem, cluster, True, "bytes").total_s
-    paper = predict("charm", groups, problem, cluster, True, "paper").total_s
+    by_bytes = predict("charm", groups, problem, cluster, True, roles="bytes").total_s
+    paper = predict("charm", groups, problem, cluster, True, roles="paper").total_s
     assert by_bytes < paper

@@ -1,15 +1,16 @@
 """split_visiting="auto": CHARM+'s visiting kv crosses in row halves where the performance
-model predicts it faster on the call's cluster (model.choose_split_visiting), forced with
-"on" / "off"."""
+model predicts it faster on the call's cluster (the CHARM+ entry's variant rule, timed by the
+model: model.variants), forced with "on" / "off"; the same for split_counterpart_q."""
 
 import pytest
 import torch
 
-from charm_megatron.model import choose_split_counterpart_q, choose_split_visiting, get_profile
-from charm_megatron.model.predict import _plan, _role_key
+from charm_megatron.model import get_profile, variants
+from charm_megatron.model.predict import role_shape
 from charm_megatron.model.sim import simulate
 from charm_megatron.model.testbed import bench_cluster
 from charm_megatron.ops.options import CPOptions
+from charm_megatron.plan import registry
 from charm_megatron.plan.charm import SPLIT_MARGIN
 from charm_megatron.plan.cost import Problem
 
@@ -18,27 +19,44 @@ GROUPS_2X4 = ((0, 1, 2, 3), (4, 5, 6, 7))
 PROBLEM = Problem(2, 3072, 8, 2, 64, 4)
 
 
+def choose_split_visiting(groups, problem, cluster, **settings):
+    """(forward, backward): whether CHARM+'s auto split of visiting kv is on, timed on
+    ``cluster``."""
+    fwd, bwd = variants("charm", groups, problem, cluster, split_visiting="auto",
+                        split_counterpart_q="off", **settings)
+    return fwd.split_visiting, bwd.split_visiting
+
+
+def choose_split_counterpart_q(groups, problem, cluster, **settings):
+    fwd, bwd = variants("charm", groups, problem, cluster, split_visiting="off",
+                        split_counterpart_q="auto", **settings)
+    return fwd.split_counterpart_q, bwd.split_counterpart_q
+
+
 def _splits(opts, algo, groups, q, k, cluster=None):
     """(split visiting kv, split counterpart q), each (forward, backward), that a call of
-    ``algo`` with these options resolves to on ``groups`` (ops/resolution.py)."""
+    ``algo`` with these options resolves to on ``groups`` (ops/resolution.py, with
+    ``cluster`` as the options' profile read)."""
     from charm_megatron.ops.prepare import build_request
-    from charm_megatron.ops.resolution import problem
+    from charm_megatron.ops.resolution import resolve_call
 
     n = sum(len(g) for g in groups)
     topo = "/".join(",".join(map(str, g)) for g in groups)
     request = build_request(q, k, k, cp_size=n, algo=algo, topology=topo, causal=True,
                             softmax_scale=None, options=opts, roles="bytes", cu_seqlens=None,
                             cu_seqlens_padded=None)
-    from charm_megatron.ops import resolution
+    fwd, bwd = resolve_call(request, None, n, cluster).variants
+    if not hasattr(fwd, "split_visiting"):  # ring: no splits
+        return (False, False), (False, False)
+    return ((fwd.split_visiting, bwd.split_visiting),
+            (fwd.split_counterpart_q, bwd.split_counterpart_q))
 
-    return resolution._splits(request, algo, tuple(groups), problem(request, n), cluster)
 
-
-def split_choice(opts, algo, groups, causal, roles, q, k, n, cluster=None):
+def split_choice(opts, algo, groups, q, k, cluster=None):
     return _splits(opts, algo, groups, q, k, cluster)[0]
 
 
-def split_q_choice(opts, algo, groups, causal, roles, q, k, n, cluster=None):
+def split_q_choice(opts, algo, groups, q, k, cluster=None):
     return _splits(opts, algo, groups, q, k, cluster)[1]
 
 
@@ -67,8 +85,9 @@ def test_gpu_profile_keeps_whole_blocks():
     # A near-tie keeps the simpler plan: the split backward is predicted a little faster
     # (its half-sized visiting buffers let its returns stay in flight within the memory
     # bound), by less than SPLIT_MARGIN.
-    key = _role_key("bytes", llama)
-    whole, split = (_plan("charm", "backward", groups, True, *key, s, False)
+    whole, split = (registry.build_plan("charm", "backward", groups, True,
+                                        shape=role_shape(llama), split_visiting=s,
+                                        split_counterpart_q=False)
                     for s in (False, True))
     t_whole, t_split = (simulate(p, llama, cluster, groups).time_s for p in (whole, split))
     assert (1 - SPLIT_MARGIN) * t_whole <= t_split < t_whole
@@ -90,15 +109,15 @@ def test_no_visiting_pass_to_split():
 def test_forced_modes(mode, algo, groups, want):
     q, k = torch.empty(384, 2, 8, 64), torch.empty(384, 2, 2, 64)
     opts = CPOptions(split_visiting=mode)
-    assert split_choice(opts, algo, groups, True, "bytes", q, k, 8) == want
+    assert split_choice(opts, algo, groups, q, k) == want
 
 
 def test_auto_without_a_profile_keeps_whole_blocks():
     q, k = torch.empty(384, 2, 8, 64), torch.empty(384, 2, 2, 64)
-    assert split_choice(CPOptions(), "charm", GROUPS_2X4, True, "bytes", q, k, 8) == \
+    assert split_choice(CPOptions(), "charm", GROUPS_2X4, q, k) == \
         (False, False)
     opts = CPOptions(model_profile="cpu-testbed")
-    assert split_choice(opts, "charm", GROUPS_2X4, True, "bytes", q, k, 8,
+    assert split_choice(opts, "charm", GROUPS_2X4, q, k,
                         _testbed("node")) == (True, True)
 
 
@@ -143,18 +162,18 @@ def test_no_counterpart_q_to_split():
 def test_counterpart_q_forced_modes(mode, algo, groups, want):
     q = k = torch.empty(384, 2, 8, 64)
     opts = CPOptions(split_counterpart_q=mode)
-    assert split_q_choice(opts, algo, groups, True, "bytes", q, k, 8) == want
+    assert split_q_choice(opts, algo, groups, q, k) == want
 
 
 def test_counterpart_q_auto_without_a_profile_keeps_whole_blocks():
     q = k = torch.empty(384, 2, 8, 64)
-    assert split_q_choice(CPOptions(), "charm", GROUPS_2X4, True, "bytes", q, k, 8) == \
+    assert split_q_choice(CPOptions(), "charm", GROUPS_2X4, q, k) == \
         (False, False)
     opts = CPOptions(model_profile="cpu-testbed")
-    assert split_q_choice(opts, "charm", GROUPS_2X4, True, "bytes", q, k, 8,
+    assert split_q_choice(opts, "charm", GROUPS_2X4, q, k,
                           _testbed("node")) == (True, True)
     # and the visiting kv choice is not disturbed by it (MHA: nothing visits)
-    assert split_choice(opts, "charm", GROUPS_2X4, True, "bytes", q, k, 8,
+    assert split_choice(opts, "charm", GROUPS_2X4, q, k,
                         _testbed("node")) == (False, False)
 
 
@@ -165,23 +184,24 @@ SPLIT_FLIPS = ((0, 1), (2, 3)), Problem(1, 16384, 8, 8, 64, 2), "l20-pcie"
 
 
 def test_auto_weighs_charm_with_the_splits_it_runs():
-    from charm_megatron.model import charm_splits, choose_algo, predict
+    from charm_megatron.model import choose_algo, predict
 
     groups, problem, name = SPLIT_FLIPS
     cluster = get_profile(name).cluster
-    splits = charm_splits(groups, problem, cluster, roles="bytes", split_visiting="auto",
-                          split_counterpart_q="auto")
-    assert splits == ((False, True), (False, False))
-    ring = predict("ring", groups, problem, cluster, True, "bytes").total_s
-    whole = predict("charm", groups, problem, cluster, True, "bytes").total_s
-    split = (predict("charm", groups, problem, cluster, True, "bytes", False, True).forward.time_s
-             + predict("charm", groups, problem, cluster, True, "bytes").backward.time_s)
+    fwd, bwd = variants("charm", groups, problem, cluster)  # the default: both splits auto
+    assert (fwd.split_visiting, fwd.split_counterpart_q) == (False, True)
+    assert (bwd.split_visiting, bwd.split_counterpart_q) == (False, False)
+    ring = predict("ring", groups, problem, cluster, True).total_s
+    whole = predict("charm", groups, problem, cluster, True).total_s
+    split = (predict("charm", groups, problem, cluster, True,
+                     split_counterpart_q=True).forward.time_s
+             + predict("charm", groups, problem, cluster, True).backward.time_s)
     assert split < ring < whole  # the premise: else the picks below could not differ
-    assert choose_algo(groups, problem, cluster, roles="bytes") == "ring"  # splits off
-    assert choose_algo(groups, problem, cluster, roles="bytes", split_visiting="auto",
-                       split_counterpart_q="auto") == "charm"
-    assert choose_algo(groups, problem, cluster, roles="bytes",
-                       split_counterpart_q="on") == "charm"
+    assert choose_algo(groups, problem, cluster, tune=False) == "ring"  # auto splits off
+    assert choose_algo(groups, problem, cluster) == "charm"
+    assert choose_algo(groups, problem, cluster, split_visiting="off",
+                       split_counterpart_q="off") == "ring"
+    assert choose_algo(groups, problem, cluster, tune=False, split_counterpart_q="on") == "charm"
     with pytest.raises(ValueError, match="split_visiting='sometimes'"):
         choose_algo(groups, problem, cluster, split_visiting="sometimes")
 

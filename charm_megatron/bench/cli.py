@@ -29,6 +29,7 @@ from charm_megatron.bench.config import (
     parse_count,
     parse_grid_shape,
     parse_list,
+    parse_settings,
 )
 from charm_megatron.bench.measure import Job
 from charm_megatron.bench.report import format_table, plot, write_csv, write_json
@@ -68,6 +69,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                    help="what the rmplus / charm exchanges move: bytes (default: the cheaper "
                         "role per exchange), paper (Algorithm 1), kv or q (forced); run once "
                         "per mix to compare them")
+    a.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
+                   help="an algorithm setting for every contender that has it (repeatable; "
+                        "any of charm_megatron.plan.registry.all_settings(), e.g. "
+                        "split_visiting=on, pass_order=joint); over its CHARM_* variable")
     a.add_argument("--topology", help="CHARM+ topology (GxM, 0-3,4-7, auto); default: the "
                                       "--emulate shape, 'auto' under torchrun, else 2x(n/2)")
     a.add_argument("--warmup", type=int, help="warm-up rounds per point")
@@ -149,6 +154,7 @@ def _config(args: argparse.Namespace, cuda: bool) -> BenchConfig:
         torch_rotate=args.torch_rotate,
         packed_mean=args.packed,
         roles=args.roles,
+        settings=parse_settings(args.setting),
     )
 
 

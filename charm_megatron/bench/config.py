@@ -112,6 +112,8 @@ class BenchConfig:
     seed: int = 0
     packed_mean: int = 0  # > 0: packed documents (THD) of this mean length (bench/packing.py)
     roles: str = "bytes"  # role mix of rmplus / charm (charm_megatron.plan.roles.ROLE_MIXES)
+    # Algorithm settings by name (--setting NAME=VALUE), over the job's CHARM_* variables.
+    settings: tuple[tuple[str, str], ...] = ()
 
     def points(self, world: int) -> tuple[list[Point], list[str]]:
         """The grid for a CP group of ``world`` ranks, and a line per point left out (why)."""
@@ -168,3 +170,24 @@ def check_algos(algos: Sequence[str]) -> list[str]:
         raise ValueError(f"unknown algorithm(s) {', '.join(bad)}; choose from "
                          f"{', '.join(ALGO_CHOICES)}")
     return list(dict.fromkeys(algos))
+
+
+def parse_settings(items: list[str]) -> tuple[tuple[str, str], ...]:
+    """``--setting NAME=VALUE`` items, each checked against the registered settings (a
+    ``SystemExit`` naming the bad item and the choices)."""
+    from charm_megatron.plan.registry import all_settings
+
+    known = all_settings()
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or name not in known:
+            raise SystemExit(f"charm-megatron bench: --setting {item!r}: expected NAME=VALUE "
+                             f"with NAME one of {', '.join(known)}")
+        try:
+            known[name].parse(value, "--setting")
+        except ValueError as exc:
+            raise SystemExit(f"charm-megatron bench: {exc}") from None
+        out[name] = value
+    return tuple(sorted(out.items()))

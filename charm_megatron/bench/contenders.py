@@ -76,13 +76,15 @@ class PlanContender(Contender):
 
     def __init__(self, algo: str, topology: str | None, causal: bool,
                  packed: dict | None = None, options: CPOptions | None = None,
-                 roles: str = "bytes") -> None:
+                 roles: str = "bytes", settings: tuple[tuple[str, str], ...] = ()) -> None:
         self.name = algo
         self._args = (algo, topology, causal, packed)
         self.roles = roles
-        # The bench's CHARM_* settings (the job's environment, set before the line-up), read
-        # once here; ablated variants differ only in options.ablation.
-        self.options = options if options is not None else CPOptions.from_env()
+        # The bench's CHARM_* settings (the job's environment, set before the line-up) and its
+        # --setting values over them, read once here; ablated variants differ only in
+        # options.ablation.
+        self.options = (options if options is not None
+                        else CPOptions.from_env(**dict(settings)))
         # packed: cu_seqlens / cu_seqlens_padded for THD inputs (the benchmark's packed mode).
         # roles: the role mix, for packed and unpacked calls alike.
         extra = {**(packed or {}), "roles": roles}
@@ -114,16 +116,17 @@ class AutoContender(PlanContender):
     ablatable = False
 
     def __init__(self, topology: str | None, causal: bool, point: Point, dtype: torch.dtype,
-                 packed: dict | None = None, roles: str = "bytes") -> None:
-        super().__init__("auto", topology, causal, packed, roles=roles)
+                 packed: dict | None = None, roles: str = "bytes",
+                 settings: tuple[tuple[str, str], ...] = ()) -> None:
+        super().__init__("auto", topology, causal, packed, roles=roles, settings=settings)
         world = dist.get_world_size()
-        # The shapes cp_attention resolves with: sbhd, or THD as [t, 1, h, d] (packed runs
-        # the paper's roles).
+        # The shapes cp_attention resolves with: sbhd, or THD as [t, 1, h, d] (the same
+        # plans and role mix as sbhd).
         rows, batch = ((point.batch * point.seq // world, 1) if packed
                        else (point.seq // world, point.batch))
         q, k = (torch.empty(rows, batch, h, point.head_dim, dtype=dtype, device="meta")
                 for h in (point.heads, point.kv_heads))
-        self.picked_roles = "paper" if packed else roles
+        self.picked_roles = roles
         self.picked = resolve_algo(q, k, algo="auto", topology=topology, causal=causal,
                                    options=self.options, roles=self.picked_roles)
 
@@ -288,14 +291,14 @@ def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
     for algo in cfg.algos:
         if algo == "auto":
             auto = AutoContender(topology, cfg.causal, point, DTYPES[cfg.dtype], packed,
-                                 roles=cfg.roles)
+                                 roles=cfg.roles, settings=cfg.settings)
             lineup.contenders[algo] = auto
             lineup.picks[algo] = auto.picked
             lineup.notes[algo] = f"auto picked {auto.picked} (roles {auto.picked_roles})"
             continue
         if algo != "torch":
             lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed,
-                                                    roles=cfg.roles)
+                                                    roles=cfg.roles, settings=cfg.settings)
             continue
         if packed is not None:
             lineup.skipped[algo] = ("PyTorch's context-parallel attention cannot run packed "

@@ -19,7 +19,7 @@ from charm_megatron.model.auto import ENV
 from charm_megatron.model.cluster import Cluster, default_cluster_for
 from charm_megatron.model.predict import Prediction, predict, predict_all, ring_ccr
 from charm_megatron.model.profiles import PROFILES, get_profile
-from charm_megatron.plan.cli import add_split_args
+from charm_megatron.plan.cli import add_split_args, settings_from_args
 from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args
 from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
 from charm_megatron.plan.roles import check_roles
@@ -253,9 +253,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"# ring CCR (compute time / communication time, each alone): forward "
           f"{ccr_f.ratio:.2f} ({_ms(ccr_f.compute_s)} / {_ms(ccr_f.comm_s)} ms), backward "
           f"{ccr_b.ratio:.2f} ({_ms(ccr_b.compute_s)} / {_ms(ccr_b.comm_s)} ms)")
-    preds = predict_all(groups, problem, cluster, args.causal, roles=args.roles,
-                        split_visiting=args.split_visiting,
-                        split_counterpart_q=args.split_counterpart_q)
+    preds = predict_all(groups, problem, cluster, args.causal, **settings_from_args(args))
     ring = preds["ring"]
     print(f"{'':8} {'time ms':^29}   {'speedup over ring':^17}   {'busy':^9}   "
           f"{'MiB sent per rank (max)':^27}")
@@ -291,18 +289,17 @@ def _grid(args: argparse.Namespace, groups: list[list[int]], cluster: Cluster,
     print(f"{'seq':>8} {'CCR fwd':>7} {'bwd':>5}  {'ring ms':>9} {'rmplus ms':>9} "
           f"{'charm ms':>9}  {'rmplus x':>8}  {'charm x fwd':>11} {'bwd':>5} {'total':>5}"
           f"{extra}  best")
+    settings = settings_from_args(args)
     for seq in _parse_seqs(args.grid):
         problem = _problem(args, seq)
         cf = ring_ccr(groups, problem, cluster, args.causal, "forward").ratio
         cb = ring_ccr(groups, problem, cluster, args.causal, "backward").ratio
-        preds = predict_all(groups, problem, cluster, args.causal, ALGOS, roles=args.roles,
-                            split_visiting=args.split_visiting,
-                            split_counterpart_q=args.split_counterpart_q)
+        preds = predict_all(groups, problem, cluster, args.causal, ALGOS, **settings)
         ring, rmp, ch = preds["ring"], preds["rmplus"], preds["charm"]
         cells = ""
         for m in compare:
-            other = predict("charm", groups, problem, cluster, args.causal, m,
-                            args.split_visiting, args.split_counterpart_q)
+            other = predict("charm", groups, problem, cluster, args.causal,
+                            **{**settings, "roles": m})
             cells += (f"  {ring.forward.time_s / other.forward.time_s:>{len(m) + 12}.2f}"
                       f" {ring.backward.time_s / other.backward.time_s:5.2f}"
                       f" {ring.total_s / other.total_s:5.2f}")

@@ -177,7 +177,10 @@ class CPOptions:
     def values(self, **overrides: object) -> Values:
         """Every registered algorithm setting's value (``overrides`` first, then these
         options', then the defaults): what a call's plans are keyed on."""
-        return registry.settings_values(**{**dict(self.settings), **overrides})
+        known = registry.all_settings()
+        parsed = {name: known[name].parse(value, "cp_attention") if name in known else value
+                  for name, value in overrides.items()}
+        return registry.settings_values(**{**dict(self.settings), **parsed})
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides) -> CPOptions:

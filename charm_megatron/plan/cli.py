@@ -45,15 +45,16 @@ def add_setting_args(parser: argparse.ArgumentParser,
                      names: Collection[str] | None = None) -> None:
     """A flag per registered setting (``names``: only those; ``roles`` is the problem's,
     :func:`~charm_megatron.plan.cost.add_problem_args`), made from its declaration. These
-    commands time no plans, so a setting left to the model (``auto``) would be off: an on /
-    off setting is a bare flag that turns it on; any other takes one of its values."""
+    commands time no plans, so a setting left to the model (``auto``) is off: an on / off
+    setting takes one of its values, and its bare flag means on; any other takes a value."""
     for s in all_settings().values():
         if s.name == "roles" or (names is not None and s.name not in names):
             continue
         if s.switch:
-            env = f" (cp_attention: {s.env}=on)" if s.env else ""
-            parser.add_argument(s.flag, dest=s.name, action="store_true",
-                                help=f"{s.help}; the flag turns it on{env}")
+            env = f" (cp_attention: {s.env})" if s.env else ""
+            parser.add_argument(s.flag, dest=s.name, nargs="?", const="on", default=None,
+                                choices=s.choices,
+                                help=f"{s.help}; the bare flag turns it on{env}")
         else:
             env = f" (cp_attention: {s.env})" if s.env else ""
             parser.add_argument(s.flag, dest=s.name, choices=s.choices, default=None,
@@ -66,7 +67,7 @@ def add_split_args(parser: argparse.ArgumentParser) -> None:
     add_setting_args(parser, ("split_visiting", "split_counterpart_q"))
 
 
-def _settings(args: argparse.Namespace) -> dict[str, object]:
+def settings_from_args(args: argparse.Namespace) -> dict[str, object]:
     """The settings the command line sets (``roles`` included), by name."""
     return {name: getattr(args, name) for name in all_settings()
             if getattr(args, name, None) is not None}
@@ -120,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     problem = problem_from_args(args)
     shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem)
     mask = "causal" if args.causal else "full"
-    settings = _settings(args)
+    settings = settings_from_args(args)
     if args.rank is not None:
         if not 0 <= args.rank < args.cp:
             raise SystemExit(f"--rank must be in [0, {args.cp})")
