@@ -102,7 +102,7 @@ _RATES_SCRIPT = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {repo!r})
     from charm_megatron.emulate import EmulatedCluster
-    from charm_megatron.emulate.cluster import _transfer
+    from charm_megatron.emulate.link_probe import transfer
     out = {{}}
     with EmulatedCluster(2, 2, "400mbit", intra_rate="1.6gbit", nic="rank", link_model="htb",
                          ingress={ingress!r}) as c:
@@ -114,7 +114,7 @@ _RATES_SCRIPT = textwrap.dedent("""
         # cross class (deltas of the class byte counters).
         for name, pair in (("intra", (0, 1)), ("cross", (0, 2))):
             b = c.link_bytes(0)
-            _transfer(c.places, [pair], 0.2)
+            transfer(c.places, [pair], 0.2)
             a = c.link_bytes(0)
             out[name] = {{k: a[k] - b[k] for k in a}}
         out["tcp"] = c.tcp_counters(0).get("OutSegs", 0)

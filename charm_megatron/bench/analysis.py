@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from charm_megatron.bench.config import PASSES, BenchConfig, Point, element_size
 from charm_megatron.plan.cost import Problem
-from charm_megatron.plan.registry import build_plan, uses_topology
+from charm_megatron.plan.registry import ALGORITHM_NAMES, build_plan, uses_topology
 from charm_megatron.plan.roles import RoleShape
 
 COLUMNS = [
@@ -47,7 +47,7 @@ COLUMNS = [
     "peak_mem_mb",
     # What `charm-megatron model --calibrate` needs beyond the above (older files lack them).
     "cores", "intra_rate_mbps", "cross_burst_kb",
-    # The auto contender's rows: what it ran, the fastest of ring / rmplus / charm at this
+    # The auto contender's rows: what it ran, the fastest registered algorithm at this
     # point and pass, auto's median over that one's, "over" when that exceeds AUTO_SLACK, and
     # the pick's own median (as a contender) over the fastest's.
     "auto_pick", "fastest", "vs_fastest", "auto_check", "pick_vs_fastest",
@@ -56,8 +56,8 @@ COLUMNS = [
 
 #: ``auto`` may be this much slower than the fastest contender (issue 12: 5 %).
 AUTO_SLACK = 1.05
-#: The contenders ``auto`` chooses among (and is compared with).
-AUTO_FIELD = ("ring", "rmplus", "charm")
+#: The contenders ``auto`` chooses among (and is compared with): every registered algorithm.
+AUTO_FIELD = ALGORITHM_NAMES
 
 
 @dataclass
@@ -222,7 +222,8 @@ def _versus_fastest(wall: dict, key: str, p: str, pick: str) -> dict:
                if f"{a}/full" in wall}
     if not medians:
         return out
-    fastest = min(medians, key=lambda a: (medians[a], AUTO_FIELD.index(a)))
+    order = list(AUTO_FIELD)
+    fastest = min(medians, key=lambda a: (medians[a], order.index(a)))
     ratio = statistics.median(wall[key][p]) / medians[fastest] if medians[fastest] > 0 else None
     out.update(fastest=fastest, vs_fastest=ratio)
     if pick in medians and medians[fastest] > 0:
