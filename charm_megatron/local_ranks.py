@@ -38,7 +38,12 @@ def _context() -> mp.context.BaseContext:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "charm_megatron"])
+        # What every rank imports anyway, once in the server instead of in each child:
+        # torch's symbolic shapes (sympy, ~3 s of CPU per process) are imported lazily by the
+        # first backward; the attention path by the first call.
+        ctx.set_forkserver_preload(["torch", "torch.distributed",
+                                    "torch.fx.experimental.symbolic_shapes", "charm_megatron",
+                                    "charm_megatron.ops.attention", "charm_megatron.model"])
         _CTX = ctx
     return _CTX
 

@@ -159,8 +159,7 @@ def within_memory_bound(plan: Plan, ctx: VariantContext, variant: CharmVariant) 
         return plan
     n = plan.n
     problem = Problem(1, 2 * n, shape.hq, shape.hkv, shape.d, shape.elem)
-    ring = assemble("ring", ring_rank, plan.direction, ((*range(n),),), plan.causal, None)
-    bound = BOUND * max_peak(ring, problem)
+    bound = BOUND * _ring_peak(n, plan.direction, plan.causal, problem)
 
     def fits(ops: list[Op]) -> bool:
         return peak(ops, problem, n).bytes <= bound
@@ -175,6 +174,14 @@ def within_memory_bound(plan: Plan, ctx: VariantContext, variant: CharmVariant) 
             out.early_returns, out.lean = lighter.early_returns, lighter.lean
             return out
     return plan
+
+
+@lru_cache(maxsize=256)
+def _ring_peak(n: int, direction: Direction, causal: bool, problem: Problem) -> float:
+    """Ring's peak memory per rank, the bound's reference (asked for every rmplus / charm
+    plan of a shape)."""
+    ring = assemble("ring", ring_rank, direction, ((*range(n),),), causal, None)
+    return max_peak(ring, problem)
 
 
 RMPLUS = register(Algorithm(

@@ -62,6 +62,7 @@ class TileSpec:
     causal: bool
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function; builders and the validator ask often
 def tile_spec(q_owner: int, kv_owner: int, causal: bool) -> TileSpec:
     """The tile ``(q_owner, kv_owner)`` under Megatron's load-balanced layout
     (docs/algorithm.md, notation).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,12 +25,17 @@ class Problem:
     def block_bytes(self, kind: Kind, n: int) -> float:
         """Bytes of a whole block of ``kind`` held by one rank (``s / n`` rows), as it travels
         (:data:`charm_megatron.plan.vocab.BLOCKS`: partials in the input dtype, lse fp32)."""
-        sizes = {"b": self.b, "hq": self.hq, "hkv": self.hkv, "d": self.d}
-        return self.s / n * Kind(kind).spec.row_bytes(sizes, self.elem)
+        return _block_bytes(self, Kind(kind), n)
 
     def xfer_bytes(self, x: Xfer, n: int) -> float:
         """Bytes of one message of a plan over ``n`` ranks."""
         return self.block_bytes(x.kind, n) * x.half.fraction
+
+
+@functools.lru_cache(maxsize=4096)  # the simulator asks for every message it times
+def _block_bytes(problem: Problem, kind: Kind, n: int) -> float:
+    sizes = {"b": problem.b, "hq": problem.hq, "hkv": problem.hkv, "d": problem.d}
+    return problem.s / n * kind.spec.row_bytes(sizes, problem.elem)
 
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}

@@ -17,6 +17,7 @@ Plan layer: no torch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from charm_megatron.plan.core import Comm, Half, Kind, Loc, Op, Plan, Reset, Tile, TileBwd
@@ -42,6 +43,7 @@ class Peak:
     tile: float
 
 
+@functools.lru_cache(maxsize=4096)
 def _block_bytes(problem: Problem, n: int, kind: Kind, accumulator: bool, rows: Half) -> float:
     sizes = {"b": problem.b, "hq": problem.hq, "hkv": problem.hkv, "d": problem.d}
     per_row = 0

@@ -12,6 +12,7 @@ Plan layer: no torch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -115,6 +116,17 @@ def _union(halves: Iterable[Half]) -> Half:
     for h in halves:
         out = h if out is None else out.union(h)
     return out or Half.FULL
+
+
+# Pure functions of their arguments, asked for every message a builder posts: memoised.
+@functools.lru_cache(maxsize=8192)
+def _q_rows_needed(owner: int, kv_owners: tuple[int, ...], causal: bool, held: Half) -> Half:
+    return _within(_union(tile_spec(owner, j, causal).q_half for j in kv_owners), held)
+
+
+@functools.lru_cache(maxsize=8192)
+def _kv_rows_needed(kv_owner: int, q_owners: tuple[int, ...], causal: bool, held: Half) -> Half:
+    return _within(_union(tile_spec(i, kv_owner, causal).kv_half for i in q_owners), held)
 
 
 def _within(half: Half, rows: Half) -> Half:
@@ -247,14 +259,12 @@ class RmPlusPasses:
     def _q_half(self, owner: int, kv_owners: Sequence[int]) -> Half:
         """Rows of q block ``owner`` that its tiles with ``kv_owners`` need (within the rows
         held in the current sub-pass)."""
-        return _within(_union(tile_spec(owner, j, self.causal).q_half for j in kv_owners),
-                       self.q_rows)
+        return _q_rows_needed(owner, tuple(kv_owners), self.causal, self.q_rows)
 
     def _kv_half(self, kv_owner: int, q_owners: Sequence[int]) -> Half:
         """Rows of kv block ``kv_owner`` that its tiles with ``q_owners`` need (within the rows
         held in the current sub-pass)."""
-        return _within(_union(tile_spec(i, kv_owner, self.causal).kv_half for i in q_owners),
-                       self.kv_rows)
+        return _kv_rows_needed(kv_owner, tuple(q_owners), self.causal, self.kv_rows)
 
     def _spec(self, owner: int, kv_owner: int) -> TileSpec:
         """Tile ``(owner, kv_owner)``, restricted to the kv (or q) rows held in the current

@@ -24,6 +24,7 @@ Plan layer: no torch.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from charm_megatron.plan.vocab import BLOCKS, Half, Kind, Role, RoleMix
@@ -65,6 +66,7 @@ class RoleShape:
                 raise ValueError(f"RoleShape.{name} must be >= 1, got {getattr(self, name)}")
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function the role rules ask per exchange
 def row_bytes(kind: Kind, shape: RoleShape, half: Half = Half.FULL) -> float:
     """Bytes per token of a block of ``kind`` (the rows of ``half``) as it travels."""
     sizes = {"b": 1, "hq": shape.hq, "hkv": shape.hkv, "d": shape.d}

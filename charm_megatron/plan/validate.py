@@ -34,6 +34,7 @@ tiles per rank. Byte counts for a concrete shape are in :mod:`charm_megatron.pla
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
@@ -110,6 +111,7 @@ def _overlap(a: Half, b: Half) -> bool:
     return a.covers(b) or b.covers(a)
 
 
+@functools.lru_cache(maxsize=4096)  # pure functions of a tile, asked at every tile op
 def sub_tiles(want: TileSpec) -> tuple[tuple[TileSpec, TileSpec], ...]:
     """The ways tile ``want`` may be computed as two half sub-tiles: along each side (q or
     kv) whose rows it needs whole, the pair (1st half, 2nd half) of that side, the other side
@@ -125,6 +127,7 @@ def sub_tiles(want: TileSpec) -> tuple[tuple[TileSpec, TileSpec], ...]:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=4096)
 def _variants(q_owner: int, kv_owner: int, causal: bool) -> tuple[TileSpec, ...]:
     """The specs a plan may compute of tile ``(q_owner, kv_owner)``: the tile, or one of its
     half sub-tiles (:func:`sub_tiles`)."""
