@@ -156,8 +156,10 @@ def peer_goes_missing(rank: int, world: int):
     """Rank 1 never joins; rank 0 must get an error within the timeout, not hang."""
     import time
 
+    from dist_failure_cases import stay_absent_until_the_others_are_done, the_others_are_done
+
     if rank == 1:
-        time.sleep(8)  # alive but absent: the worst case for a blocking wait
+        stay_absent_until_the_others_are_done(8)  # alive but absent: the worst case
         return None
     x = torch.randn(4, 1, 2, 8)
     t0 = time.monotonic()
@@ -165,6 +167,8 @@ def peer_goes_missing(rank: int, world: int):
         cp_attention(x, x, x, algo="ring")
     except Exception as exc:  # noqa: BLE001 - any error is the right outcome here
         return (type(exc).__name__, time.monotonic() - t0)
+    finally:
+        the_others_are_done()
     return ("no error", time.monotonic() - t0)
 
 

@@ -245,14 +245,33 @@ def missing_peer_message(rank: int, world: int, stage: str):
     if stage != "first_call":
         cp_attention(x, x, x, algo="ring", options=o)
     if rank == world - 1:
-        time.sleep(4 * TIMEOUT_S)
+        stay_absent_until_the_others_are_done(4 * TIMEOUT_S)
         return None
     t0 = time.monotonic()
     try:
         cp_attention(x, x, x, algo="ring", options=o)
     except Exception as exc:  # noqa: BLE001
         return type(exc).__name__, str(exc), time.monotonic() - t0
+    finally:
+        the_others_are_done()
     return "no error", "", time.monotonic() - t0
+
+
+_DONE_KEY = "test: the others are done"
+
+
+def stay_absent_until_the_others_are_done(at_most_s: float) -> None:
+    """An absent peer: alive (its connections open, as a straggler's), calling nothing, until
+    every other rank has finished (it said so in the process group's store) or ``at_most_s``."""
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        store.wait([_DONE_KEY], datetime.timedelta(seconds=at_most_s))
+    except Exception:  # noqa: BLE001 - a timeout: the others hung; the test says so
+        pass
+
+
+def the_others_are_done() -> None:
+    dist.distributed_c10d._get_default_store().set(_DONE_KEY, "1")
 
 
 def options_in_ctx(rank: int, world: int):
