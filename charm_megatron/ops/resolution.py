@@ -9,7 +9,6 @@ would run.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from charm_megatron.ops.request import CallRequest
@@ -100,11 +99,27 @@ def resolve_call(request: CallRequest, group, cp_size: int, cluster) -> Resolved
     return Resolved(algo, groups, variants, plans)
 
 
-@functools.lru_cache(maxsize=256)
 def _validated(algo: str, groups: Groups, causal: bool, shape: RoleShape, timer,
                values: Values) -> tuple[Plan, Plan]:
-    """The registry's plans, validated once per key: every rank derives the same."""
+    """The registry's plans (memoised there), each validated before its first use: every rank
+    derives the same plans, and a plan is proved once however many keys lead to it."""
     fwd, bwd = registry.plans(algo, groups, causal, shape=shape, timer=timer, values=values)
-    validate(fwd)
-    validate(bwd)
+    _validate_once(fwd)
+    _validate_once(bwd)
     return fwd, bwd
+
+
+# Plans proved correct, by their content (ops are frozen and hashable): shapes that lead to
+# the same schedule (a role rule that decides alike) are validated once.
+_PROVED: set[tuple] = set()
+
+
+def _validate_once(plan: Plan) -> None:
+    key = (plan.algo, plan.direction, plan.n, plan.groups, plan.causal,
+           tuple(tuple(ops) for ops in plan.ops))
+    if key in _PROVED:
+        return
+    validate(plan)
+    if len(_PROVED) > 4096:
+        _PROVED.clear()
+    _PROVED.add(key)

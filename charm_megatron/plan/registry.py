@@ -199,6 +199,8 @@ def plans(algo: str, groups: Sequence[Sequence[int]], causal: bool, *,
     if values is None or settings:
         values = settings_values(**{**(values or {}), **settings})
     entry = get(algo)
+    if entry.variants is None and entry.finish is None:
+        shape = timer = None  # nothing of the entry reads them: one plan for every shape
     return _plans(entry, _algo_groups(entry, groups), causal, shape, timer, _own(entry, values))
 
 
