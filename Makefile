@@ -21,9 +21,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/charm-megatron demo
 
+# Two workers (pytest-xdist): one runs while the other waits on a timeout or a rank pool.
 test: $(STAMP)
 	$(PY) -m ruff check charm_megatron tests
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check charm_megatron tests

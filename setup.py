@@ -19,7 +19,9 @@ setup(
         # Imported lazily, never at module import; apex is part of the user's Megatron
         # environment (NVIDIA's apex is not on the package index) and is not listed here.
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
-        "dev": ["pytest>=7", "hypothesis>=6", "ruff>=0.4", "matplotlib"],
+        # pytest-xdist: `make test` runs two workers (the suite waits on timeouts and on
+        # single-process plan checks that the other core can serve meanwhile).
+        "dev": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff>=0.4", "matplotlib"],
     },
     entry_points={"console_scripts": ["charm-megatron=charm_megatron.cli:main"]},
 )
