@@ -1,0 +1,180 @@
+"""The timed device of the emulated GPU cluster: a kernel backend that waits instead of computing.
+
+Each rank of an emulated GPU cluster runs the real plans, executor, streams, agreement checks
+and messages on emulated links; only its device is emulated. :class:`TimedBackend` takes the
+place of the attention kernels (``CPOptions(backend=TimedBackend(...))``): for every tile it is
+given it waits for the time the modelled device would take, computed by the performance
+model's formulas on the device profile (a :class:`~charm_megatron.model.cluster.Cluster`:
+``tflops``, the backward factor, the tile-size and head-dim efficiency, the per-op overhead,
+the merge rate, the slowdown while communication is in flight), so the model and the emulator
+price a tile alike and differ only in what the model cannot see: the executor's real order of
+events, the real messages and their real contention.
+
+* **Values mean nothing.** Outputs keep the shapes and dtypes of the real kernels' (so every
+  message has its real size) but hold zeros; results of an emulated run are timings only.
+* **Time dilation** (``dilation`` ``D``): every wait is ``D`` times the device time, and the
+  emulated links run ``D`` times slower than the real ones, so the emulator's own fixed costs
+  (Python, gloo, TCP, ~0.1-1 ms per message and op on these machines) shrink to ``1/D`` of
+  themselves in device time, the range of a real GPU's kernel launch and NCCL latency.
+* **A scaled problem on the wire** (:class:`WireScale`): the tensors may be the real ones with
+  the batch and the rows per rank divided by whole factors, while the device times the
+  *virtual* full-size tile; the links are then slowed by the same factor, so every ratio of
+  compute to communication is the real one while memory and TCP load fit this machine.
+* A wait sleeps, releasing the GIL and the core: 16 or 32 emulated devices share 2 cores.
+
+The device is synchronous, like the model's program clock (:mod:`charm_megatron.model.sim`):
+a tile occupies the rank from its call to its return. docs/emulator.md has the whole method.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from charm_megatron.model import effects
+from charm_megatron.model.cluster import Cluster
+from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.vocab import Kind
+
+
+@dataclass(frozen=True)
+class WireScale:
+    """How the problem on the wire maps to the virtual one the device times: the batch and the
+    rows of every block are ``batch`` and ``rows`` times larger there (whole factors)."""
+
+    batch: int = 1
+    rows: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "rows"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"WireScale.{name} must be a whole number >= 1, got {v!r}")
+
+    @property
+    def bytes(self) -> int:
+        """How much larger every virtual block is than its wire copy."""
+        return self.batch * self.rows
+
+
+@dataclass
+class DeviceClock:
+    """What a timed device has waited, in device seconds (wall seconds / dilation)."""
+
+    tiles: int = 0
+    merges: int = 0
+    device_s: float = 0.0  # the modelled device time asked for
+    waited_s: float = 0.0  # wall time actually waited, / dilation
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, device_s: float, waited_s: float, tile: bool) -> None:
+        with self.lock:
+            self.device_s += device_s
+            self.waited_s += waited_s
+            if tile:
+                self.tiles += 1
+            else:
+                self.merges += 1
+
+
+class TimedBackend:
+    """A kernel backend whose every op waits for the device time of ``cluster`` (see module).
+
+    ``dilation``: wall seconds per device second; ``scale``: the wire-to-virtual factors;
+    ``sm_contention``: apply the profile's ``comm_slowdown`` while a transfer of this rank is
+    in flight (the executor tells the backend, :meth:`watch`); ``False`` ignores it."""
+
+    name = "timed"
+
+    def __init__(self, cluster: Cluster, *, dilation: float = 1.0,
+                 scale: WireScale = WireScale(), sm_contention: bool = True,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        if not dilation > 0:
+            raise ValueError(f"dilation must be > 0, got {dilation!r}")
+        if cluster.cores is not None:
+            raise ValueError("a timed device models one device per rank; this cluster "
+                             "describes a shared CPU pool (cores=...): choose a GPU profile")
+        self.cluster = cluster
+        self.dilation = float(dilation)
+        self.scale = scale
+        self.sm_contention = sm_contention
+        self._sleep = sleep
+        self._in_flight: Callable[[], bool] = lambda: False
+        self.clock = DeviceClock()
+
+    # -- what the executor and the call resolution ask of it ----------------------------
+    @property
+    def problem_scale(self) -> WireScale:
+        """The virtual problem of a call (its model problem and variant rules use it)."""
+        return self.scale
+
+    def watch(self, in_flight: Callable[[], bool]) -> None:
+        """The executor's "a transfer of this rank is posted and not yet waited" test."""
+        self._in_flight = in_flight
+
+    # -- device time ------------------------------------------------------------------------
+    def tile_seconds(self, sq: int, sk: int, b: int, hq: int, hkv: int, d: int, elem: int,
+                     causal: bool, backward: bool) -> float:
+        """Device seconds of one tile of ``sq`` x ``sk`` *virtual* rows, batch ``b``, ``hq`` /
+        ``hkv`` heads of dim ``d``, ``elem`` bytes per element: the model's price
+        (:mod:`charm_megatron.model.sim`'s ``_op_cost``): FLOPs at the profile's rate and tile
+        efficiency (slowed while a transfer is in flight), the fold of its result into the
+        accumulators at the merge rate, the per-op overhead."""
+        cl = self.cluster
+        flops = 4.0 * b * hq * d * sq * sk * (0.5 if causal else 1.0)
+        if backward:
+            flops *= cl.bwd_factor
+        eff = effects.kernel_efficiency(cl, sq, sk, d)
+        seconds = flops / (cl.tflops * 1e12 * eff)
+        if self.sm_contention and cl.comm_slowdown and self._in_flight():
+            seconds *= 1.0 + cl.comm_slowdown
+        if backward:
+            folded = (Problem(b, sq, hq, hkv, d, elem).block_bytes(Kind.DQ, 1)
+                      + Problem(b, sk, hq, hkv, d, elem).block_bytes(Kind.DKV, 1))
+        else:
+            folded = Problem(b, sq, hq, hkv, d, elem).block_bytes(Kind.OUT, 1)
+        return seconds + self.merge_seconds(folded) + cl.op_overhead_us * 1e-6
+
+    def merge_seconds(self, nbytes: float) -> float:
+        """Device seconds to accumulate ``nbytes`` of partials (virtual bytes)."""
+        gbps = self.cluster.merge_gbps
+        return nbytes / (gbps * 1e9) if gbps else 0.0
+
+    def _wait(self, device_s: float, tile: bool) -> None:
+        t0 = time.perf_counter()
+        self._sleep(device_s * self.dilation)
+        self.clock.add(device_s, (time.perf_counter() - t0) / self.dilation, tile)
+
+    def _virtual(self, rows: int, batch: int) -> tuple[int, int]:
+        return rows * self.scale.rows, batch * self.scale.batch
+
+    # -- the backend interface ----------------------------------------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        sq, b = self._virtual(q.shape[0], q.shape[1])
+        sk, _ = self._virtual(k.shape[0], k.shape[1])
+        self._wait(self.tile_seconds(sq, sk, b, q.shape[2], k.shape[2], q.shape[3],
+                                     q.element_size(), causal, False), True)
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse = torch.zeros((q.shape[1], q.shape[2], q.shape[0]), dtype=lse_dtype,
+                          device=q.device)
+        return torch.zeros_like(q), lse
+
+    def backward(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        sq, b = self._virtual(q.shape[0], q.shape[1])
+        sk, _ = self._virtual(k.shape[0], k.shape[1])
+        self._wait(self.tile_seconds(sq, sk, b, q.shape[2], k.shape[2], q.shape[3],
+                                     q.element_size(), causal, True), True)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    def merged(self, wire_bytes: float) -> None:
+        """The executor merged a received partial of ``wire_bytes``: its device time (the
+        model's ``Merge`` op: the virtual bytes at the merge rate, plus the per-op overhead)."""
+        virtual = wire_bytes * self.scale.bytes
+        self._wait(self.merge_seconds(virtual) + self.cluster.op_overhead_us * 1e-6, False)
