@@ -67,7 +67,6 @@ NIC_MODELS: tuple[str, ...] = ("node", "rank")
 LinkModelName = Literal["tbf", "htb"]
 LINK_MODELS = ("tbf", "htb")
 _SUBNET = "10.213.0"
-_TBF_LATENCY = "100ms"
 _INTRA_MTU = 65535  # like lo: the intra-node path should not pay per-packet costs lo avoids
 _COUNTER = itertools.count()
 
@@ -167,9 +166,12 @@ class EmulatedCluster:
         link_model: LinkModelName = "tbf",
         ingress: bool | None = None,
         mtu: int | None = None,
+        queue_s: float = 0.1,
     ) -> None:
         if groups < 1 or ranks_per_group < 1:
             raise ValueError(f"need groups >= 1 and ranks_per_group >= 1, got {groups}, {ranks_per_group}")
+        # tbf's queue: packets wait at most this long before they are dropped (its "latency").
+        self.queue_s = float(queue_s)
         if groups * ranks_per_group > 250:
             raise ValueError("at most 250 ranks (one /24 of addresses)")
         if nic not in NIC_MODELS:
@@ -440,9 +442,8 @@ class EmulatedCluster:
         words = run_ip(["-n", ns, "-s", "qdisc", "show", "dev", dev], tool="tc").stdout.split()
         return int(words[words.index("Sent") + 1])
 
-    @staticmethod
-    def _tbf(rate: float, burst: int) -> str:
-        return f"tbf rate {int(rate * 8)}bit burst {burst} latency {_TBF_LATENCY}"
+    def _tbf(self, rate: float, burst: int) -> str:
+        return f"tbf rate {int(rate * 8)}bit burst {burst} latency {int(self.queue_s * 1000)}ms"
 
     # ----------------------------------------------------------------- measurement
     def measure_rates(self, seconds: float = 0.3, concurrent: bool = False) -> RateReport:

@@ -60,16 +60,21 @@ class Prediction:
 
 
 def predict(algo: str, groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
-            causal: bool, *, tune: bool = False, **settings: object) -> Prediction:
+            causal: bool, *, tune: bool = False, compute_only: bool = False,
+            **settings: object) -> Prediction:
     """Simulate ``algo``'s forward and backward plans on ``cluster`` with hardware ``groups``.
 
     ``settings``: the algorithm's settings by name (:func:`~charm_megatron.plan.registry.
     all_settings`; e.g. ``roles="paper"``, ``split_visiting=True``), the others at their
     defaults; ``tune``: a setting left to the model (``auto``) is decided on ``cluster``
-    (``False``: off, as a call without a model profile runs it)."""
+    (``False``: off, as a call without a model profile runs it); ``compute_only``: messages
+    are free (the plan's compute alone, ``CPOptions(ablation="compute_only")``'s part)."""
     g = _groups(groups)
     timer = ClusterTimer(cluster, problem, g)
     fwd, bwd = _plans(algo, g, problem, causal, timer if tune else None, settings)
+    if compute_only:
+        return Prediction(algo, simulate(fwd, problem, cluster, g, comm=False),
+                          simulate(bwd, problem, cluster, g, comm=False))
     return Prediction(algo, timer.result(fwd), timer.result(bwd))
 
 

@@ -145,6 +145,11 @@ class Executor(OpInterpreter[None]):
         # (loc, its buffer, the real attention output of that q block): see set_own_output.
         self._own_out: tuple[Loc, _Buf, torch.Tensor] | None = None
         self._i = 0  # index of the op being interpreted
+        # A timed device (emulate/device.py) slows its compute while a transfer of this rank
+        # is in flight and prices the merges it is told of; real kernels have no such hooks.
+        self._posted = getattr(backend, "posted", None)
+        self._waited = getattr(backend, "waited", None)
+        self._merged = getattr(backend, "merged", None)
 
     # ---------------------------------------------------------------------------- buffers
     def _alloc(self, kind: Kind, wire: bool, rows: Half = Half.FULL) -> tuple[torch.Tensor, ...]:
@@ -364,6 +369,8 @@ class Executor(OpInterpreter[None]):
         else:  # gradient partials: sum
             for a, t in zip(acc.tensors, src.tensors):
                 a[rows] += t[:n]
+        if self._merged is not None and self.compute:
+            self._merged(sum(t[:n].numel() * t.element_size() for t in src.tensors))
 
     def _post(self, op: Comm) -> None:
         group = self.streams.groups[op.stream]
@@ -395,6 +402,10 @@ class Executor(OpInterpreter[None]):
             raise CommError(self._comm_text(op.stream, peers, "could not post its transfers",
                                             exc)) from exc
         self.pending[op.handle] = (works, keep, op.stream, peers)
+        if self._posted is not None and works:
+            self._posted(op.handle, [(x.peer, sum(t.numel() * t.element_size()
+                                                  for t in self._view(x.loc, x.half)))
+                                     for x in (*op.sends, *op.recvs)])
 
     def _wait(self, handle: int) -> None:
         works, _, stream, peers = self.pending.pop(handle)
@@ -410,6 +421,8 @@ class Executor(OpInterpreter[None]):
             except Exception as exc:  # noqa: BLE001 - re-raised with what it means
                 raise CommError(self._comm_text(stream, peers, "timed out or lost its peer",
                                                 exc)) from exc
+        if self._waited is not None and works:
+            self._waited(handle)
 
     def _comm_text(self, stream, peers: list[int], what: str, exc: BaseException) -> str:
         me = dist.get_rank()

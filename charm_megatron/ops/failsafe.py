@@ -35,6 +35,13 @@ class GuardedBackend:
                          device=q.device)
         return torch.zeros_like(q), lse
 
+    def __getattr__(self, name: str):
+        # The inner backend's optional hooks (a timed device's posted / waited / merged /
+        # problem_scale): what it does not have, this one does not either.
+        if name.startswith("__") or name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def forward_cut(self, q, k, causal):
         # How the inner backend would cut a tile (its optional forward_cut), else whole.
         cut = getattr(self.inner, "forward_cut", None)

@@ -55,8 +55,14 @@ def _heads(request: CallRequest) -> tuple[int, int, int, int, int]:
 
 
 def problem(request: CallRequest, cp_size: int) -> Problem:
-    """The performance model's problem of a call (sizes of one rank's shard)."""
+    """The performance model's problem of a call (sizes of one rank's shard). A backend that
+    times a larger virtual problem than the tensors it is given (the emulator's timed device,
+    ``problem_scale``: batch and rows factors) makes that the call's problem, so ``auto`` and
+    the variant rules predict for the problem the device times."""
     s, b, hq, hkv, d = _heads(request)
+    scale = getattr(request.options.backend, "problem_scale", None)
+    if scale is not None:
+        s, b = s * scale.rows, b * scale.batch
     return Problem(b, s * cp_size, hq, hkv, d, request.q.element_size)
 
 
