@@ -61,6 +61,23 @@ class WireScale:
         return self.batch * self.rows
 
 
+@dataclass(frozen=True)
+class LinkClock:
+    """How long a message takes on this rank's real links, for the compute slowdown while it
+    moves: ``rank`` (CP-local), the hardware ``groups``, the real rates (bytes/s) of a link
+    inside a group and across groups, and the per-message latency."""
+
+    rank: int
+    groups: tuple[tuple[int, ...], ...]
+    intra_Bps: float
+    cross_Bps: float
+    latency_s: float = 0.0
+
+    def seconds(self, peer: int, nbytes: float) -> float:
+        same = any(self.rank in g and peer in g for g in self.groups)
+        return self.latency_s + nbytes / (self.intra_Bps if same else self.cross_Bps)
+
+
 @dataclass
 class DeviceClock:
     """What a timed device has waited, in device seconds (wall seconds / dilation)."""
@@ -85,13 +102,15 @@ class TimedBackend:
     """A kernel backend whose every op waits for the device time of ``cluster`` (see module).
 
     ``dilation``: wall seconds per device second; ``scale``: the wire-to-virtual factors;
-    ``sm_contention``: apply the profile's ``comm_slowdown`` while a transfer of this rank is
-    in flight (the executor tells the backend, :meth:`watch`); ``False`` ignores it."""
+    ``sm_contention``: apply the profile's ``comm_slowdown`` while a transfer of this rank
+    moves (the executor says when it posts and completes one, :meth:`posted` / :meth:`waited`;
+    ``links`` says for how long its bytes move); ``False`` or no ``links`` ignores it."""
 
     name = "timed"
 
     def __init__(self, cluster: Cluster, *, dilation: float = 1.0,
                  scale: WireScale = WireScale(), sm_contention: bool = True,
+                 links: LinkClock | None = None,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         if not dilation > 0:
             raise ValueError(f"dilation must be > 0, got {dilation!r}")
@@ -103,7 +122,9 @@ class TimedBackend:
         self.scale = scale
         self.sm_contention = sm_contention
         self._sleep = sleep
-        self._in_flight: Callable[[], bool] = lambda: False
+        self.links = links
+        # handle -> wall time until which its transfer is expected to move (contention)
+        self._moving: dict[int, float] = {}
         self.clock = DeviceClock()
 
     # -- what the executor and the call resolution ask of it ----------------------------
@@ -112,9 +133,26 @@ class TimedBackend:
         """The virtual problem of a call (its model problem and variant rules use it)."""
         return self.scale
 
-    def watch(self, in_flight: Callable[[], bool]) -> None:
-        """The executor's "a transfer of this rank is posted and not yet waited" test."""
-        self._in_flight = in_flight
+    def posted(self, handle: int, messages: list[tuple[int, int]]) -> None:
+        """The executor posted batch ``handle``: ``(peer, wire bytes)`` per message. Its bytes
+        move, by the device's links (:class:`LinkClock`), for the longest message's real
+        time: the span during which this rank's compute is slowed (``comm_slowdown``)."""
+        if self.links is None or not (self.sm_contention and self.cluster.comm_slowdown):
+            return
+        seconds = max((self.links.seconds(peer, nbytes * self.scale.bytes)
+                       for peer, nbytes in messages), default=0.0)
+        self._moving[handle] = time.perf_counter() + seconds * self.dilation
+
+    def waited(self, handle: int) -> None:
+        """Batch ``handle`` completed: whatever it moved has arrived by now."""
+        self._moving.pop(handle, None)
+
+    def _contended_s(self) -> float:
+        """Wall seconds from now during which some transfer of this rank still moves."""
+        now = time.perf_counter()
+        for h in [h for h, end in self._moving.items() if end <= now]:
+            del self._moving[h]
+        return max((end - now for end in self._moving.values()), default=0.0)
 
     # -- device time ------------------------------------------------------------------------
     def tile_seconds(self, sq: int, sk: int, b: int, hq: int, hkv: int, d: int, elem: int,
@@ -129,15 +167,26 @@ class TimedBackend:
         if backward:
             flops *= cl.bwd_factor
         eff = effects.kernel_efficiency(cl, sq, sk, d)
-        seconds = flops / (cl.tflops * 1e12 * eff)
-        if self.sm_contention and cl.comm_slowdown and self._in_flight():
-            seconds *= 1.0 + cl.comm_slowdown
+        seconds = self._slowed(flops / (cl.tflops * 1e12 * eff))
         if backward:
             folded = (Problem(b, sq, hq, hkv, d, elem).block_bytes(Kind.DQ, 1)
                       + Problem(b, sk, hq, hkv, d, elem).block_bytes(Kind.DKV, 1))
         else:
             folded = Problem(b, sq, hq, hkv, d, elem).block_bytes(Kind.OUT, 1)
         return seconds + self.merge_seconds(folded) + cl.op_overhead_us * 1e-6
+
+    def _slowed(self, work_s: float) -> float:
+        """Device seconds of ``work_s`` of compute when it runs ``1 + comm_slowdown`` times
+        slower while this rank's transfers move (the model's effect, from the tile's start:
+        slowed for the transfers' remaining time, then at full speed)."""
+        s = self.cluster.comm_slowdown
+        if not (self.sm_contention and s) or not self._moving:
+            return work_s
+        contended = self._contended_s() / self.dilation
+        slow = 1.0 + s
+        if work_s * slow <= contended:
+            return work_s * slow
+        return contended + (work_s - contended / slow)
 
     def merge_seconds(self, nbytes: float) -> float:
         """Device seconds to accumulate ``nbytes`` of partials (virtual bytes)."""
