@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from charm_megatron.bench.config import PASSES, BenchConfig, Point, element_size
+from charm_megatron.bench.gpu_emulation import CPU_LIMITED
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.registry import ALGORITHM_NAMES, build_plan, uses_topology
 from charm_megatron.plan.roles import RoleShape
@@ -51,6 +52,11 @@ COLUMNS = [
     # point and pass, auto's median over that one's, "over" when that exceeds AUTO_SLACK, and
     # the pick's own median (as a contender) over the fastest's.
     "auto_pick", "fastest", "vs_fastest", "auto_check", "pick_vs_fastest",
+    # An emulated GPU cluster (--device-model): every *_ms above is device time; the run's
+    # dilation and wire scale, the busiest core while calls were timed (cpu_limited above
+    # 70 %), the performance model's prediction on the same profile and the textbook ring.
+    "device_model", "dilation", "wire_scale", "busiest_core_pct", "cpu_limited",
+    "model_ms", "vs_model", "analytic_ring_ms",
     "note",
 ]
 
@@ -179,6 +185,8 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                 comm = statistics.median(wall["ring/comm"][p])
                 ccr[p] = (comp / comm if comm > 0 else float("inf"), comp, comm)
         picks = rec0.get("picks", {})
+        if cfg.device is not None:
+            base.update(_device_columns(cfg, per_rank, pos))
         for algo in cfg.algos:
             if algo in rec0["skipped"]:
                 for p in passes:
@@ -202,8 +210,11 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                 if p in ccr:
                     row.update(ring_ccr=ccr[p][0], ring_compute_ms=ccr[p][1] * 1e3,
                                ring_comm_ms=ccr[p][2] * 1e3)
+                if cfg.device is not None and algo != "torch":
+                    row.update(_model_columns(cfg, point, plan_algo, p, charm_groups, info,
+                                              row["median_ms"]))
                 row.update(_bound(wall, cpu, plan_algo, p, info, bytes_by_pass,
-                                  row["median_ms"]))
+                                  row["median_ms"], row.get("compute_only_ms")))
                 if algo in picks:
                     row.update(_versus_fastest(wall, key, p, picks[algo]))
                 mem = [r["points"][pos]["memory"].get(algo) for r in per_rank]
@@ -235,6 +246,65 @@ def _versus_fastest(wall: dict, key: str, p: str, pick: str) -> dict:
     return out
 
 
+def _device_columns(cfg: BenchConfig, per_rank: Sequence[dict], pos: int) -> dict:
+    dev = cfg.device
+    busiest = per_rank[0]["points"][pos].get("busiest_core")
+    return {"device_model": dev.profile, "dilation": dev.dilation,
+            "wire_scale": f"{dev.batch_scale}x{dev.rows_scale}",
+            "busiest_core_pct": busiest * 100 if busiest is not None else "",
+            "cpu_limited": (busiest > CPU_LIMITED) if busiest is not None else ""}
+
+
+def _model_columns(cfg: BenchConfig, point: Point, algo: str, p: str,
+                   charm_groups: list[list[int]], info: RunInfo, median_ms: float) -> dict:
+    """The model's prediction of ``algo`` at ``point`` on the run's device (the same profile,
+    the same links, the hardware groups) and, for ring, the textbook ring (issue 23's checks:
+    within 10 %, or the difference explained)."""
+    from charm_megatron.model import predict
+
+    cluster = cfg.device.model_cluster
+    hw = info.hw_groups or [list(range(info.world))]
+    problem = Problem(point.batch, point.seq, point.heads, point.kv_heads, point.head_dim,
+                      elem=element_size(cfg.dtype))
+    settings = {**dict(cfg.settings), "roles": cfg.roles}
+    own = {k: v for k, v in settings.items() if k in _settings_of(algo)}
+    pred = predict(algo, hw, problem, cluster, cfg.causal, tune=True, **own)
+    model_s = {"fwd": pred.forward.time_s, "bwd": pred.backward.time_s,
+               "fwdbwd": pred.total_s}[p]
+    out = {"model_ms": model_s * 1e3,
+           "vs_model": (median_ms / 1e3) / model_s if model_s > 0 else ""}
+    # The device's compute is the model's by construction (the timed device prices tiles with
+    # its formulas), so an emulated run takes its compute-only time, and ring's CCR, from the
+    # model instead of timing ablated runs: the bound = max(the busiest rank's device
+    # compute, the busiest cross link's bytes at its real rate).
+    compute = predict(algo, hw, problem, cluster, cfg.causal, tune=True, compute_only=True,
+                      **own)
+    comp_s = {"fwd": compute.forward.time_s, "bwd": compute.backward.time_s,
+              "fwdbwd": compute.total_s}[p]
+    out["compute_only_ms"] = comp_s * 1e3
+    if p != "fwdbwd":
+        from charm_megatron.model import ring_ccr
+
+        ccr = ring_ccr(hw, problem, cluster, cfg.causal,
+                       "forward" if p == "fwd" else "backward")
+        out.update(ring_ccr=ccr.ratio, ring_compute_ms=ccr.compute_s * 1e3,
+                   ring_comm_ms=ccr.comm_s * 1e3)
+    if algo == "ring":
+        from charm_megatron.bench.emulator_checks import analytic_ring
+
+        n = info.world
+        f = analytic_ring(cluster, problem, n, cfg.causal, "forward", hw)
+        b = analytic_ring(cluster, problem, n, cfg.causal, "backward", hw)
+        out["analytic_ring_ms"] = {"fwd": f, "bwd": b, "fwdbwd": f + b}[p] * 1e3
+    return out
+
+
+def _settings_of(algo: str) -> set[str]:
+    from charm_megatron.plan.registry import get
+
+    return {s.name for s in get(algo).settings}
+
+
 def _link_columns(info: RunInfo) -> dict:
     """Cores the ranks shared, the intra rate (measured one pair, else configured) and the
     cross links' token bucket: the calibration's inputs (docs/model.md)."""
@@ -263,15 +333,21 @@ def _speedup(wall: dict, key: str, p: str) -> dict:
 
 
 def _bound(wall: dict, cpu: dict, algo: str, p: str, info: RunInfo,
-           bytes_by_pass: dict[str, float] | None, median_ms: float) -> dict:
+           bytes_by_pass: dict[str, float] | None, median_ms: float,
+           modelled_compute_ms: float | None = None) -> dict:
     out: dict = {}
     compute_term = None
     comp_key = f"{algo}/compute"
-    if comp_key in wall:
+    if modelled_compute_ms is not None:  # an emulated device: its compute is the model's
+        compute_term = modelled_compute_ms / 1e3
+    elif comp_key in wall:
         comp_wall = statistics.median(wall[comp_key][p])
         work = statistics.median(cpu[comp_key][p])
         out.update(compute_only_ms=comp_wall * 1e3, cpu_work_ms=work * 1e3)
-        compute_term = comp_wall if info.device == "cuda" else work / max(1, info.cores)
+        # On devices (real or emulated) compute is the compute-only run's time; on the CPU
+        # testbed the ranks share the cores, so it is their CPU work over the cores.
+        on_device = info.device in ("cuda", "emulated")
+        compute_term = comp_wall if on_device else work / max(1, info.cores)
     link_term = None
     if bytes_by_pass is not None:
         out["cross_link_mb"] = bytes_by_pass[p] / 1e6
@@ -282,7 +358,7 @@ def _bound(wall: dict, cpu: dict, algo: str, p: str, info: RunInfo,
             link_term = max(0.0, bytes_by_pass[p] - info.cross_burst) / info.cross_rate
     if compute_term is None:
         return out
-    bound, by = compute_term, ("compute" if info.device == "cuda" else "cpu")
+    bound, by = compute_term, ("compute" if info.device in ("cuda", "emulated") else "cpu")
     if link_term is not None and link_term > compute_term:
         bound, by = link_term, "link"
     out.update(bound_ms=bound * 1e3, bound_by=by,

@@ -49,10 +49,15 @@ def run_profile(job, *, nic: str, cross_Bps: float, intra_Bps: float | None, cro
     if not {"auto", "charm"} & set(job.cfg.algos):
         yield None
         return
-    base = base_profile()
-    cluster = bench_cluster(base.cluster, nic=nic, cross_Bps=cross_Bps, intra_Bps=intra_Bps,
-                            cross_burst=cross_burst, intra_burst=intra_burst, cores=cores,
-                            emulated=emulated)
+    device = job.cfg.device
+    if device is not None:  # an emulated GPU cluster: the device profile on its real links
+        base = get_profile(device.profile)
+        cluster = device.model_cluster
+    else:
+        base = base_profile()
+        cluster = bench_cluster(base.cluster, nic=nic, cross_Bps=cross_Bps,
+                                intra_Bps=intra_Bps, cross_burst=cross_burst,
+                                intra_burst=intra_burst, cores=cores, emulated=emulated)
     prof = Profile(f"bench-{base.name}", cluster, job.topology,
                    f"{base.name}'s costs on this bench run's links (bench/autoprofile.py)")
     with tempfile.TemporaryDirectory(prefix="charm-bench-auto-") as tmp:

@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
+from charm_megatron.bench.gpu_emulation import DeviceSetup
 from charm_megatron.plan.registry import NameView, names
 
 #: The contenders: the registered algorithms, and ``torch`` (PyTorch's own CP ring).
@@ -114,6 +115,9 @@ class BenchConfig:
     roles: str = "bytes"  # role mix of rmplus / charm (charm_megatron.plan.roles.ROLE_MIXES)
     # Algorithm settings by name (--setting NAME=VALUE), over the job's CHARM_* variables.
     settings: tuple[tuple[str, str], ...] = ()
+    # An emulated GPU cluster (--device-model): every rank's device is timed, not computed,
+    # and every *_ms is device time (bench/gpu_emulation.py, docs/emulator.md).
+    device: DeviceSetup | None = None
 
     def points(self, world: int) -> tuple[list[Point], list[str]]:
         """The grid for a CP group of ``world`` ranks, and a line per point left out (why)."""

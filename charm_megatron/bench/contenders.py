@@ -76,15 +76,17 @@ class PlanContender(Contender):
 
     def __init__(self, algo: str, topology: str | None, causal: bool,
                  packed: dict | None = None, options: CPOptions | None = None,
-                 roles: str = "bytes", settings: tuple[tuple[str, str], ...] = ()) -> None:
+                 roles: str = "bytes", settings: tuple[tuple[str, str], ...] = (),
+                 backend=None) -> None:
         self.name = algo
         self._args = (algo, topology, causal, packed)
         self.roles = roles
         # The bench's CHARM_* settings (the job's environment, set before the line-up) and its
         # --setting values over them, read once here; ablated variants differ only in
-        # options.ablation.
+        # options.ablation. backend: an emulated GPU cluster's timed device (else the kernels).
+        extra_opts = {"backend": backend} if backend is not None else {}
         self.options = (options if options is not None
-                        else CPOptions.from_env(**dict(settings)))
+                        else CPOptions.from_env(**dict(settings), **extra_opts))
         # packed: cu_seqlens / cu_seqlens_padded for THD inputs (the benchmark's packed mode).
         # roles: the role mix, for packed and unpacked calls alike.
         extra = {**(packed or {}), "roles": roles}
@@ -117,13 +119,17 @@ class AutoContender(PlanContender):
 
     def __init__(self, topology: str | None, causal: bool, point: Point, dtype: torch.dtype,
                  packed: dict | None = None, roles: str = "bytes",
-                 settings: tuple[tuple[str, str], ...] = ()) -> None:
-        super().__init__("auto", topology, causal, packed, roles=roles, settings=settings)
+                 settings: tuple[tuple[str, str], ...] = (), backend=None) -> None:
+        super().__init__("auto", topology, causal, packed, roles=roles, settings=settings,
+                         backend=backend)
         world = dist.get_world_size()
         # The shapes cp_attention resolves with: sbhd, or THD as [t, 1, h, d] (the same
         # plans and role mix as sbhd).
         rows, batch = ((point.batch * point.seq // world, 1) if packed
                        else (point.seq // world, point.batch))
+        scale = getattr(backend, "problem_scale", None)
+        if scale is not None:  # the wire copy: the timed device's scale makes it the point
+            rows, batch = rows // scale.rows, batch // scale.batch
         q, k = (torch.empty(rows, batch, h, point.head_dim, dtype=dtype, device="meta")
                 for h in (point.heads, point.kv_heads))
         self.picked_roles = roles
@@ -283,22 +289,28 @@ class Lineup:
 
 
 def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
-            torch_probe: dict, packed: dict | None = None) -> Lineup:
+            torch_probe: dict, packed: dict | None = None, backend=None) -> Lineup:
     """Every algorithm of ``cfg.algos`` that runs here at ``point``. ``torch_probe`` caches
     :func:`probe_torch` per head shape (a collective: every rank calls this alike); ``packed``
-    holds the point's ``cu_seqlens`` in packed mode."""
+    holds the point's ``cu_seqlens`` in packed mode; ``backend``: the timed device of an
+    emulated GPU cluster (the plan contenders run on it; torch's cannot)."""
     lineup = Lineup({}, {}, {})
     for algo in cfg.algos:
         if algo == "auto":
             auto = AutoContender(topology, cfg.causal, point, DTYPES[cfg.dtype], packed,
-                                 roles=cfg.roles, settings=cfg.settings)
+                                 roles=cfg.roles, settings=cfg.settings, backend=backend)
             lineup.contenders[algo] = auto
             lineup.picks[algo] = auto.picked
             lineup.notes[algo] = f"auto picked {auto.picked} (roles {auto.picked_roles})"
             continue
         if algo != "torch":
             lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed,
-                                                    roles=cfg.roles, settings=cfg.settings)
+                                                    roles=cfg.roles, settings=cfg.settings,
+                                                    backend=backend)
+            continue
+        if backend is not None:
+            lineup.skipped[algo] = ("PyTorch's context-parallel attention runs its own kernels: "
+                                    "it cannot run on an emulated device")
             continue
         if packed is not None:
             lineup.skipped[algo] = ("PyTorch's context-parallel attention cannot run packed "

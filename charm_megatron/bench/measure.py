@@ -32,6 +32,7 @@ import torch.distributed as dist
 from charm_megatron.bench import links
 from charm_megatron.bench.config import BenchConfig, Point
 from charm_megatron.bench.contenders import DTYPES, Contender, Lineup, line_up
+from charm_megatron.bench.gpu_emulation import CoreMeter
 from charm_megatron.bench.memory import PeakMeter
 from charm_megatron.bench.packing import cumulative, doc_lengths
 from charm_megatron.bench.progress import Progress
@@ -154,9 +155,11 @@ def _inputs(point: Point, cfg: BenchConfig, rank: int, world: int,
         dt = DTYPES[cfg.dtype]
         return tuple(torch.randn(t, h, point.head_dim, generator=g).to(device=device, dtype=dt)
                      for h in (point.heads, point.kv_heads, point.kv_heads, point.heads))
-    s = point.seq // world
+    s, batch = point.seq // world, point.batch
+    if cfg.device is not None:  # the wire copy of the problem the timed device times
+        s, batch = s // cfg.device.rows_scale, batch // cfg.device.batch_scale
     dt = DTYPES[cfg.dtype]
-    return tuple(torch.randn(s, point.batch, h, point.head_dim, generator=g)
+    return tuple(torch.randn(s, batch, h, point.head_dim, generator=g)
                  .to(device=device, dtype=dt)
                  for h in (point.heads, point.kv_heads, point.kv_heads, point.heads))
 
@@ -171,10 +174,20 @@ def _measure_point(job: Job, point: Point, lineup: Lineup, rank: int, world: int
     times: dict[str, dict[str, list[float]]] = {
         variant_key(a, m): {name: [] for name in Timing._fields} for a, m in todo}
     rounds = cfg.warmup + cfg.iters
+    # Emulated GPU cluster: the busiest core while calls are timed (a run above 70 % measures
+    # this machine's cores, not the devices), and device time = wall time / dilation.
+    meter = CoreMeter() if cfg.device is not None and rank == 0 else None
+    dilation = cfg.device.dilation if cfg.device is not None else 1.0
     for it in range(rounds):
         shift = it % len(todo)
         for algo, mode in todo[shift:] + todo[:shift]:
+            if meter is not None and it >= cfg.warmup:
+                meter.start()
             timing = _run_once(lineup.contenders[algo], mode, inputs, cfg.backward, device)
+            if meter is not None and it >= cfg.warmup:
+                meter.stop()
+            if dilation != 1.0:
+                timing = timing._replace(fwd=timing.fwd / dilation, bwd=timing.bwd / dilation)
             if it >= cfg.warmup:
                 for name, seconds in timing._asdict().items():
                     times[variant_key(algo, mode)][name].append(seconds)
@@ -183,7 +196,8 @@ def _measure_point(job: Job, point: Point, lineup: Lineup, rank: int, world: int
     memory = ({algo: _memory(c, inputs, cfg.backward, device)
                for algo, c in lineup.contenders.items()} if cfg.memory else {})
     return {"point": point.index, "times": times, "memory": memory,
-            "skipped": lineup.skipped, "notes": lineup.notes, "picks": lineup.picks}
+            "skipped": lineup.skipped, "notes": lineup.notes, "picks": lineup.picks,
+            "busiest_core": meter.busiest() if meter is not None else None}
 
 
 def _resolve_topology(job: Job, world: int) -> tuple[str, list[list[int]]]:
@@ -210,10 +224,13 @@ def rank_main(rank: int, world: int, job: Job) -> dict[str, Any]:
     progress = Progress(len(job.points) * (cfg.warmup + cfg.iters),
                         enabled=job.progress and rank == 0)
     torch_probe: dict = {}  # PyTorch CP's way of running, per head shape (a collective probe)
+    # One timed device per rank for the whole run (an emulated GPU cluster), else the kernels.
+    backend = cfg.device.backend(rank) if cfg.device is not None else None
     try:
         points_out = [
             _measure_point(job, point, line_up(cfg, job.topology, point, device, torch_probe,
-                                   _packed(point, cfg, world, device)),
+                                               _packed(point, cfg, world, device),
+                                               backend=backend),
                            rank, world, device, progress)
             for point in job.points]
     finally:
