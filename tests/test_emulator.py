@@ -147,3 +147,11 @@ def test_check_lines_flag_a_cpu_limited_point_and_a_contender_far_from_the_model
     text = "\n".join(check_lines(rows))
     assert "CPU-LIMITED" in text and "over 10 % from the model" in text
     assert check_lines([{"status": "failed", "model_ms": 1.0}]) == []
+
+
+def test_from_profile_builds_the_profiles_device():
+    dev = TimedBackend.from_profile("h100", dilation=20.0, batch_scale=2, rows_scale=4)
+    assert dev.cluster == get_profile("h100").cluster and dev.dilation == 20.0
+    assert dev.problem_scale == WireScale(2, 4)
+    with pytest.raises(ValueError, match="GPU profile"):
+        TimedBackend.from_profile("cpu-testbed")

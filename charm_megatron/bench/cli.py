@@ -303,7 +303,7 @@ def _device_setup(args, cfg: BenchConfig, points) -> DeviceSetup:
                      wire_bytes=args.wire_kib * 1024, dilation=dilation,
                      cross_Bps=parse_rate(args.cross_rate) if args.cross_rate else None,
                      intra_Bps=parse_rate(args.intra_rate) if args.intra_rate else None,
-                     sm_contention=not args.no_sm_contention)
+                     sm_contention=not args.no_sm_contention, nic=args.nic)
 
 
 def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:

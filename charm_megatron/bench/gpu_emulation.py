@@ -58,6 +58,7 @@ class DeviceSetup:
     intra_Bps: float | None = None
     sm_contention: bool = True
     hw_groups: tuple[tuple[int, ...], ...] = ()  # the emulated nodes (CP-local ranks)
+    nic: str | None = None  # "rank" / "node": the cross links' sharing; None: the profile's
 
     def __post_init__(self) -> None:
         if not self.dilation > 0:
@@ -90,7 +91,8 @@ class DeviceSetup:
         """The device profile with this run's real link rates: what the emulated cluster is
         (the model's prediction of a run, and what its calls' ``auto`` settings time with)."""
         return self.cluster.with_(cross_gbps=self.device_cross_Bps / 1e9,
-                                  intra_gbps=self.device_intra_Bps / 1e9)
+                                  intra_gbps=self.device_intra_Bps / 1e9,
+                                  nic=self.nic or self.cluster.nic)
 
     def wire_rate(self, device_Bps: float) -> float:
         """The emulated link's rate (bytes/s of wire data) for a real link of ``device_Bps``:
@@ -109,7 +111,7 @@ class DeviceSetup:
                             sm_contention=self.sm_contention, links=links)
 
     def describe(self) -> str:
-        return (f"device {self.profile} ({self.cluster.describe()}); dilation x{self.dilation:g}; "
+        return (f"device {self.profile} ({self.model_cluster.describe()}); dilation x{self.dilation:g}; "
                 f"wire scale: batch / {self.batch_scale}, rows / {self.rows_scale} "
                 f"(messages {self.bytes_scale}x smaller than real)")
 
@@ -163,7 +165,7 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
               *, wire_scale: tuple[int, int] | None = None,
               wire_bytes: int = DEFAULT_WIRE_BYTES, dilation: float | None = None,
               cross_Bps: float | None = None, intra_Bps: float | None = None,
-              sm_contention: bool = True) -> DeviceSetup:
+              sm_contention: bool = True, nic: str | None = None) -> DeviceSetup:
     """The emulated cluster of a bench run on a ``grid`` of (nodes, GPUs per node): the wire
     scale given (checked against every point) or chosen (:func:`choose_scale`), the dilation
     given or ``auto`` (``None``: :func:`auto_dilation` on the run's real links)."""
@@ -176,10 +178,10 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
                              "even number of wire rows")
     groups = tuple(tuple(range(i * grid[1], (i + 1) * grid[1])) for i in range(grid[0]))
     if dilation is None:
-        links = DeviceSetup(profile, cross_Bps=cross_Bps, intra_Bps=intra_Bps)
+        links = DeviceSetup(profile, cross_Bps=cross_Bps, intra_Bps=intra_Bps, nic=nic)
         dilation = auto_dilation(links.model_cluster, points, groups, causal, elem)
     return DeviceSetup(profile, dilation, batch, rows, cross_Bps, intra_Bps, sm_contention,
-                       groups)
+                       groups, nic)
 
 
 class CoreMeter:

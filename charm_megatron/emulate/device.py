@@ -127,6 +127,19 @@ class TimedBackend:
         self._moving: dict[int, float] = {}
         self.clock = DeviceClock()
 
+    @classmethod
+    def from_profile(cls, profile: str, *, dilation: float = 1.0, batch_scale: int = 1,
+                     rows_scale: int = 1, sm_contention: bool = True,
+                     links: LinkClock | None = None) -> TimedBackend:
+        """The timed device of a performance-model profile (a built-in name such as ``h100``,
+        or a profile file written by ``scripts/gpu_check.py``). Without ``links`` the device
+        cannot tell how long its transfers move, so SM contention is left out."""
+        from charm_megatron.model.profiles import get_profile
+
+        return cls(get_profile(profile).cluster, dilation=dilation,
+                   scale=WireScale(batch_scale, rows_scale), sm_contention=sm_contention,
+                   links=links)
+
     # -- what the executor and the call resolution ask of it ----------------------------
     @property
     def problem_scale(self) -> WireScale:
