@@ -10,17 +10,18 @@ import pytest
 
 import dist_cases
 from charm_megatron.local_ranks import run_ranks
+from charm_megatron.plan import registry
 
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
 
 # world size -> (algo, topology) pairs run there
 SETUPS = {
-    1: [("ring", None), ("rmplus", None), ("charm", None)],
-    2: [("ring", None), ("rmplus", None), ("charm", "2x1")],
-    3: [("ring", None), ("rmplus", None)],
-    4: [("ring", None), ("rmplus", None), ("charm", "2x2")],
-    6: [("ring", None), ("rmplus", None), ("charm", "2x3"), ("charm", "3x2")],
-    8: [("ring", None), ("rmplus", None), ("charm", "2x4"), ("charm", "4x2")],
+    1: [("ring", None), ("rmplus", None), ("charm", None), ("allgather", None)],
+    2: [("ring", None), ("rmplus", None), ("charm", "2x1"), ("allgather", None)],
+    3: [("ring", None), ("rmplus", None), ("allgather", None)],
+    4: [("ring", None), ("rmplus", None), ("charm", "2x2"), ("allgather", None)],
+    6: [("ring", None), ("rmplus", None), ("charm", "2x3"), ("charm", "3x2"), ("allgather", None)],
+    8: [("ring", None), ("rmplus", None), ("charm", "2x4"), ("charm", "4x2"), ("allgather", None)],
 }
 
 
@@ -134,7 +135,7 @@ def test_missing_peer_gives_an_error_not_a_hang():
 
 def test_auto_picks_one_algorithm_everywhere_and_is_correct():
     res = run_ranks(dist_cases.run_auto, 4, "2x2")
-    assert len({c for c, _ in res}) == 1 and res[0][0] in ("ring", "rmplus", "charm")
+    assert len({c for c, _ in res}) == 1 and res[0][0] in registry.names()
     assert all(err < 1e-5 for _, err in res)
 
 

@@ -19,7 +19,7 @@ JOB_S = 90  # process-level bound of one job (a case that hangs fails here)
 
 # ------------------------------------------------------------------------- clean failure
 @pytest.mark.parametrize("algo,topology,world", [("ring", None, 2), ("rmplus", None, 3),
-                                                 ("charm", "2x2", 4)])
+                                                 ("charm", "2x2", 4), ("allgather", None, 3)])
 @pytest.mark.parametrize("where", ["forward", "backward"])
 def test_kernel_failure_mid_call_then_normal_call(algo, topology, world, where):
     bad = world - 1

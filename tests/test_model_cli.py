@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from charm_megatron.cli import main
+from charm_megatron.plan.registry import names
 
 
 def _run(capsys: pytest.CaptureFixture[str], *args: str) -> str:
@@ -12,18 +13,18 @@ def _run(capsys: pytest.CaptureFixture[str], *args: str) -> str:
     return capsys.readouterr().out
 
 
-def test_profile_prints_three_algorithms(capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_prints_every_algorithm(capsys: pytest.CaptureFixture[str]) -> None:
     out = _run(capsys, "--profile", "h100", "--topology", "4x8", "--seq", "65536", "--causal",
                "--ranks")
     assert "topology 4x8 (32 ranks, 4 groups, nic=rank)" in out
     assert "ring CCR" in out
     rows = {line.split()[0]: line.split() for line in out.splitlines()
-            if line.split() and line.split()[0] in ("ring", "rmplus", "charm")}
-    assert set(rows) == {"ring", "rmplus", "charm"}
+            if line.split() and line.split()[0] in names()}
+    assert set(rows) == set(names()) >= {"ring", "rmplus", "charm", "allgather"}
     assert rows["ring"][4:7] == ["1.00", "1.00", "1.00"]  # speedups of ring over itself
     assert float(rows["charm"][6]) > 1.0
     assert "# fastest (fwd+bwd): charm" in out
-    assert out.count("busy per rank") == 6
+    assert out.count("busy per rank") == 2 * len(names())  # each algorithm, each direction
 
 
 def test_hand_described_cluster_and_overrides(capsys: pytest.CaptureFixture[str]) -> None:
@@ -43,7 +44,7 @@ def test_grid(capsys: pytest.CaptureFixture[str]) -> None:
     lines = [line for line in out.splitlines() if line and line[0] != "#"]
     assert lines[0].split()[0] == "seq"
     assert [line.split()[0] for line in lines[1:]] == ["8192", "32768"]
-    assert all(line.split()[-1] in ("ring", "rmplus", "charm") for line in lines[1:])
+    assert all(line.split()[-1] in names() for line in lines[1:])
 
 
 def test_list_profiles_and_errors(capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,9 +23,9 @@ DOCS = ("one", "short", "unequal", "nopad")
 SETUPS = {
     1: [("ring", None), ("charm", None)],
     2: [("ring", None), ("rmplus", None), ("charm", "flat")],
-    3: [("ring", None), ("rmplus", None), ("charm", "flat")],
+    3: [("ring", None), ("rmplus", None), ("charm", "flat"), ("allgather", None)],
     4: [("ring", None), ("rmplus", None), ("charm", "2x2"), ("charm", "flat"), ("auto", "2x2")],
-    8: [("ring", None), ("rmplus", None), ("charm", "2x4"), ("charm", "4x2")],
+    8: [("ring", None), ("rmplus", None), ("charm", "2x4"), ("charm", "4x2"), ("allgather", None)],
 }
 
 

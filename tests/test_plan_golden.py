@@ -27,7 +27,7 @@ from charm_megatron.plan.validate import validate
 
 GOLDEN = Path(__file__).parent / "golden" / "plans"
 SIZES = (2, 3, 4, 6, 8, 16)
-ALGOS = ("ring", "rmplus", "charm")
+ALGOS = ("ring", "rmplus", "charm", "allgather")
 ORDERS = ("split", "joint")
 # A concrete problem for the byte counts (GQA, so q and kv blocks differ in size).
 PROBLEM = Problem(b=1, s=4096, hq=8, hkv=2, d=64, elem=2)
@@ -63,7 +63,7 @@ def _groups(g: int, m: int) -> list[list[int]]:
 
 
 def cases(algo: str, n: int) -> list[tuple[tuple[int, int], bool, str, str]]:
-    """(grouping, causal, direction, order) of the grid. ring and rmplus build flat plans
+    """(grouping, causal, direction, order) of the grid. ring, rmplus and allgather build flat plans
     whatever the grouping or order (checked by ``test_flat_algorithms_ignore_grouping``)."""
     grid = groupings(n) if algo == "charm" else [(1, n)]
     orders = ORDERS if algo == "charm" else ("split",)
@@ -131,9 +131,9 @@ def test_cli_printouts_match_golden() -> None:
     assert got == want, _first_difference(got, want)
 
 
-@pytest.mark.parametrize("algo", ("ring", "rmplus"))
+@pytest.mark.parametrize("algo", ("ring", "rmplus", "allgather"))
 def test_flat_algorithms_ignore_grouping(algo: str) -> None:
-    # Why the grid holds ring and rmplus only flat: any grouping or pass order gives the same ops.
+    # Why the grid holds the flat algorithms only flat: any grouping or pass order gives the same ops.
     for n in SIZES:
         flat = build_plan(algo, "forward", _groups(1, n), True)
         for g, m in groupings(n):

@@ -23,7 +23,9 @@ from charm_megatron.plan import registry
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.validate import validate
 
-BUILT_IN = ("ring", "rmplus", "charm")
+BUILT_IN = ("ring", "rmplus", "charm", "allgather")
+#: Served under their own --cp-comm-type in Megatron: the built-ins less the TE-named peers.
+MEGATRON_OURS = ("ring", "rmplus", "charm")
 TOY = toy_algorithm.NAME
 
 
@@ -55,13 +57,16 @@ def _lists() -> dict[str, tuple[str, ...]]:
 def test_built_in_lists_are_the_registry():
     lists = _lists()
     assert lists["registry.names"] == BUILT_IN
-    for name in ("cp_attention ALGOS", "megatron CHARM_COMM_TYPES", "args CHARM_COMM_TYPES"):
-        assert lists[name] == (*BUILT_IN, "auto"), name
-    assert lists["args COMM_TYPES"] == ("p2p", "a2a", "allgather", *BUILT_IN, "auto")
+    assert lists["cp_attention ALGOS"] == (*BUILT_IN, "auto")
+    for name in ("megatron CHARM_COMM_TYPES", "args CHARM_COMM_TYPES"):
+        assert lists[name] == (*MEGATRON_OURS, "auto"), name
+    assert lists["args COMM_TYPES"] == ("p2p", "a2a", "allgather", *MEGATRON_OURS, "auto")
+    assert lists["compare COMM_ORDER"] == lists["args COMM_TYPES"]
     assert lists["bench ALGOS"] == (*BUILT_IN, "torch")
     assert lists["plan --algo"] == BUILT_IN
     assert registry.uses_topology("charm") and registry.uses_topology("auto")
     assert not registry.uses_topology("ring") and not registry.uses_topology("rmplus")
+    assert not registry.uses_topology("allgather")
 
 
 def test_auto_is_accepted_by_the_args_cli(capsys):

@@ -35,7 +35,8 @@ from charm_megatron.launch.config import (
     load_config,
     parse_set,
 )
-from charm_megatron.plan.registry import CHOICES, NameView, choices, describe_choices
+from charm_megatron.megatron.args import CHARM_COMM_TYPES as MEGATRON_CHARM_COMM_TYPES
+from charm_megatron.plan.registry import NameView, choices, describe_choices
 
 __all__ = [
     "CHARM_COMM_TYPES",
@@ -51,9 +52,10 @@ __all__ = [
 
 #: Megatron-LM's own context-parallel algorithms (``p2p`` is its ring; they need TE).
 MEGATRON_COMM_TYPES: tuple[str, ...] = ("p2p", "a2a", "allgather")
-#: Served by charm-megatron's attention (the registry's choices); these get ``--charm-topology``.
-CHARM_COMM_TYPES = CHOICES
-COMM_TYPES = NameView(lambda: MEGATRON_COMM_TYPES + choices())
+#: Served by charm-megatron's attention (the registry's choices less the TE-named peers, as
+#: ``charm_megatron.megatron.args`` rules); these get ``--charm-topology``.
+CHARM_COMM_TYPES = MEGATRON_CHARM_COMM_TYPES
+COMM_TYPES = NameView(lambda: tuple(dict.fromkeys(MEGATRON_COMM_TYPES + choices())))
 #: The training entry point the command runs (``python -m ENTRY_MODULE``).
 ENTRY_MODULE = "charm_megatron.pretrain_gpt"
 

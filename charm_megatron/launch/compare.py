@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 #: Comm types in table order; the first present of BASELINES is the speedup reference.
-COMM_ORDER = NameView(lambda: (*MEGATRON_COMM_TYPES, *choices()))
+COMM_ORDER = NameView(lambda: tuple(dict.fromkeys((*MEGATRON_COMM_TYPES, *choices()))))
 #: Megatron's own ring first, then charm-megatron's ring.
 BASELINES: tuple[str, ...] = ("p2p", "ring")
 #: File suffixes read when a directory is given.

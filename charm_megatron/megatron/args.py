@@ -18,10 +18,11 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from charm_megatron.plan.registry import CHOICES
+from charm_megatron.plan.registry import NameView, choices
 
 __all__ = [
     "CHARM_COMM_TYPES",
+    "TE_COMM_TYPES",
     "add_charm_args",
     "chain_extra_args_providers",
     "charm_comm_types",
@@ -29,9 +30,14 @@ __all__ = [
     "uses_charm",
 ]
 
+#: TransformerEngine's context-parallel comm types (megatron-core 0.16.1's ``cp_comm_type``
+#: values). A registry entry named as one of them (``allgather``) is our implementation of
+#: that peer, for ``cp_attention`` and the benchmarks; in Megatron the value stays TE's.
+TE_COMM_TYPES: tuple[str, ...] = ("p2p", "a2a", "allgather", "a2a+p2p")
 #: ``--cp-comm-type`` values that select :class:`CharmDotProductAttention`: the algorithm
-#: registry's choices (``charm_megatron.plan.registry``, no torch), ``auto`` included.
-CHARM_COMM_TYPES = CHOICES
+#: registry's choices (``charm_megatron.plan.registry``, no torch), ``auto`` included, less
+#: the peers that carry a TE comm type's name.
+CHARM_COMM_TYPES = NameView(lambda: tuple(c for c in choices() if c not in TE_COMM_TYPES))
 
 
 def our_comm_types() -> tuple[str, ...]:

@@ -144,7 +144,8 @@ def run(args: argparse.Namespace) -> int:
           "peak MiB of buffers and tile outputs per rank (plan/memory.py); roles: cross phase "
           "and RM+ pairs (all ranks); early-returns / lean: built so to stay within 1.1x ring's "
           "peak")
-    header = (f"{'algo':8} {'dir':8} {'crit.path':>9} {'msgs/rank':>9} {'intra max':>10} "
+    w = max(8, *(len(a) for a in names()))  # the algorithm column fits every name
+    header = (f"{'algo':{w}} {'dir':8} {'crit.path':>9} {'msgs/rank':>9} {'intra max':>10} "
               f"{'cross max':>10} {'cross total':>11} {'peak mem':>10}  roles")
     print(header)
     for direction in ("forward", "backward"):
@@ -152,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             plan = build_plan(algo, direction, groups, args.causal, shape=shape, **settings)
             stats = validate(plan)
             t = traffic(plan, problem, groups)
-            print(f"{algo:8} {direction:8} {stats.critical_path:9d} {max(stats.messages):9d} "
+            print(f"{algo:{w}} {direction:8} {stats.critical_path:9d} {max(stats.messages):9d} "
                   f"{_mb(max(t.intra))} {_mb(t.max_cross)} {_mb(t.total_cross):>11} "
                   f"{_mb(max_peak(plan, problem))}  {_role_summary(plan)}")
     return 0

@@ -72,7 +72,11 @@ class Algorithm:
     """One registry entry: a name, a per-rank op builder, whether it runs on the topology's
     groups, a one-line description, and what it owns: its ``settings``, the rule that turns
     their values into the builder's ``variant`` per direction (``None``: the values
-    themselves, both directions) and an optional ``finish`` applied to the assembled plan."""
+    themselves, both directions) and an optional ``finish`` applied to the assembled plan.
+    ``te_name``: the ``--cp-comm-type`` under which TransformerEngine offers the same
+    algorithm (``p2p`` for ring), so printouts and docs can name the peer it stands for; an
+    entry whose own name is a TE comm type (``allgather``) is a *peer*: Megatron's
+    ``--cp-comm-type`` of that name stays TE's (docs/megatron.md)."""
 
     name: str
     build_rank: RankBuilder
@@ -81,6 +85,7 @@ class Algorithm:
     settings: tuple[Setting, ...] = ()
     variants: VariantRule | None = None
     finish: PlanRule | None = None
+    te_name: str | None = None
 
 
 _REGISTRY: dict[str, Algorithm] = {}

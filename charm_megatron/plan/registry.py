@@ -25,7 +25,9 @@ from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
-# The built-in entries register themselves on import, ring first (charm imports it).
+# The built-in entries register themselves on import: ring, rmplus and charm (charm imports
+# ring), then the peers (each imports charm first, to keep that order).
+import charm_megatron.plan.allgather  # noqa: F401
 import charm_megatron.plan.charm  # noqa: F401
 import charm_megatron.plan.ring  # noqa: F401
 from charm_megatron.plan.core import Plan

@@ -72,5 +72,5 @@ def ring_rank(rank: int, groups: Groups, causal: bool, direction: Direction,
     return p.ops
 
 
-RING = register(Algorithm("ring", ring_rank, uses_topology=False,
+RING = register(Algorithm("ring", ring_rank, uses_topology=False, te_name="p2p",
                           description="TransformerEngine's p2p ring over a flat group"))
