@@ -75,7 +75,9 @@ def _rank_checks(rank: int, world: int) -> dict:
             object.__setattr__(cfg, k, v)  # skip TransformerConfig's own validation
         return cfg
 
-    out["p2p"] = _outcome(lambda: build(cp_comm_type="p2p"))
+    out["p2p_algo"] = build(cp_comm_type="p2p").algo  # TE's p2p without TE: our ring
+    out["allgather_algo"] = build(cp_comm_type="allgather").algo
+    out["a2a"] = _outcome(lambda: build(cp_comm_type="a2a"))
     out["bogus"] = _outcome(lambda: build(cp_comm_type="bogus"))
     out["none_is_charm"] = build(cp_comm_type=None).algo
     out["window"] = _outcome(lambda: build(with_config(window_size=(16, 0))))
@@ -151,10 +153,12 @@ def _rank_checks(rank: int, world: int) -> dict:
         lambda: build(pg_collection=ProcessGroupCollection(tp=singles[rank]))
     )
 
-    # ---- a whole GPTModel with Megatron's p2p keeps the spec's own core attention (here the
-    # local DotProductAttention, which itself refuses CP), on every rank.
+    # ---- a whole GPTModel with Megatron's p2p and the local spec (no TE core attention): our
+    # ring serves it instead of the local DotProductAttention's refusal of CP; a2a (no
+    # stand-in yet) keeps the local one, which refuses CP on every rank.
     _init_parallel(1, 2)
     out["model_p2p"] = _outcome(lambda: _model(_config(1, 2, 2, cp_comm_type="p2p"), charm=True))
+    out["model_a2a"] = _outcome(lambda: _model(_config(1, 2, 2, cp_comm_type="a2a"), charm=True))
 
     # ---- CP size 1 (DP=2 here): CHARM+ is local attention, equal to Megatron's own.
     _init_parallel(1, 1)
@@ -194,11 +198,14 @@ def test_startup_line_once_on_rank0(results):
 
 
 def test_comm_types(results):
-    _err(results, "p2p", "ValueError", "layer 1 has cp_comm_type 'p2p'", "ring, rmplus, charm, auto",
-         "use_charm")
+    assert all(r["p2p_algo"] == "ring" and r["allgather_algo"] == "allgather" for r in results)
+    _err(results, "a2a", "NotImplementedError", "layer 1 has cp_comm_type 'a2a'",
+         "ring, rmplus, charm, auto", "p2p, allgather", "use_charm")
     _err(results, "bogus", "ValueError", "cp_comm_type 'bogus'")
-    # use_charm kept the local spec's DotProductAttention for p2p: Megatron's own refusal.
-    _err(results, "model_p2p", "AssertionError", "only supported by TEDotProductAttention")
+    # p2p ran on our ring; use_charm kept the local spec's DotProductAttention for a2a:
+    # Megatron's own refusal.
+    assert all(r["model_p2p"] == ("ok", "") for r in results), [r["model_p2p"] for r in results]
+    _err(results, "model_a2a", "AssertionError", "only supported by TEDotProductAttention")
     assert all(r["none_is_charm"] == "charm" for r in results)
 
 

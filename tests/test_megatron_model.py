@@ -291,9 +291,11 @@ def _check_errors(results: list[dict]) -> None:
 
 
 def test_cp4_topology_2x2_matches_cp1():
-    """CP=4, topology 2x2, 4 and 2 key/value heads (GQA off / on), charm / rmplus / ring vs the
-    stock model at CP=1."""
-    results = run_ranks(_rank_cp_matches_cp1, 4, ((1, 4, "2x2"),), ALGOS, (4, 2), timeout_s=240)
+    """CP=4, topology 2x2, 4 and 2 key/value heads (GQA off / on), charm / rmplus / ring, and
+    TransformerEngine's p2p / allgather (served by our ring / allgather plans on this machine
+    without TE), vs the stock model at CP=1."""
+    results = run_ranks(_rank_cp_matches_cp1, 4, ((1, 4, "2x2"),), (*ALGOS, "p2p", "allgather"),
+                        (4, 2), timeout_s=300)
     _check_errors(results)
 
 

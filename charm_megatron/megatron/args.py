@@ -18,7 +18,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from charm_megatron.plan.registry import NameView, choices
+from charm_megatron.plan.registry import NameView, choices, registered
 
 __all__ = [
     "CHARM_COMM_TYPES",
@@ -27,6 +27,7 @@ __all__ = [
     "chain_extra_args_providers",
     "charm_comm_types",
     "our_comm_types",
+    "stand_in",
     "uses_charm",
 ]
 
@@ -38,6 +39,17 @@ TE_COMM_TYPES: tuple[str, ...] = ("p2p", "a2a", "allgather", "a2a+p2p")
 #: registry's choices (``charm_megatron.plan.registry``, no torch), ``auto`` included, less
 #: the peers that carry a TE comm type's name.
 CHARM_COMM_TYPES = NameView(lambda: tuple(c for c in choices() if c not in TE_COMM_TYPES))
+
+
+def stand_in(comm_type: str | None) -> str | None:
+    """The registered algorithm that serves TransformerEngine's ``comm_type`` in a layer
+    whose core attention is not TE's (a local spec, a machine without TE): the entry whose
+    ``te_name`` it is (``p2p``: ``ring``, ``allgather``: ``allgather``); ``None`` for any
+    other value (``a2a`` and ``a2a+p2p`` have none yet)."""
+    for entry in registered():
+        if comm_type is not None and entry.te_name == comm_type:
+            return entry.name
+    return None
 
 
 def our_comm_types() -> tuple[str, ...]:

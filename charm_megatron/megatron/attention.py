@@ -32,7 +32,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from charm_megatron.kernels import check_qkv
-from charm_megatron.megatron.args import our_comm_types
+from charm_megatron.megatron.args import TE_COMM_TYPES, our_comm_types, stand_in
 from charm_megatron.megatron.comm_types import is_ours, layer_comm_type
 from charm_megatron.ops.options import CPOptions
 from charm_megatron.ops.streams import create_stream_groups
@@ -226,18 +226,30 @@ class CharmDotProductAttention(MegatronModule):
     # ------------------------------------------------------------------ checks
     @staticmethod
     def _check_comm_type(cp_comm_type: str | None, layer_number: int) -> str:
+        """The algorithm layer ``layer_number`` runs: ours by name, or the stand-in for
+        TransformerEngine's ``p2p`` / ``allgather`` (this layer serves them only where TE's
+        core attention is not the spec's: ``PerLayerCoreAttention``)."""
         if cp_comm_type is None:
             return DEFAULT_COMM_TYPE
-        if not isinstance(cp_comm_type, str) or not is_ours(cp_comm_type):
-            raise ValueError(
+        if isinstance(cp_comm_type, str) and is_ours(cp_comm_type):
+            return cp_comm_type
+        if isinstance(cp_comm_type, str) and stand_in(cp_comm_type) is not None:
+            return stand_in(cp_comm_type)
+        if cp_comm_type in TE_COMM_TYPES:
+            raise NotImplementedError(
                 f"CharmDotProductAttention: layer {layer_number} has cp_comm_type "
-                f"{cp_comm_type!r}, which CHARM+ does not serve (unknown cp_comm_type; ours: "
-                f"{', '.join(our_comm_types())}). Megatron's own p2p / a2a / allgather / a2a+p2p "
-                "belong to TEDotProductAttention: build the spec with "
-                "charm_megatron.megatron.use_charm, which keeps the spec's own core attention for "
-                "such layers"
+                f"{cp_comm_type!r}, TransformerEngine's, which charm-megatron does not implement "
+                f"yet (it serves {', '.join(our_comm_types())} and TE's "
+                f"{', '.join(t for t in TE_COMM_TYPES if stand_in(t))}): keep TE's core attention "
+                "for such layers (charm_megatron.megatron.use_charm does) or pick one of ours"
             )
-        return cp_comm_type
+        raise ValueError(
+            f"CharmDotProductAttention: layer {layer_number} has cp_comm_type "
+            f"{cp_comm_type!r}, which CHARM+ does not serve (unknown cp_comm_type; ours: "
+            f"{', '.join(our_comm_types())}; TE's {', '.join(TE_COMM_TYPES)} belong to "
+            "TEDotProductAttention: build the spec with charm_megatron.megatron.use_charm, which "
+            "keeps the spec's own core attention for such layers)"
+        )
 
     @staticmethod
     def _check_config(config: TransformerConfig, attn_mask_type: AttnMaskType) -> None:

@@ -8,6 +8,11 @@ does that: megatron-core "instantiates" it with the usual keyword arguments, and
 ``__new__`` returns either a :class:`CharmDotProductAttention` or the original module, built
 with those same arguments. The returned object is that module itself (no wrapper), so
 everything that inspects the core attention sees the real class.
+
+TransformerEngine's ``p2p`` and ``allgather`` in a layer whose spec has megatron-core's local
+``DotProductAttention`` (which refuses CP: a local spec, a machine without TE) are served by
+CHARM+'s layer with our ring / allgather plans (``args.stand_in``); TE's own core attention,
+or any other, is kept for them.
 """
 
 from __future__ import annotations
@@ -16,10 +21,21 @@ from typing import Any
 
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from charm_megatron.megatron.args import stand_in
 from charm_megatron.megatron.attention import CharmDotProductAttention
 from charm_megatron.megatron.comm_types import is_ours, layer_comm_type
 
-__all__ = ["PerLayerCoreAttention", "chosen_comm_type"]
+__all__ = ["PerLayerCoreAttention", "chosen_comm_type", "refuses_cp"]
+
+
+def refuses_cp(original: Any) -> bool:
+    """True when ``original`` (a class, a ``ModuleSpec`` or an import path) is megatron-core's
+    local ``DotProductAttention``, which refuses context parallelism (it asserts that CP is
+    TEDotProductAttention's). Any other core attention (TE's, a user's own) is kept."""
+    module = original.module if isinstance(original, ModuleSpec) else original
+    path = module if isinstance(module, str) else (
+        f"{getattr(module, '__module__', '')}.{getattr(module, '__qualname__', '')}")
+    return path == "megatron.core.transformer.dot_product_attention.DotProductAttention"
 
 
 def chosen_comm_type(config: Any, layer_number: int, passed: str | None = None) -> str | None:
@@ -49,6 +65,10 @@ class PerLayerCoreAttention:
         layer_number = kwargs.get("layer_number", args[1] if len(args) > 1 else 1)
         comm_type = chosen_comm_type(config, layer_number, kwargs.get("cp_comm_type"))
         if comm_type is None or is_ours(comm_type):
+            return CharmDotProductAttention(*args, topology=topology, **kwargs)
+        if stand_in(comm_type) is not None and (original is None or refuses_cp(original)):
+            # TE's p2p / allgather where the spec's core attention is the local one (a local
+            # spec, a machine without TE): ours serve them instead of its refusal of CP.
             return CharmDotProductAttention(*args, topology=topology, **kwargs)
         if original is None:
             raise ValueError(
