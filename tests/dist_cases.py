@@ -101,6 +101,10 @@ def bad_input(rank: int, world: int, case: str):
         kwargs["softmax_scale"] = {"scale_zero": 0.0, "scale_negative": -0.125,
                                    "scale_nan": float("nan"), "scale_inf": float("inf"),
                                    "scale_string": "0.1"}[case]
+    elif case == "offset_shape":
+        kwargs["softmax_offset"] = torch.zeros(h + 1)
+    elif case == "offset_int":
+        kwargs["softmax_offset"] = torch.zeros(h, dtype=torch.int64)
     elif case == "backend_flash_on_cpu":
         from charm_megatron.ops.options import CPOptions
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import time
 
-import packed_cases
 import torch
 from dist_failure_cases import one_call
 
+import packed_cases
 from charm_megatron import cp_attention
 from charm_megatron.ops.agreement import CPAttentionError
 from charm_megatron.ops.options import CPOptions

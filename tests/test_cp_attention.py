@@ -103,6 +103,8 @@ BAD = {
     "scale_inf": "softmax_scale=inf must be a finite number > 0",
     "scale_string": "softmax_scale must be a number",
     "backend_flash_on_cpu": "flash_attn backend runs fp16/bf16 on CUDA only",
+    "offset_shape": "softmax_offset has shape \\(5,\\); it must be \\[h_q\\] = \\[4\\]",
+    "offset_int": "softmax_offset must be a floating tensor",
 }
 
 

@@ -81,7 +81,13 @@ def _rank_checks(rank: int, world: int) -> dict:
     out["bogus"] = _outcome(lambda: build(cp_comm_type="bogus"))
     out["none_is_charm"] = build(cp_comm_type=None).algo
     out["window"] = _outcome(lambda: build(with_config(window_size=(16, 0))))
-    out["softmax_type"] = _outcome(lambda: build(with_config(softmax_type="off-by-one")))
+    out["softmax_type"] = _outcome(lambda: build(with_config(softmax_type="softer")))
+    learnable = build(with_config(softmax_type="learnable"))
+    out["learnable_offset"] = (type(learnable.softmax_offset).__name__,
+                               tuple(learnable.softmax_offset.shape),
+                               sorted(learnable.state_dict()))
+    off_by_one = build(with_config(softmax_type="off-by-one"))
+    out["off_by_one_offset"] = (off_by_one.softmax_offset.tolist(), sorted(off_by_one.state_dict()))
     out["fp8"] = _outcome(lambda: build(with_config(fp8_dot_product_attention=True)))
     out["qk_clip"] = _outcome(lambda: build(with_config(qk_clip=True)))
     out["cuda_graph"] = _outcome(lambda: build(with_config(cuda_graph_impl="local")))
@@ -225,7 +231,11 @@ def test_misconfigured_groups_and_topology(results):
 
 def test_unsupported_options_name_the_option(results):
     _err(results, "window", "NotImplementedError", "--window-size")
-    _err(results, "softmax_type", "NotImplementedError", "--softmax-type")
+    _err(results, "softmax_type", "NotImplementedError", "--softmax-type", "off-by-one")
+    # Where megatron-core's DotProductAttention keeps the offset: a parameter [heads / tp]
+    # named softmax_offset (learnable), a plain zero tensor outside the state dict (off-by-one).
+    assert all(r["learnable_offset"] == ("Parameter", (4,), ["softmax_offset"]) for r in results)
+    assert all(r["off_by_one_offset"] == ([0.0] * 4, []) for r in results)
     _err(results, "fp8", "NotImplementedError", "--fp8-dot-product-attention")
     _err(results, "qk_clip", "NotImplementedError", "--qk-clip")
     _err(results, "cuda_graph", "NotImplementedError", "--cuda-graph-impl", "whole layer")

@@ -144,11 +144,11 @@ def _compare(losses, ref_losses, grads, ref_grads) -> tuple[float, float]:
     return loss_err, grad_err
 
 
-def _reference(tp: int, groups: int, steps: int = 0):
+def _reference(tp: int, groups: int, steps: int = 0, **overrides):
     """Stock megatron-core model at CP=1: state dict, step-0 losses [b, s] and grads, and the
-    loss trajectory of ``steps`` SGD steps."""
+    loss trajectory of ``steps`` SGD steps (``overrides``: config fields)."""
     _init_parallel(tp, 1)
-    model = _model(_config(tp, 1, groups), charm=False)
+    model = _model(_config(tp, 1, groups, **overrides), charm=False)
     # _extra_state entries (TE-compatible placeholders) are None, not tensors.
     state = {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}
     losses = _losses(model, 0, reference=True)
@@ -194,9 +194,10 @@ def _count_attention_calls() -> list[int]:
 
 # --------------------------------------------------------------------------- rank functions
 def _rank_cp_matches_cp1(rank: int, world: int, layouts: tuple[tuple[int, int, str], ...],
-                         algos: tuple[str, ...], group_options: tuple[int, ...]) -> dict:
+                         algos: tuple[str, ...], group_options: tuple[int, ...],
+                         overrides: dict | None = None) -> dict:
     """For each layout ``(tp, cp, topology)`` and number of key/value heads: the reference at
-    TP=``tp``, CP=1, then each algo at CP=``cp``.
+    TP=``tp``, CP=1, then each algo at CP=``cp`` (``overrides``: config fields of both).
 
     Returns {(tp, cp, groups, algo): (loss error, gradient error)}.
     """
@@ -207,12 +208,12 @@ def _rank_cp_matches_cp1(rank: int, world: int, layouts: tuple[tuple[int, int, s
     out = {}
     for tp, cp, topology in layouts:
         for groups in group_options:
-            state, ref_losses, ref_grads, _ = _reference(tp, groups)
+            state, ref_losses, ref_grads, _ = _reference(tp, groups, **(overrides or {}))
             _init_parallel(tp, cp)
             ref_local = get_batch_on_this_cp_rank({"losses": ref_losses})["losses"]
             for algo in algos:
-                model = _model(_config(tp, cp, groups, cp_comm_type=algo), charm=True,
-                               topology=topology)
+                model = _model(_config(tp, cp, groups, cp_comm_type=algo, **(overrides or {})),
+                               charm=True, topology=topology)
                 model.load_state_dict(state)
                 losses = _losses(model, 0, reference=False)
                 _backward(losses, model)
@@ -296,6 +297,17 @@ def test_cp4_topology_2x2_matches_cp1():
     without TE), vs the stock model at CP=1."""
     results = run_ranks(_rank_cp_matches_cp1, 4, ((1, 4, "2x2"),), (*ALGOS, "p2p", "allgather"),
                         (4, 2), timeout_s=300)
+    _check_errors(results)
+
+
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+def test_cp4_softmax_offsets_match_cp1(softmax_type):
+    """gpt-oss's learnable sinks and off-by-one softmax (megatron-core's softmax_type): CP=4,
+    topology 2x2, GQA, charm / rmplus / ring vs the stock model at CP=1 (whose checkpoint,
+    the learnable offset included, loads into ours unchanged); the offset's gradient is the
+    sum of the CP ranks' shares after Megatron's gradient all-reduce."""
+    results = run_ranks(_rank_cp_matches_cp1, 4, ((1, 4, "2x2"),), ALGOS, (2,),
+                        {"softmax_type": softmax_type}, timeout_s=300)
     _check_errors(results)
 
 

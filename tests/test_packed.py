@@ -7,11 +7,11 @@ GQA ratios, document mixes); starting processes dominates the cost of these smal
 import itertools
 import re
 
-import packed_cases
 import pytest
 import torch
 from dist_failure_cases import check_clean_failure
 
+import packed_cases
 from charm_megatron.layout import thd_index, thd_pad, thd_shard, thd_unpad, thd_unshard
 from charm_megatron.local_ranks import run_ranks
 from charm_megatron.ops.packed import THDLayout, make_layout, tile_segments

@@ -56,13 +56,27 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
     return tuple(torch.distributed.get_process_group_ranks(group))
 
 
-def _local_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor:
-    """Attention over one rank's whole sequence (no CP): ``[s, b, h, d]`` in and out."""
+def _local_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
+                     offset: Tensor | None = None) -> Tensor:
+    """Attention over one rank's whole sequence (no CP): ``[s, b, h, d]`` in and out; with a
+    softmax ``offset`` ``[h]`` as an extra logit per head in every denominator (plain math
+    in fp32, as megatron-core's unfused softmax does it)."""
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qb, kb, vb, is_causal=causal, scale=scale, enable_gqa=kb.shape[1] != qb.shape[1]
-    )
-    return out.permute(2, 0, 1, 3)
+    if offset is None:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qb, kb, vb, is_causal=causal, scale=scale, enable_gqa=kb.shape[1] != qb.shape[1]
+        )
+        return out.permute(2, 0, 1, 3)
+    g = qb.shape[1] // kb.shape[1]
+    kb, vb = kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)
+    scores = (qb.float() @ kb.float().transpose(-1, -2)) * scale
+    if causal:
+        n = scores.shape[-1]
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
+    sink = offset.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    return (probs @ vb.float()).to(q.dtype).permute(2, 0, 1, 3)
 
 
 def _unsupported(option: str, why: str) -> NotImplementedError:
@@ -195,6 +209,8 @@ class CharmDotProductAttention(MegatronModule):
             self.num_attention_heads_per_partition * self.hidden_size_per_attention_head
         )
 
+        self._init_softmax_offset(config)
+
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(self.hidden_size_per_attention_head)
         self.qk_layer_scaling_coeff = (
@@ -222,6 +238,25 @@ class CharmDotProductAttention(MegatronModule):
             # of a model share them (cached per CP group). Dynamic CP groups
             # (packed_seq_params.cp_group) get theirs at their first cp_attention call.
             create_stream_groups(self.cp_group, self.options.timeout_s)
+
+    def _init_softmax_offset(self, config: TransformerConfig) -> None:
+        """``softmax_offset`` as megatron-core's ``DotProductAttention`` keeps it (same name,
+        shape ``[heads / tp]``, dtype and initialisation), so checkpoints load either way:
+        ``None`` (vanilla), a zero tensor (off-by-one, not a parameter) or a parameter
+        (learnable, gpt-oss's sinks)."""
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        shape, dtype = (self.num_attention_heads_per_partition,), config.params_dtype
+        if softmax_type == "off-by-one":
+            self.softmax_offset = torch.zeros(shape, device=device, dtype=dtype)
+        elif softmax_type == "learnable":
+            self.register_parameter(
+                "softmax_offset",
+                torch.nn.Parameter(torch.empty(shape, device=device, dtype=dtype)))
+            if config.perform_initialization:
+                self.softmax_offset = config.init_method(self.softmax_offset)
+        else:
+            self.softmax_offset = None
 
     # ------------------------------------------------------------------ checks
     @staticmethod
@@ -259,9 +294,10 @@ class CharmDotProductAttention(MegatronModule):
                 "is not supported (only causal and no_mask; padding and arbitrary masks are not)",
             )
         softmax_type = getattr(config, "softmax_type", "vanilla")
-        if softmax_type != "vanilla":
+        if softmax_type not in ("vanilla", "off-by-one", "learnable"):
             raise _unsupported(
-                f"softmax_type={softmax_type!r} (--softmax-type)", "is not supported; use vanilla"
+                f"softmax_type={softmax_type!r} (--softmax-type)",
+                "is not supported; use vanilla, off-by-one or learnable",
             )
         for option, flag in (
             ("fp8_dot_product_attention", "--fp8-dot-product-attention"),
@@ -406,7 +442,8 @@ class CharmDotProductAttention(MegatronModule):
 
         if group is None and cp_size == 1:
             # Dynamic CP switched off for this micro-batch (local_cp_size=1, no group).
-            out = _local_attention(query, key, value, causal, self.softmax_scale)
+            out = _local_attention(query, key, value, causal, self.softmax_scale,
+                                   self._offset_for(query))
         else:
             out = cp_attention(
                 query,
@@ -419,6 +456,7 @@ class CharmDotProductAttention(MegatronModule):
                 softmax_scale=self.softmax_scale,
                 options=self.options,
                 tag=self._tag,
+                softmax_offset=self._offset_for(query),
             )
         # [s, b, h, d] -> [s, b, h*d]: the layout linear_proj consumes.
         return out.reshape(out.shape[0], out.shape[1], -1)
@@ -519,15 +557,29 @@ class CharmDotProductAttention(MegatronModule):
             query, key, value, group=self.cp_group, algo=self.algo, topology=self.topology,
             causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
             cu_seqlens=psp.cu_seqlens_q, cu_seqlens_padded=psp.cu_seqlens_q_padded,
-            options=self.options, tag=self._tag,
+            options=self.options, tag=self._tag, softmax_offset=self._offset_for(query),
         )
         return out.reshape(out.shape[0], -1)
+
+    def _offset_for(self, query: Tensor) -> Tensor | None:
+        """The softmax offset on the query's device (megatron-core moves it there too)."""
+        offset = self.softmax_offset
+        return None if offset is None else offset.to(query.device)
 
     def sharded_state_dict(
         self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
     ) -> dict:
-        """No parameters or buffers: nothing to checkpoint (so ring/rmplus/charm interchange)."""
-        return {}
+        """Nothing to checkpoint but a learnable softmax offset, sharded over TP along its
+        heads exactly as megatron-core's ``DotProductAttention`` shards it (so a checkpoint
+        moves between this layer, megatron-core's and any of our algorithms)."""
+        if getattr(self.config, "softmax_type", "vanilla") != "learnable":
+            return {}
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True), prefix, {"softmax_offset": 0},
+            sharded_offsets, tp_group=self.tp_group,
+            dp_cp_group=(metadata or {}).get("dp_cp_group"))
 
     def extra_repr(self) -> str:
         return (

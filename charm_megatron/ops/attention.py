@@ -37,6 +37,7 @@ def cp_attention(
     options: CPOptions | None = None,
     roles: str | None = None,
     tag: str | None = None,
+    softmax_offset: torch.Tensor | None = None,
 ):
     """Context-parallel attention over the CP process group ``group``.
 
@@ -73,11 +74,15 @@ def cp_attention(
         tag: a name for the call site that every rank must pass alike (the Megatron layer
             passes its layer number), so that ranks whose calls are out of order get an
             error naming it instead of pairing two different calls.
+        softmax_offset: ``[h_q]``, one extra logit per query head in every softmax
+            denominator (an attention sink: learnable when it requires grad, zeros for
+            "off-by-one"; ops/softmax_offset.py), the same on every rank; ``None``: vanilla
+            softmax. Its gradient on each rank is that rank's tokens' share.
 
     Returns:
         ``out [s_local, b, h_q, d]`` in q's dtype; with ``return_lse`` also
-        ``lse [b, h_q, s_local]`` fp32 (float64 for float64 inputs). Differentiable in q, k
-        and v.
+        ``lse [b, h_q, s_local]`` fp32 (float64 for float64 inputs; with an offset, the
+        denominator's log including it). Differentiable in q, k, v and ``softmax_offset``.
 
     Raises:
         TypeError, ValueError: bad inputs or settings, on every rank, before any data moves.
@@ -91,9 +96,10 @@ def cp_attention(
                            "torch.distributed.init_process_group (or run under torchrun) first")
     call = prepare(q, k, v, group=group, algo=algo, topology=topology, causal=causal,
                    softmax_scale=softmax_scale, options=options, roles=roles,
-                   cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, tag=tag)
+                   cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, tag=tag,
+                   softmax_offset=softmax_offset)
     qi, ki, vi = call.layout.to_internal(q, k, v)
-    out, lse_sbh = _CPAttention.apply(qi, ki, vi, call)
+    out, lse_sbh = _CPAttention.apply(qi, ki, vi, softmax_offset, call)
     out, lse = call.layout.out_from_internal(out, lse_sbh)
     return (out, lse) if return_lse else out
 
@@ -120,14 +126,15 @@ class _CPAttention(torch.autograd.Function):
     internal ``[s, b, h, d]`` blocks of either layout."""
 
     @staticmethod
-    def forward(ctx, q, k, v, call: Call):
-        out, lse = run_forward(call, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, offset, call: Call):
+        out, lse = run_forward(call, q, k, v, offset)
+        ctx.save_for_backward(q, k, v, out, lse, offset)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*run_backward(ctx.call, q, k, v, out, lse, dout), None)
+        q, k, v, out, lse, offset = ctx.saved_tensors
+        grads = run_backward(ctx.call, q, k, v, out, lse, dout, offset)
+        return (*grads, *(() if offset is not None else (None,)), None)

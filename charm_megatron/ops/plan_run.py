@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from charm_megatron.ops import agreement
+from charm_megatron.ops import agreement, softmax_offset
 from charm_megatron.ops.agreement import CPAttentionError
 from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent
 from charm_megatron.ops.failsafe import GuardedBackend
@@ -71,10 +71,11 @@ def run_plan(call: Call, sg: StreamGroups, ex: Executor, ops, direction: Directi
                                "the CP group is ready for the next call")
 
 
-def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's forward plan on internal blocks: ``out`` in q's dtype and the accumulated
-    lse ``[s, b, h]`` (fp32; float64 for float64 inputs)."""
+    lse ``[s, b, h]`` (fp32; float64 for float64 inputs); with a softmax ``offset`` both
+    include it (ops/softmax_offset.py), applied to the accumulator before the cast."""
     fwd, _ = call.plans()
     sg = stream_groups(call.group, call.options.timeout_s)
     ex = make_executor(call, sg, q, k, Direction.FORWARD)
@@ -82,14 +83,16 @@ def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor,
     ex.set_own("own.kv", "kv", k, v)
     run_plan(call, sg, ex, fwd.ops[dist.get_rank(call.group)], Direction.FORWARD)
     acc_out, acc_lse = ex.result(Plan.OUT)
+    if offset is not None:
+        acc_out, acc_lse = softmax_offset.apply_forward(acc_out, acc_lse, offset)
     return acc_out.to(q.dtype), acc_lse
 
 
 def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 out: torch.Tensor, lse_sbh: torch.Tensor,
-                 dout: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                 out: torch.Tensor, lse_sbh: torch.Tensor, dout: torch.Tensor,
+                 offset: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """This rank's backward plan after the ranks agree again: dq, dk, dv in the inputs'
-    dtypes."""
+    dtypes, and with a softmax ``offset`` its gradient (this rank's rows' share)."""
     _, bwd = call.plans()
     sg = stream_groups(call.group, call.options.timeout_s)
     if sg.size > 1 and call.checked:
@@ -105,7 +108,8 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # underflows; the receiver recomputes e from the dout it receives.
     wide = torch.float64
     e = delta_exponent(dout)
-    delta = torch.ldexp((dout.to(wide) * out.to(wide)).sum(-1), -e.to(wide))
+    unscaled = (dout.to(wide) * out.to(wide)).sum(-1)
+    delta = torch.ldexp(unscaled, -e.to(wide))
     ex.set_own("own.qgrad", "qgrad", q, dout,
                torch.stack([lse_sbh, delta.to(lse_sbh.dtype)], -1))
     ex.set_own_output("own.qgrad", out.to(q.dtype))
@@ -113,4 +117,7 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     run_plan(call, sg, ex, bwd.ops[dist.get_rank(call.group)], Direction.BACKWARD)
     (dq,) = ex.result(Plan.DQ)
     dk, dv = ex.result(Plan.DKV)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+    if offset is None:
+        return grads
+    return (*grads, softmax_offset.offset_grad(lse_sbh, unscaled, offset))

@@ -24,7 +24,13 @@ import torch.distributed as dist
 from charm_megatron.ops import agreement
 from charm_megatron.ops.layouts import Layout, Sbhd, Thd
 from charm_megatron.ops.options import CPOptions, resolve
-from charm_megatron.ops.request import CallRequest, TensorDesc, check_backend, check_scale
+from charm_megatron.ops.request import (
+    CallRequest,
+    TensorDesc,
+    check_backend,
+    check_scale,
+    check_softmax_offset,
+)
 from charm_megatron.ops.resolution import Resolved, model_cluster, resolve_call
 from charm_megatron.ops.streams import StreamGroups, stream_groups
 from charm_megatron.plan.core import Plan
@@ -78,7 +84,7 @@ class Call:
 
 def build_request(q, k, v, *, cp_size: int, algo: str, topology, causal: bool,
                   softmax_scale, options, roles, cu_seqlens, cu_seqlens_padded,
-                  tag=None) -> CallRequest:
+                  tag=None, softmax_offset=None) -> CallRequest:
     """This rank's request, every argument checked (TypeError / ValueError naming it)."""
     opts = resolve(options)
     if algo not in CHOICES:
@@ -93,8 +99,9 @@ def build_request(q, k, v, *, cp_size: int, algo: str, topology, causal: bool,
     check_backend(opts, q)
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"cp_attention: tag must be a string or None, got {type(tag).__name__}")
+    offset = check_softmax_offset(softmax_offset, q, layout.heads(q, k)[2])
     return CallRequest(TensorDesc.of(q), TensorDesc.of(k), TensorDesc.of(v), layout, algo,
-                       topology, bool(causal), scale, opts, settings, tag)
+                       topology, bool(causal), scale, opts, settings, tag, offset)
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, **arguments) -> Call:

@@ -65,6 +65,26 @@ def check_backend(opts: CPOptions, q: torch.Tensor) -> None:
                          "(CHARM_ATTN_BACKEND / CPOptions.backend) or cast the inputs")
 
 
+def check_softmax_offset(offset, q: torch.Tensor, heads: int) -> TensorDesc | None:
+    """``softmax_offset``'s description: ``None``, or a floating tensor ``[h_q]`` on q's
+    device (a sink per query head: learnable, or zeros for "off-by-one")."""
+    if offset is None:
+        return None
+    if not isinstance(offset, torch.Tensor):
+        raise TypeError(f"cp_attention: softmax_offset must be a tensor [h_q] or None, got "
+                        f"{type(offset).__name__}")
+    if not offset.is_floating_point():
+        raise TypeError(f"cp_attention: softmax_offset must be a floating tensor, got "
+                        f"{offset.dtype}")
+    if tuple(offset.shape) != (heads,):
+        raise ValueError(f"cp_attention: softmax_offset has shape {tuple(offset.shape)}; it "
+                         f"must be [h_q] = [{heads}], one offset per query head of this rank")
+    if offset.device != q.device:
+        raise ValueError(f"cp_attention: softmax_offset is on {offset.device}, q on "
+                         f"{q.device}; put them on one device")
+    return TensorDesc.of(offset)
+
+
 def _topology_desc(topology) -> str:
     groups = getattr(topology, "groups", None)
     return repr(tuple(tuple(g) for g in groups)) if groups is not None else repr(topology)
@@ -94,6 +114,7 @@ class CallRequest:
     options: CPOptions
     settings: Values  # every registered algorithm setting's value for this call
     tag: str | None = None  # the caller's name for the call site (Megatron: the layer)
+    softmax_offset: TensorDesc | None = None  # a sink per query head (None: vanilla softmax)
 
     def fields(self, direction: Direction, call: int,
                cluster=None) -> tuple[tuple[str, object], ...]:
@@ -112,6 +133,8 @@ class CallRequest:
             ("causal", bool(self.causal)),
             ("softmax_scale", self.scale),
             ("call tag", self.tag),
+            ("softmax_offset shape/dtype/device",
+             None if self.softmax_offset is None else self.softmax_offset.field()),
             ("kernel backend", opts.backend_name),
             ("default topology (CHARM_TOPOLOGY)", opts.topology),
             ("ablation", str(opts.ablation)),
