@@ -43,8 +43,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     """The one check of attention inputs (``cp_attention`` sbhd and packed, the kernels, the
     Megatron layer).
 
-    sbhd: ``q [s_q, b, h_q, d]``, ``k, v [s_k, b, h_kv, d]``; thd (packed documents, no batch
-    dimension): ``q [t_q, h_q, d]``, ``k, v [t_k, h_kv, d]``. One float dtype and device,
+    sbhd: ``q [s_q, b, h_q, d]``, ``k [s_k, b, h_kv, d]``, ``v [s_k, b, h_kv, d_v]``; thd
+    (packed documents, no batch dimension): ``q [t_q, h_q, d]``, ``k [t_k, h_kv, d]``,
+    ``v [t_k, h_kv, d_v]``; ``d_v`` may differ from ``d`` (multi-latent attention). One float dtype and device,
     ``h_q`` a multiple of ``h_kv``; equal q and kv lengths when ``equal_lengths`` or
     ``causal``. Raises ``TypeError`` / ``ValueError`` whose message starts with ``who``.
     """
@@ -64,9 +65,9 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if not (q.device == k.device == v.device):
         raise ValueError(f"{who}: q, k, v are on different devices ({q.device}, {k.device}, "
                          f"{v.device}); move them to one device")
-    if k.shape != v.shape:
+    if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"{who}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the "
-                         "same shape")
+                         "same shape but for the head dim (v may have its own: MLA)")
     if (equal_lengths or causal) and q.shape[0] != k.shape[0]:
         what = "causal blocks need equal q and kv lengths" if causal and not equal_lengths else (
             "all three must be this rank's shard of one sequence")
@@ -75,7 +76,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         raise ValueError(f"{who}: batch sizes differ (q {q.shape[1]}, k/v {k.shape[1]})")
     # Heads and head dim are the last two axes in both layouts.
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"{who}: head dims differ (q {q.shape[-1]}, k/v {k.shape[-1]})")
+        raise ValueError(f"{who}: head dims differ (q {q.shape[-1]}, k {k.shape[-1]}); q and k "
+                         "share one head dim (v may have its own, as in MLA)")
     if q.shape[-2] % k.shape[-2]:
         raise ValueError(f"{who}: h_q={q.shape[-2]} is not a multiple of h_kv={k.shape[-2]}; "
                          "GQA needs each kv head to serve a whole group of query heads (set "

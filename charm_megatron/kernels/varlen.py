@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from charm_megatron.kernels.base import AttentionBackend
+from charm_megatron.kernels.head_dims import pad_to, widths
 
 
 @dataclass(frozen=True)
@@ -67,12 +68,14 @@ def segmented_forward(backend: AttentionBackend, q: torch.Tensor, k: torch.Tenso
     """``(out [sq, 1, hq, d], lse [1, hq, sq])`` of the tile, by document (lse in fp32, or
     float64 for float64 inputs: float64 end to end); ``varlen`` allows the one-call CUDA varlen
     kernel (fp16/bf16 on CUDA), else ``backend`` per document."""
-    sq, _, hq, d = q.shape
-    out = torch.zeros_like(q)
+    sq, _, hq, _ = q.shape
+    _, d_v, width = widths(q, v)
+    out = q.new_zeros((*q.shape[:-1], d_v))
     lse = torch.full((1, hq, sq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
     if seg.q_index.numel() == 0:
         return out, lse
-    qg, kg, vg = q[seg.q_index], k[seg.k_index], v[seg.k_index]
+    # One width for the kernels (MLA's v is narrower: kernels/head_dims.py); cut back below.
+    qg, kg, vg = (pad_to(t, width) for t in (q[seg.q_index], k[seg.k_index], v[seg.k_index]))
     if _use_varlen(q, varlen):
         og, lg = _cuda_varlen().forward(qg, kg, vg, seg, scale)
     else:
@@ -82,7 +85,7 @@ def segmented_forward(backend: AttentionBackend, q: torch.Tensor, k: torch.Tenso
             o, m = backend.forward(qg[a:b], kg[c:e], vg[c:e], seg.causal, scale)
             og[a:b] = o
             lg[..., a:b] = m
-    out.index_copy_(0, seg.q_index, og.to(out.dtype))
+    out.index_copy_(0, seg.q_index, og[..., :d_v].to(out.dtype))
     lse.index_copy_(2, seg.q_index, lg.to(lse.dtype))
     return out, lse
 
@@ -97,9 +100,10 @@ def segmented_backward(backend: AttentionBackend, dout: torch.Tensor, q: torch.T
     if seg.q_index.numel() == 0:
         return dq, dk, dv
     qi, ki = seg.q_index, seg.k_index
-    qg, dog, og = q[qi], dout[qi], out[qi]
+    d_qk, d_v, width = widths(q, v)
+    qg, dog, og = (pad_to(t[qi], width) for t in (q, dout, out))
     lg = lse.index_select(2, qi)
-    kg, vg = k[ki], v[ki]
+    kg, vg = pad_to(k[ki], width), pad_to(v[ki], width)
     if _use_varlen(q, varlen):
         dqg, dkg, dvg = _cuda_varlen().backward(dog, qg, kg, vg, og, lg, seg, scale)
     else:
@@ -108,9 +112,9 @@ def segmented_backward(backend: AttentionBackend, dout: torch.Tensor, q: torch.T
             g = backend.backward(dog[a:b], qg[a:b], kg[c:e], vg[c:e], og[a:b],
                                  lg[..., a:b], seg.causal, scale)
             dqg[a:b], dkg[c:e], dvg[c:e] = g
-    dq.index_copy_(0, qi, dqg.to(dq.dtype))
-    dk.index_copy_(0, ki, dkg.to(dk.dtype))
-    dv.index_copy_(0, ki, dvg.to(dv.dtype))
+    dq.index_copy_(0, qi, dqg[..., :d_qk].to(dq.dtype))
+    dk.index_copy_(0, ki, dkg[..., :d_qk].to(dk.dtype))
+    dv.index_copy_(0, ki, dvg[..., :d_v].to(dv.dtype))
     return dq, dk, dv
 
 

@@ -42,7 +42,7 @@ def _plan(algo: str, direction: str, groups: Groups, causal: bool) -> Plan:
 
 def role_shape(problem: Problem) -> RoleShape:
     """What the plan rules read of ``problem`` (heads, kv heads, head dim, element bytes)."""
-    return RoleShape(problem.hq, problem.hkv, problem.d, problem.elem)
+    return RoleShape(problem.hq, problem.hkv, problem.d, problem.elem, problem.dv)
 
 
 @dataclass(frozen=True)

@@ -87,12 +87,13 @@ class SimResult:
 
 
 def tile_flops(spec: TileSpec, problem: Problem, n: int) -> float:
-    """Forward FLOPs of one tile: two matmuls (``QK^T`` and ``PV``) of ``2·b·hq·d·sq·sk``
-    each, halved for a causal diagonal tile (the mask keeps half the scores)."""
+    """Forward FLOPs of one tile: two matmuls, ``QK^T`` (``2·b·hq·d·sq·sk``) and ``PV``
+    (``2·b·hq·dv·sq·sk``; MLA's v is narrower), halved for a causal diagonal tile (the mask
+    keeps half the scores)."""
     rows = problem.s / n
     sq = rows * spec.q_half.fraction
     sk = rows * spec.kv_half.fraction
-    flops = 4.0 * problem.b * problem.hq * problem.d * sq * sk
+    flops = 2.0 * problem.b * problem.hq * (problem.d + problem.v_dim) * sq * sk
     return flops / 2 if spec.causal else flops
 
 

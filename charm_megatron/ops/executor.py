@@ -56,6 +56,7 @@ class BlockShape:
     d: int
     dtype: torch.dtype
     device: torch.device
+    dv: int = 0  # v / output head dim; 0: as d
 
 
 @dataclass
@@ -193,7 +194,8 @@ class Executor(OpInterpreter[None]):
         key = (kind, wire)
         if key not in self._shapes:
             sh = self.shape
-            sizes = {"s": sh.s, "b": sh.b, "hq": sh.hq, "hkv": sh.hkv, "d": sh.d}
+            sizes = {"s": sh.s, "b": sh.b, "hq": sh.hq, "hkv": sh.hkv, "d": sh.d,
+                     "dv": sh.dv or sh.d}
             self._shapes[key] = [(t.shape(sizes), self._torch_dtype(t.dtype(accumulator=not wire)))
                                  for t in BLOCKS[Kind(kind)].tensors]
         return self._shapes[key]

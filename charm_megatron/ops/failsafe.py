@@ -33,7 +33,7 @@ class GuardedBackend:
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         lse = torch.full((q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=lse_dtype,
                          device=q.device)
-        return torch.zeros_like(q), lse
+        return q.new_zeros((*q.shape[:-1], v.shape[-1])), lse  # out has v's head dim
 
     def __getattr__(self, name: str):
         # The inner backend's optional hooks (a timed device's posted / waited / merged /

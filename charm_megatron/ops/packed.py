@@ -243,7 +243,7 @@ class PackedExecutor(Executor):
                 self._failed(exc)
         lse = torch.full((1, q.shape[2], q.shape[0]), float("-inf"),
                          dtype=lse_dtype(q.dtype), device=q.device)
-        return torch.zeros_like(q), lse
+        return q.new_zeros((*q.shape[:-1], v.shape[-1])), lse  # out has v's head dim
 
     def _kernel_backward(self, spec, dout, q, k, v, out, lse):
         if not self._failed():

@@ -63,13 +63,15 @@ def problem(request: CallRequest, cp_size: int) -> Problem:
     scale = getattr(request.options.backend, "problem_scale", None)
     if scale is not None:
         s, b = s * scale.rows, b * scale.batch
-    return Problem(b, s * cp_size, hq, hkv, d, request.q.element_size)
+    dv = request.v.shape[-1]
+    return Problem(b, s * cp_size, hq, hkv, d, request.q.element_size, 0 if dv == d else dv)
 
 
 def role_shape(request: CallRequest) -> RoleShape:
     """What the plan rules (the byte rule, the memory bound) read of a call."""
     _, _, hq, hkv, d = _heads(request)
-    return RoleShape(hq, hkv, d, request.q.element_size)
+    dv = request.v.shape[-1]
+    return RoleShape(hq, hkv, d, request.q.element_size, 0 if dv == d else dv)
 
 
 def resolve_call(request: CallRequest, group, cp_size: int, cluster) -> Resolved:

@@ -21,6 +21,11 @@ class Problem:
     hkv: int
     d: int
     elem: int = 2  # bf16
+    dv: int = 0  # v / output head dim; 0: as d (MLA has its own)
+
+    @property
+    def v_dim(self) -> int:
+        return self.dv or self.d
 
     def block_bytes(self, kind: Kind, n: int) -> float:
         """Bytes of a whole block of ``kind`` held by one rank (``s / n`` rows), as it travels
@@ -34,7 +39,8 @@ class Problem:
 
 @functools.lru_cache(maxsize=4096)  # the simulator asks for every message it times
 def _block_bytes(problem: Problem, kind: Kind, n: int) -> float:
-    sizes = {"b": problem.b, "hq": problem.hq, "hkv": problem.hkv, "d": problem.d}
+    sizes = {"b": problem.b, "hq": problem.hq, "hkv": problem.hkv, "d": problem.d,
+             "dv": problem.v_dim}
     return problem.s / n * kind.spec.row_bytes(sizes, problem.elem)
 
 

@@ -45,7 +45,8 @@ class Peak:
 
 @functools.lru_cache(maxsize=4096)
 def _block_bytes(problem: Problem, n: int, kind: Kind, accumulator: bool, rows: Half) -> float:
-    sizes = {"b": problem.b, "hq": problem.hq, "hkv": problem.hkv, "d": problem.d}
+    sizes = {"b": problem.b, "hq": problem.hq, "hkv": problem.hkv, "d": problem.d,
+             "dv": problem.v_dim}
     per_row = 0
     for t in BLOCKS[Kind(kind)].tensors:
         size = t.dtype(accumulator).size(problem.elem)

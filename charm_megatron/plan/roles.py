@@ -52,24 +52,27 @@ def check_roles(value: object, option: str = "roles") -> RoleMix:
 
 @dataclass(frozen=True)
 class RoleShape:
-    """What the byte rule reads of an attention call: query heads, kv heads, head dim and the
-    bytes of one input element. (Batch and sequence length scale both alternatives alike.)"""
+    """What the byte rule reads of an attention call: query heads, kv heads, head dim, the
+    bytes of one input element and the v head dim (``dv``, 0: as ``d``). (Batch and sequence length scale both alternatives alike.)"""
 
     hq: int
     hkv: int
     d: int
     elem: int = 2
+    dv: int = 0  # v / output head dim; 0: as d (MLA: v narrower than q and k)
 
     def __post_init__(self) -> None:
         for name in ("hq", "hkv", "d", "elem"):
             if getattr(self, name) < 1:
                 raise ValueError(f"RoleShape.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dv < 0:
+            raise ValueError(f"RoleShape.dv must be >= 0 (0: as d), got {self.dv}")
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function the role rules ask per exchange
 def row_bytes(kind: Kind, shape: RoleShape, half: Half = Half.FULL) -> float:
     """Bytes per token of a block of ``kind`` (the rows of ``half``) as it travels."""
-    sizes = {"b": 1, "hq": shape.hq, "hkv": shape.hkv, "d": shape.d}
+    sizes = {"b": 1, "hq": shape.hq, "hkv": shape.hkv, "d": shape.d, "dv": shape.dv or shape.d}
     return BLOCKS[Kind(kind)].row_bytes(sizes, shape.elem) * half.fraction
 
 

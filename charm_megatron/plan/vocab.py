@@ -199,21 +199,22 @@ class BlockSpec:
 
 
 _FP32 = Dtype.FP32
-# The one statement of every block's layout. The wire-dtype rule: partials (out, dq, dkv)
+# The one statement of every block's layout. ``d`` is the q / k head dim, ``dv`` the v (and
+# output) head dim: equal but for multi-latent attention (MLA: q/k 192, v 128). The wire-dtype rule: partials (out, dq, dkv)
 # accumulate in fp32 and travel in the input dtype (half the bytes for bf16; one rounding per
 # hop, summed in fp32 on both sides); lse and the (lse, delta) statistics are fp32 everywhere.
 # Own blocks are the caller's tensors themselves, in these layouts.
 BLOCKS: dict[Kind, BlockSpec] = {
     Kind.Q: BlockSpec((TensorSpec("q", "s b hq d"),), Side.Q),
-    Kind.KV: BlockSpec((TensorSpec("k", "s b hkv d"), TensorSpec("v", "s b hkv d")), Side.KV),
-    Kind.QGRAD: BlockSpec((TensorSpec("q", "s b hq d"), TensorSpec("dout", "s b hq d"),
+    Kind.KV: BlockSpec((TensorSpec("k", "s b hkv d"), TensorSpec("v", "s b hkv dv")), Side.KV),
+    Kind.QGRAD: BlockSpec((TensorSpec("q", "s b hq d"), TensorSpec("dout", "s b hq dv"),
                            TensorSpec("lse_delta", "s b hq 2", _FP32)), Side.Q),
-    Kind.OUT: BlockSpec((TensorSpec("out", "s b hq d", acc=_FP32),
+    Kind.OUT: BlockSpec((TensorSpec("out", "s b hq dv", acc=_FP32),
                          TensorSpec("lse", "s b hq", _FP32, empty=-math.inf)),
                         Side.Q, partial=True, lse_merge=True),
     Kind.DQ: BlockSpec((TensorSpec("dq", "s b hq d", acc=_FP32),), Side.Q, partial=True),
     Kind.DKV: BlockSpec((TensorSpec("dk", "s b hkv d", acc=_FP32),
-                         TensorSpec("dv", "s b hkv d", acc=_FP32)), Side.KV, partial=True),
+                         TensorSpec("dv", "s b hkv dv", acc=_FP32)), Side.KV, partial=True),
 }
 
 
