@@ -96,7 +96,7 @@ def _rank_checks(rank: int, world: int) -> dict:
     )
     out["padding"] = _outcome(lambda: build(attn_mask_type=AttnMaskType.padding))
     out["cross"] = _outcome(lambda: build(attention_type="cross"))
-    out["te_kwarg"] = _outcome(lambda: build(k_channels=16))
+    out["te_kwarg"] = _outcome(lambda: build(num_splits=2))
     out["group_size"] = _outcome(
         lambda: build(pg_collection=ProcessGroupCollection(tp=pgs.tp, cp=singles[rank]))
     )
@@ -242,7 +242,7 @@ def test_unsupported_options_name_the_option(results):
     assert all(r["cuda_graph_mlp"] == ("ok", "") for r in results)
     _err(results, "padding", "NotImplementedError", "attn_mask_type=padding")
     _err(results, "cross", "NotImplementedError", "attention_type='cross'")
-    _err(results, "te_kwarg", "NotImplementedError", "k_channels")
+    _err(results, "te_kwarg", "NotImplementedError", "num_splits")
     _err(results, "packed", "NotImplementedError", "packed_seq_params", "qkv_format='bshd'")
     _err(results, "local_cp_size_2", "ValueError", "local_cp_size=2 without a cp_group")
     assert all(r["packed_sbhd"] == ("ok", "") for r in results)

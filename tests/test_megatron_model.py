@@ -442,3 +442,67 @@ def test_bf16_parameters_at_model_level():
         assert 0 < stock_loss < 0.5 and 0 < stock_grad < 0.5, res  # bf16 differs from fp32
         assert loss_err <= 1.5 * stock_loss + 1e-2, (rank, res)
         assert grad_err <= 1.5 * stock_grad + 1e-2, (rank, res)
+
+
+# --------------------------------------------------------------------------- MLA
+def _mla_config(cp: int, comm: str | None = None):
+    """A 2-layer DeepSeek-style MLA config: 4 heads, q / k head dim 24 (16 + 8 of RoPE),
+    v head dim 16, low-rank q and kv projections."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    kw = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+              q_lora_rank=32, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+              v_head_dim=16, rope_type="rope", multi_latent_attention=True,
+              context_parallel_size=cp, hidden_dropout=0.0, attention_dropout=0.0,
+              **cpu_config_kwargs())
+    if comm is not None:
+        kw["cp_comm_type"] = comm
+    return MLATransformerConfig(**kw)
+
+
+def _rank_mla(rank: int, world: int, algos: tuple[str, ...]) -> dict:
+    """MLA at CP=1 (our layer at CP 1 is plain local attention; megatron-core's local core
+    attention takes no MLA head dims, so it cannot be the reference) then each algo at CP=4
+    (2x2) from the same weights: {algo: (loss error, gradient error)}."""
+    _cpu_megatron()
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    # megatron-core 0.16.1 sets HAVE_TE when its TE extension module imports, which it does
+    # without TE (TELinear is then a mock, not a class), then calls isinstance(.., TELinear).
+    if not isinstance(mla.TELinear, type):
+        mla.HAVE_TE = False
+    spec = get_gpt_layer_local_spec(multi_latent_attention=True)
+    _init_parallel(1, 1)
+    ref = _model(_mla_config(1), charm=True, spec=spec)
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in ref.state_dict().items()}
+    ref_losses = _losses(ref, 0, reference=False)
+    _backward(ref_losses, ref)
+    ref_grads = _grads(ref)
+    core = ref.decoder.layers[0].self_attention.core_attention
+    out = {"core": (type(core).__name__, core.k_channels, core.v_channels)}
+    _init_parallel(1, 4)
+    ref_local = get_batch_on_this_cp_rank({"losses": ref_losses.detach()})["losses"]
+    for algo in algos:
+        model = _model(_mla_config(4, algo), charm=True, topology="2x2", spec=spec)
+        model.load_state_dict(state)
+        losses = _losses(model, 0, reference=False)
+        _backward(losses, model)
+        out[algo] = _compare(losses, ref_local, _grads(model), ref_grads)
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_cp4_multi_latent_attention_matches_cp1():
+    """DeepSeek-style MLA (q / k head dim 24, v 16: the value head dim differs) through
+    megatron-core's MLASelfAttention on the local spec with use_charm: CP=4 (2x2) matches CP=1,
+    loss and every gradient, for charm, rmplus and ring."""
+    results = run_ranks(_rank_mla, 4, ALGOS, timeout_s=300)
+    for rank, res in enumerate(results):
+        assert res["core"] == ("CharmDotProductAttention", 24, 16), res["core"]
+        for algo in ALGOS:
+            loss_err, grad_err = res[algo]
+            assert loss_err <= LOSS_TOL, (rank, algo, loss_err)
+            assert grad_err <= GRAD_TOL, (rank, algo, grad_err)

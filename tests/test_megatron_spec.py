@@ -192,10 +192,10 @@ def test_self_attention_spec_by_import_path_and_bare():
     assert _is_selector(use_charm([sa, sa])[0].submodules.core_attention, DotProductAttention)
 
 
-def test_multi_latent_attention_raises():
-    spec = get_gpt_layer_local_spec(multi_latent_attention=True)
-    with pytest.raises(ValueError, match="multi-latent attention"):
-        use_charm(spec)
+def test_multi_latent_attention_gets_the_selector():
+    spec = use_charm(get_gpt_layer_local_spec(multi_latent_attention=True))
+    assert _is_selector(spec.submodules.self_attention.submodules.core_attention,
+                        DotProductAttention)
 
 
 def test_subclass_of_charm_is_kept():

@@ -129,6 +129,8 @@ class CharmDotProductAttention(MegatronModule):
         cp_comm_type: str | None = None,
         pg_collection: ProcessGroupCollection | None = None,
         topology: str | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         **unsupported: Any,
     ) -> None:
         super().__init__(config=config)
@@ -138,7 +140,7 @@ class CharmDotProductAttention(MegatronModule):
         self.attention_type = attention_type
 
         if unsupported:
-            # e.g. TE-only arguments (k_channels / v_channels for MLA, num_splits) from a spec
+            # e.g. TE-only arguments (num_splits) from a spec
             # written for TEDotProductAttention.
             raise _unsupported(
                 f"arguments {sorted(unsupported)}", "are not supported (they belong to another "
@@ -204,7 +206,11 @@ class CharmDotProductAttention(MegatronModule):
                 f"per partition are not a multiple of {self.num_query_groups_per_partition} "
                 "key/value groups (GQA needs num_attention_heads % num_query_groups == 0)"
             )
-        self.hidden_size_per_attention_head = config.kv_channels
+        # Multi-latent attention passes its own head dims (q / k 192, v 128): kept as given
+        # (cp_attention takes v at its own width).
+        self.k_channels = int(k_channels) if k_channels is not None else None
+        self.v_channels = int(v_channels) if v_channels is not None else None
+        self.hidden_size_per_attention_head = self.k_channels or config.kv_channels
         self.hidden_size_per_partition = (
             self.num_attention_heads_per_partition * self.hidden_size_per_attention_head
         )

@@ -59,8 +59,9 @@ def use_charm(spec: SpecT, topology: str | None = None) -> SpecT:
       equals ``use_charm(s)``; a ``topology`` given again replaces the earlier one.
     * Cross-attention (``CrossAttention``) is left alone: CHARM+ is for causal self-attention
       over a context-parallel-split sequence.
-    * Multi-latent attention (``MLASelfAttention``) raises ``ValueError``: its query/key and
-      value head dimensions differ, which the CHARM+ operator does not support.
+    * Multi-latent attention (``MLASelfAttention``) gets the same slot: its core attention is
+      built with ``k_channels`` / ``v_channels`` (different q / k and v head dims), which
+      :class:`CharmDotProductAttention` takes.
     """
     if topology is not None and not str(topology).strip():
         raise ValueError("use_charm: empty topology; use e.g. 'auto', 'flat' or '2x4'")
@@ -151,15 +152,11 @@ def _visit(obj: Any, seen: set[int], on_self_attention: Any) -> None:
 
     if isinstance(obj, ModuleSpec):
         module = _resolve(obj.module)
-        if isinstance(module, type) and issubclass(module, MultiLatentAttention):
-            raise ValueError(
-                "use_charm: multi-latent attention (--multi-latent-attention, "
-                f"{module.__name__}) is not supported by CHARM+: its query/key and value head "
-                "dimensions differ; use a standard SelfAttention spec"
-            )
         if isinstance(module, type) and issubclass(module, CrossAttention):
             return  # cross-attention keeps its own core attention
-        if isinstance(module, type) and issubclass(module, SelfAttention):
+        # Multi-latent attention (MLASelfAttention) is self-attention whose value head dim
+        # differs from the query / key one; cp_attention takes v at its own width.
+        if isinstance(module, type) and issubclass(module, (SelfAttention, MultiLatentAttention)):
             sub = obj.submodules
             if sub is None or not hasattr(sub, "core_attention"):
                 raise ValueError(
