@@ -175,15 +175,15 @@ def test_launcher_charm_run(fake_root, tmp_path):
 
 
 def test_launcher_per_layer_mix(fake_root, tmp_path):
-    """Three layers: ours, Megatron's, ours - each layer gets its own entry (L-1), the p2p
-    layer keeps the spec's core attention."""
+    """Three layers: ours, Megatron's, ours - each layer gets its own entry (L-1). This fake
+    Megatron-LM builds the local spec, whose DotProductAttention refuses CP: its p2p layer runs
+    on our ring (with TE's core attention in the spec it would keep TE's: test_megatron_spec::
+    test_only_the_local_core_attention_is_replaced_for_te_comm_types)."""
     proc, report = _launch(fake_root, tmp_path, "--num-layers", "3", "--cp-comm-type", "ring",
                            "p2p", "rmplus")
     assert proc.returncode == 0, proc.stderr
-    assert report["core_attention"] == [
-        "CharmDotProductAttention", "DotProductAttention", "CharmDotProductAttention"
-    ]
-    assert report["algo"] == ["ring", None, "rmplus"]
+    assert report["core_attention"] == ["CharmDotProductAttention"] * 3
+    assert report["algo"] == ["ring", "ring", "rmplus"]
     assert "layers=1" in proc.stdout and "layers=3" in proc.stdout
 
 

@@ -322,3 +322,25 @@ def test_layer_specs_load_the_way_megatron_spec_does(monkeypatch):
     monkeypatch.setattr(gpt_layer_specs, "TEFusedMLP", te.TEFusedMLP, raising=False)
     built = layer_specs.te_layer_spec(topology="2x4")
     assert _is_selector(_core(built), provider.TESpecProvider().core_attention(), topology="2x4")
+
+
+def test_only_the_local_core_attention_is_replaced_for_te_comm_types():
+    """TE's p2p / allgather are served by ours only where the spec's core attention is
+    megatron-core's local DotProductAttention (which refuses CP); TE's, or a user's own, is
+    kept (PerLayerCoreAttention, docs/megatron.md)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from charm_megatron.megatron.args import stand_in
+    from charm_megatron.megatron.selector import refuses_cp
+
+    class TEDotProductAttention:  # stands for TE's (same name, not the local module)
+        pass
+
+    path = "megatron.core.transformer.dot_product_attention.DotProductAttention"
+    assert refuses_cp(DotProductAttention) and refuses_cp(ModuleSpec(module=DotProductAttention))
+    assert refuses_cp(path)
+    assert not refuses_cp(TEDotProductAttention)
+    assert not refuses_cp(ModuleSpec(module=TEDotProductAttention))
+    assert not refuses_cp("megatron.core.extensions.transformer_engine.TEDotProductAttention")
+    assert [stand_in(c) for c in ("p2p", "allgather", "a2a", "a2a+p2p", "charm", None)] == [
+        "ring", "allgather", None, None, None, None]

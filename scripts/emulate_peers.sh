@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# CHARM+ against every CP a Megatron user can pick (docs/performance.md, "Against every CP a
+# user can pick") on the emulated GPU clusters (docs/emulator.md): one bench run per point,
+# ring / rmplus / charm / allgather / auto, forward + backward in device time.
+#   OUT=runs/peers scripts/emulate_peers.sh
+# Then: python scripts/peers_table.py $OUT/*/results.csv
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/peers}
+BENCH=${BENCH:-.venv/bin/charm-megatron}
+ALGOS=${ALGOS:-ring,rmplus,charm,allgather,auto}
+# name: emulate device batch seq heads kv_heads mask
+POINTS=(
+  "t5-2x8-b16-s26880:2x8:h100:16:26880:12x192:12:--no-causal"
+  "t5-2x8-b128-s3360:2x8:h100:128:3360:12x192:12:--no-causal"
+  "llama8b-2x8-s32768:2x8:h100:1:32768:32x128:8:--causal"
+  "llama8b-2x8-s131072:2x8:h100:1:131072:32x128:8:--causal"
+  "llama70b-2x8-s131072:2x8:h100:1:131072:64x128:8:--causal"
+  "llama8b-4x8-s131072:4x8:h100:1:131072:32x128:8:--causal"
+  "l20-llama8b-2x4-s32768:2x4:l20-pcie:1:32768:32x128:8:--causal"
+  "l20-mha-2x4-s32768:2x4:l20-pcie:1:32768:32x128:32:--causal"
+)
+for point in "${POINTS[@]}"; do
+  IFS=: read -r name topo device b s heads kv mask <<<"$point"
+  echo "== $name"
+  "$BENCH" bench --emulate "$topo" --device-model "$device" --batch "$b" --seq "$s" \
+    --heads "$heads" --kv-heads "$kv" "$mask" --dtype bf16 --algos "$ALGOS" \
+    --warmup "${WARMUP:-1}" --iters "${ITERS:-2}" --out "$OUT/$name" --no-plot --quiet \
+    | grep -E "wrote|dilation" || true
+done

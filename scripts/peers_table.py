@@ -1,0 +1,50 @@
+#!/usr/bin/env python3
+"""The Markdown table "Against every CP a user can pick" of docs/performance.md from bench
+CSVs (one file per point, as scripts/emulate_peers.sh writes them): for every point, each
+contender's forward + backward device ms with its lower bound, the speed-up over ring, the
+fastest and auto's pick.
+
+    python scripts/peers_table.py docs/performance/peers/*.csv
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+ORDER = ("ring", "rmplus", "charm", "allgather", "auto")
+
+
+def rows(path: Path) -> dict[str, dict]:
+    with open(path) as f:
+        return {r["algo"]: r for r in csv.DictReader(f) if r["pass"] == "fwdbwd"}
+
+
+def main(paths: list[str]) -> int:
+    print("| point | " + " | ".join(ORDER) + " | fastest | auto picks | busiest core |")
+    print("|---|" + "---|" * (len(ORDER) + 3))
+    for p in paths:
+        r = rows(Path(p))
+        any_row = next(iter(r.values()))
+        cells = []
+        for algo in ORDER:
+            if algo not in r:
+                cells.append("-")
+                continue
+            x = r[algo]
+            cells.append(f"{float(x['median_ms']):.1f} ({float(x['bound_ms']):.1f}) "
+                         f"{float(x['speedup_vs_ring']):.2f}x")
+        plain = {a: float(x["median_ms"]) for a, x in r.items() if a != "auto"}
+        fastest = min(plain, key=plain.get)
+        pick = r.get("auto", {}).get("auto_pick", "") or "-"
+        print(f"| {Path(p).stem} ({any_row['device_model']}, {any_row['heads']}/"
+              f"{any_row['kv_heads']}x{any_row['head_dim']}, "
+              f"{'causal' if any_row['causal'] == 'True' else 'full'}) | "
+              + " | ".join(cells) + f" | {fastest} | {pick} | "
+              f"{float(any_row['busiest_core_pct']):.0f} % |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
