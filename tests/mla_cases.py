@@ -8,6 +8,8 @@ packed THD document by document.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import packed_cases
@@ -73,24 +75,12 @@ def run_packed(rank: int, world: int, cases: list[tuple]) -> dict:
         algo, topology, causal, dtype, docs, d, dv = case
         dt = DTYPES[dtype]
         real, padded = packed_cases.doc_lengths(docs, world)
-        pad_or_real = padded if padded is not None else real
         q, k, v, dout = (t[:, 0] for t in _inputs(2, sum(real), 1, 4, 2, d, dv, dt))
         qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-        outs, lses, start = [], [], 0
-        for n in real:
-            o_, l_ = _attend(qr[start:start + n], kr[start:start + n], vr[start:start + n],
-                             causal, d ** -0.5)
-            outs.append(o_)
-            lses.append(l_)
-            start += n
-        ref_out, ref_lse = torch.cat(outs), torch.cat(lses, 1)
+        ref_out, ref_lse = packed_cases.by_document(
+            functools.partial(_attend, causal=causal, scale=d ** -0.5), qr, kr, vr, real)
         ref_out.backward(dout)
-        idx = (torch.arange(sum(pad_or_real)) if world == 1
-               else packed_cases.thd_index(rank, world, packed_cases.cumulative(pad_or_real)))
-        mask = packed_cases._real_mask(real, pad_or_real)[idx]
-
-        def local(x, real=real, pad_or_real=pad_or_real, idx=idx):
-            return packed_cases._pad_rows(x, real, pad_or_real)[idx]
+        local, mask = packed_cases.local_rows(real, padded, rank, world)
 
         ql, kl, vl = (local(t).to(dt).requires_grad_() for t in (q, k, v))
         o, lse_got = cp_attention(

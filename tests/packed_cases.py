@@ -77,6 +77,31 @@ def _real_mask(real: list[int], padded: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(m) < n for n, m in zip(real, padded)])
 
 
+def by_document(attend, q, k, v, real: list[int]):
+    """``attend(q, k, v)`` of each unpadded document (rows ``[n, h, d]`` in, ``(out [n, h, dv],
+    lse [h, n])`` out) concatenated: ``(out [T, h, dv], lse [h, T])``."""
+    outs, lses, start = [], [], 0
+    for n in real:
+        o, m = attend(q[start:start + n], k[start:start + n], v[start:start + n])
+        outs.append(o)
+        lses.append(m)
+        start += n
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+def local_rows(real: list[int], padded: list[int] | None, rank: int, world: int):
+    """``(local, mask)``: ``local(x)`` maps unpadded packed rows to this rank's padded THD rows
+    (Megatron's THD CP layout; CP size 1 holds them all), ``mask`` its real (non-padding) rows."""
+    pad_or_real = padded if padded is not None else real
+    idx = (torch.arange(sum(pad_or_real)) if world == 1
+           else thd_index(rank, world, cumulative(pad_or_real)))
+
+    def local(x: torch.Tensor) -> torch.Tensor:
+        return _pad_rows(x, real, pad_or_real)[idx]
+
+    return local, _real_mask(real, pad_or_real)[idx]
+
+
 def one_case(rank: int, world: int, algo: str, topology, causal: bool, dtype: str, hkv: int,
              docs: str, seed: int = 0, options=None, roles: str | None = None, hq: int = 4):
     """One packed forward+backward; returns (errors vs float64, padding-is-zero, results).

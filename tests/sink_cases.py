@@ -9,6 +9,8 @@ sequence (sbhd) or document by document (packed THD).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -88,28 +90,17 @@ def run_packed(rank: int, world: int, cases: list[tuple]) -> dict:
     for algo, topology, causal, dtype, docs in cases:
         dt = DTYPES[dtype]
         real, padded = packed_cases.doc_lengths(docs, world)
-        pad_or_real = padded if padded is not None else real
         hq, hkv, d = 4, 2, 8
         gen = torch.Generator().manual_seed(3)
         q, k, v, dout = (torch.randn(sum(real), h, d, generator=gen, dtype=torch.float64)
                          .to(dt).double() for h in (hq, hkv, hkv, hq))
         offset = (torch.randn(hq, generator=gen, dtype=torch.float64) * 2).to(dt).double()
         qr, kr, vr, orr = (t.detach().requires_grad_() for t in (q, k, v, offset))
-        outs, lses, start = [], [], 0
-        for n in real:
-            o_, l_ = _attend_with_sink(qr[start:start + n], kr[start:start + n],
-                                       vr[start:start + n], orr, causal, d ** -0.5)
-            outs.append(o_)
-            lses.append(l_)
-            start += n
-        ref_out, ref_lse = torch.cat(outs), torch.cat(lses, 1)
+        attend = functools.partial(_attend_with_sink, offset=orr, causal=causal,
+                                   scale=d ** -0.5)
+        ref_out, ref_lse = packed_cases.by_document(attend, qr, kr, vr, real)
         ref_out.backward(dout)
-        idx = (torch.arange(sum(pad_or_real)) if world == 1
-               else packed_cases.thd_index(rank, world, packed_cases.cumulative(pad_or_real)))
-        mask = packed_cases._real_mask(real, pad_or_real)[idx]
-
-        def local(x, real=real, pad_or_real=pad_or_real, idx=idx):
-            return packed_cases._pad_rows(x, real, pad_or_real)[idx]
+        local, mask = packed_cases.local_rows(real, padded, rank, world)
 
         ql, kl, vl = (local(t).to(dt).requires_grad_() for t in (q, k, v))
         off = offset.to(dt).requires_grad_()
