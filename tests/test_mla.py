@@ -47,3 +47,21 @@ def test_bytes_count_v_at_its_own_width():
         assert row_bytes(kind, narrow) < row_bytes(kind, wide), kind
     for kind in (Kind.Q, Kind.DQ):
         assert row_bytes(kind, narrow) == row_bytes(kind, wide), kind
+
+
+def test_plan_and_model_clis_take_the_v_head_dim(capsys):
+    from charm_megatron.cli import main
+
+    def ring_forward_mib(*extra: str) -> float:
+        assert main(["plan", "--cp", "16", "--topology", "2x8", "--causal", "--seq", "131072",
+                     "--heads", "16", "--head-dim", "192", *extra]) == 0
+        out = capsys.readouterr().out
+        assert ("dim=192/128" in out) == bool(extra), out.splitlines()[0]
+        (row,) = [line for line in out.splitlines() if line.startswith("ring ") and "forward" in line]
+        return float(row.split()[4])  # intra max MiB
+
+    # kv blocks of 192 + 128 instead of 192 + 192 columns: 5/6 of ring's bytes.
+    assert ring_forward_mib("--v-head-dim", "128") == pytest.approx(ring_forward_mib() * 5 / 6)
+    assert main(["model", "--profile", "h100", "--seq", "65536", "--causal", "--heads", "16",
+                 "--head-dim", "192", "--v-head-dim", "128"]) == 0
+    assert "dim=192/128" in capsys.readouterr().out

@@ -247,7 +247,8 @@ def run(args: argparse.Namespace) -> int:
         return _grid(args, groups, cluster, mask, compare)
     problem = _problem(args, args.seq)
     print(f"# problem: b={problem.b} s={problem.s} heads={problem.hq}/{problem.hkv} "
-          f"dim={problem.d} {args.dtype} {mask}, roles {args.roles}")
+          f"dim={problem.d}{f'/{problem.dv}' if problem.dv else ''} {args.dtype} {mask}, "
+          f"roles {args.roles}")
     ccr_f = ring_ccr(groups, problem, cluster, args.causal, "forward")
     ccr_b = ring_ccr(groups, problem, cluster, args.causal, "backward")
     print(f"# ring CCR (compute time / communication time, each alone): forward "

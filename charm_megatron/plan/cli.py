@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     topo.check_size(args.cp)
     groups = [list(g) for g in topo.groups]
     problem = problem_from_args(args)
-    shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem)
+    shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem, problem.dv)
     mask = "causal" if args.causal else "full"
     settings = settings_from_args(args)
     if args.rank is not None:
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
                 print(_decision_line(d, problem, args.cp))
         print()
     print(f"# cp={args.cp} topology={topo} mask={mask} b={args.batch} s={args.seq} "
-          f"heads={args.heads}/{problem.hkv} dim={args.head_dim} {args.dtype} "
+          f"heads={args.heads}/{problem.hkv} dim={_dims(problem)} {args.dtype} "
           f"roles={args.roles}{_settings_note(settings_values(**settings))}")
     print("# critical path: longest chain of data-dependent messages; MiB sent per rank; "
           "peak MiB of buffers and tile outputs per rank (plan/memory.py); roles: cross phase "
@@ -157,3 +157,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{_mb(max(t.intra))} {_mb(t.max_cross)} {_mb(t.total_cross):>11} "
                   f"{_mb(max_peak(plan, problem))}  {_role_summary(plan)}")
     return 0
+
+
+def _dims(problem) -> str:
+    """The head dim, or ``q/k dim / v dim`` where v has its own (MLA)."""
+    return f"{problem.d}" if not problem.dv else f"{problem.d}/{problem.dv}"

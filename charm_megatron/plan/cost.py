@@ -54,6 +54,9 @@ def add_problem_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--v-head-dim", type=int, default=None,
+                        help="v (and output) head dim, e.g. 128 for MLA's 192 / 128; default: "
+                             "--head-dim")
     parser.add_argument("--dtype", choices=sorted(ELEM_BYTES), default="bf16")
     parser.add_argument("--roles", choices=ROLE_MIXES, default="bytes",
                         help="what the rmplus / charm exchanges move: bytes (default: per "
@@ -64,8 +67,10 @@ def add_problem_args(parser: argparse.ArgumentParser) -> None:
 
 def problem_from_args(args: argparse.Namespace, seq: int | None = None) -> Problem:
     """The :class:`Problem` those options describe (``seq`` overrides ``--seq``)."""
+    dv = getattr(args, "v_head_dim", None)
     return Problem(args.batch, args.seq if seq is None else seq, args.heads,
-                   args.kv_heads or args.heads, args.head_dim, ELEM_BYTES[args.dtype])
+                   args.kv_heads or args.heads, args.head_dim, ELEM_BYTES[args.dtype],
+                   0 if dv in (None, args.head_dim) else dv)
 
 
 @dataclass
