@@ -105,13 +105,17 @@ def bad_input(rank: int, world: int, case: str):
         kwargs["softmax_offset"] = torch.zeros(h + 1)
     elif case == "offset_int":
         kwargs["softmax_offset"] = torch.zeros(h, dtype=torch.int64)
+    elif case == "window_negative":
+        kwargs["window_size"] = (-2, 0)
+    elif case == "window_type":
+        kwargs["window_size"] = 4
     elif case == "backend_flash_on_cpu":
         from charm_megatron.ops.options import CPOptions
 
         kwargs["options"] = CPOptions(backend="flash_attn")
     try:
         cp_attention(q, k, v, **kwargs)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, NotImplementedError) as exc:
         dist.barrier()  # every rank got here: nobody is left waiting in a collective
         return f"{type(exc).__name__}: {exc}"
     return None

@@ -105,6 +105,8 @@ BAD = {
     "backend_flash_on_cpu": "flash_attn backend runs fp16/bf16 on CUDA only",
     "offset_shape": "softmax_offset has shape \\(5,\\); it must be \\[h_q\\] = \\[4\\]",
     "offset_int": "softmax_offset must be a floating tensor",
+    "window_negative": "each side must be >= 0, or -1 for unbounded",
+    "window_type": "window_size must be \\(left, right\\) ints or None",
 }
 
 

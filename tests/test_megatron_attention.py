@@ -80,7 +80,9 @@ def _rank_checks(rank: int, world: int) -> dict:
     out["a2a"] = _outcome(lambda: build(cp_comm_type="a2a"))
     out["bogus"] = _outcome(lambda: build(cp_comm_type="bogus"))
     out["none_is_charm"] = build(cp_comm_type=None).algo
-    out["window"] = _outcome(lambda: build(with_config(window_size=(16, 0))))
+    # megatron-core's rule: a window on every layer but each window_attn_skip_freq-th.
+    out["windows"] = [build(with_config(window_size=(16, 0), window_attn_skip_freq=2),
+                            layer_number=n).window_size for n in (1, 2, 3)]
     out["softmax_type"] = _outcome(lambda: build(with_config(softmax_type="softer")))
     learnable = build(with_config(softmax_type="learnable"))
     out["learnable_offset"] = (type(learnable.softmax_offset).__name__,
@@ -230,7 +232,7 @@ def test_misconfigured_groups_and_topology(results):
 
 
 def test_unsupported_options_name_the_option(results):
-    _err(results, "window", "NotImplementedError", "--window-size")
+    assert all(r["windows"] == [(16, 0), None, (16, 0)] for r in results), results[0]["windows"]
     _err(results, "softmax_type", "NotImplementedError", "--softmax-type", "off-by-one")
     # Where megatron-core's DotProductAttention keeps the offset: a parameter [heads / tp]
     # named softmax_offset (learnable), a plain zero tensor outside the state dict (off-by-one).

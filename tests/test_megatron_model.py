@@ -506,3 +506,27 @@ def test_cp4_multi_latent_attention_matches_cp1():
             loss_err, grad_err = res[algo]
             assert loss_err <= LOSS_TOL, (rank, algo, loss_err)
             assert grad_err <= GRAD_TOL, (rank, algo, grad_err)
+
+
+# --------------------------------------------------------------------------- sliding windows
+def _rank_windowed(rank: int, world: int, algos: tuple[str, ...], overrides: dict) -> dict:
+    """:func:`_rank_cp_matches_cp1` with megatron-core's sliding-window mask built on the CPU
+    (0.16.1's ``get_sliding_window_causal_mask`` allocates on ``device="cuda"`` literally)."""
+    import megatron.core.fusions.fused_softmax as fused_softmax
+
+    def window_mask(sq, skv, window_size):  # noqa: ANN001, ANN202 - the same mask, on CPU
+        m = torch.ones(sq, skv, dtype=torch.bool)
+        m = torch.triu(m, diagonal=skv - sq - window_size[0])
+        return ~torch.tril(m, diagonal=skv - sq + window_size[1])
+
+    fused_softmax.get_sliding_window_causal_mask = window_mask
+    return _rank_cp_matches_cp1(rank, world, ((1, 4, "2x2"),), algos, (2,), overrides)
+
+
+def test_cp4_alternating_window_and_full_layers_match_cp1():
+    """Gemma 3 / gpt-oss style: a causal sliding window (5 tokens back, shorter than a CP
+    chunk's span) on layer 1 and full attention on layer 2 (window_attn_skip_freq=2), GQA,
+    CP=4 (2x2), charm / rmplus / ring vs megatron-core's own attention at CP=1."""
+    results = run_ranks(_rank_windowed, 4, ALGOS,
+                        {"window_size": (5, 0), "window_attn_skip_freq": 2}, timeout_s=300)
+    _check_errors(results)

@@ -57,12 +57,13 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
 
 
 def _local_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
-                     offset: Tensor | None = None) -> Tensor:
+                     offset: Tensor | None = None,
+                     window: tuple[int, int] | None = None) -> Tensor:
     """Attention over one rank's whole sequence (no CP): ``[s, b, h, d]`` in and out; with a
-    softmax ``offset`` ``[h]`` as an extra logit per head in every denominator (plain math
-    in fp32, as megatron-core's unfused softmax does it)."""
+    softmax ``offset`` ``[h]`` as an extra logit per head in every denominator, or a sliding
+    ``window`` (plain math in fp32, as megatron-core's unfused softmax does it)."""
     qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, h, s, d]
-    if offset is None:
+    if offset is None and window is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             qb, kb, vb, is_causal=causal, scale=scale, enable_gqa=kb.shape[1] != qb.shape[1]
         )
@@ -70,12 +71,19 @@ def _local_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
     g = qb.shape[1] // kb.shape[1]
     kb, vb = kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)
     scores = (qb.float() @ kb.float().transpose(-1, -2)) * scale
-    if causal:
-        n = scores.shape[-1]
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1),
-                                    float("-inf"))
-    sink = offset.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-    probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    n = scores.shape[-1]
+    i = torch.arange(n, device=q.device)
+    diff = i[:, None] - i[None, :]  # query - key position
+    drop = (diff < 0) if causal else torch.zeros_like(diff, dtype=torch.bool)
+    if window is not None:
+        drop = drop | ((diff > window[0]) if window[0] >= 0 else False)
+        drop = drop | ((-diff > window[1]) if window[1] >= 0 else False)
+    scores = scores.masked_fill(drop, float("-inf"))
+    if offset is not None:
+        sink = offset.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, -1)
     return (probs @ vb.float()).to(q.dtype).permute(2, 0, 1, 3)
 
 
@@ -156,14 +164,13 @@ class CharmDotProductAttention(MegatronModule):
             self.layer_number,
         )
         self._check_config(config, attn_mask_type)
-        if getattr(config, "window_size", None) is not None and is_layer_window_attention(
-            config.window_size, getattr(config, "window_attn_skip_freq", None), self.layer_number
-        ):
-            raise _unsupported(
-                f"sliding window attention (window_size={config.window_size}, --window-size) "
-                f"in layer {self.layer_number}",
-                "is not supported",
-            )
+        # Sliding window on this layer (megatron-core's rule: window_size unless
+        # window_attn_skip_freq makes this layer a full one); cp_attention applies it.
+        window = getattr(config, "window_size", None)
+        self.window_size: tuple[int, int] | None = (
+            (int(window[0]), int(window[1])) if window is not None and is_layer_window_attention(
+                window, getattr(config, "window_attn_skip_freq", None), self.layer_number)
+            else None)
 
         # Dropout is only an error when it would act (training); see forward().
         self.attention_dropout_p = float(
@@ -449,7 +456,7 @@ class CharmDotProductAttention(MegatronModule):
         if group is None and cp_size == 1:
             # Dynamic CP switched off for this micro-batch (local_cp_size=1, no group).
             out = _local_attention(query, key, value, causal, self.softmax_scale,
-                                   self._offset_for(query))
+                                   self._offset_for(query), self.window_size)
         else:
             out = cp_attention(
                 query,
@@ -463,6 +470,7 @@ class CharmDotProductAttention(MegatronModule):
                 options=self.options,
                 tag=self._tag,
                 softmax_offset=self._offset_for(query),
+                window_size=self.window_size,
             )
         # [s, b, h, d] -> [s, b, h*d]: the layout linear_proj consumes.
         return out.reshape(out.shape[0], out.shape[1], -1)
@@ -564,6 +572,7 @@ class CharmDotProductAttention(MegatronModule):
             causal=mask_type == AttnMaskType.causal, softmax_scale=self.softmax_scale,
             cu_seqlens=psp.cu_seqlens_q, cu_seqlens_padded=psp.cu_seqlens_q_padded,
             options=self.options, tag=self._tag, softmax_offset=self._offset_for(query),
+            window_size=self.window_size,
         )
         return out.reshape(out.shape[0], -1)
 

@@ -38,6 +38,7 @@ def cp_attention(
     roles: str | None = None,
     tag: str | None = None,
     softmax_offset: torch.Tensor | None = None,
+    window_size: tuple[int, int] | None = None,
 ):
     """Context-parallel attention over the CP process group ``group``.
 
@@ -78,6 +79,11 @@ def cp_attention(
             denominator (an attention sink: learnable when it requires grad, zeros for
             "off-by-one"; ops/softmax_offset.py), the same on every rank; ``None``: vanilla
             softmax. Its gradient on each rank is that rank's tokens' share.
+        window_size: ``(left, right)``: query ``i`` sees key ``j`` iff ``i - left <= j <=
+            i + right`` in global positions (``-1``: unbounded; flash-attn's and
+            megatron-core's convention), on top of ``causal``; ``None``: no window. sbhd only
+            (packed THD raises ``NotImplementedError``). Every tile is still computed, masked
+            (kernels/window.py); tiles outside the window are not skipped yet.
 
     Returns:
         ``out [s_local, b, h_q, d]`` in q's dtype; with ``return_lse`` also
@@ -97,7 +103,7 @@ def cp_attention(
     call = prepare(q, k, v, group=group, algo=algo, topology=topology, causal=causal,
                    softmax_scale=softmax_scale, options=options, roles=roles,
                    cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, tag=tag,
-                   softmax_offset=softmax_offset)
+                   softmax_offset=softmax_offset, window_size=window_size)
     qi, ki, vi = call.layout.to_internal(q, k, v)
     out, lse_sbh = _CPAttention.apply(qi, ki, vi, softmax_offset, call)
     out, lse = call.layout.out_from_internal(out, lse_sbh)

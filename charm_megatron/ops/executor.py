@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from charm_megatron.kernels.base import AttentionBackend
+from charm_megatron.kernels.window import Window, masked_backward, masked_forward
 from charm_megatron.ops.merge import merge_into
 from charm_megatron.ops.streams import StreamGroups
 from charm_megatron.plan.core import (
@@ -129,8 +130,10 @@ class Executor(OpInterpreter[None]):
 
     def __init__(self, streams: StreamGroups, backend: AttentionBackend, shape: BlockShape,
                  scale: float, *, compute: bool = True, comm: bool = True,
-                 timeout_s: float = 600.0, what: str = "cp_attention") -> None:
+                 timeout_s: float = 600.0, what: str = "cp_attention",
+                 window: Window | None = None) -> None:
         self.streams = streams
+        self.window = window  # a sliding window: every tile masked by kernels/window.py
         self.backend = backend
         self.shape = shape
         self.scale = scale
@@ -283,10 +286,20 @@ class Executor(OpInterpreter[None]):
     # The kernel calls of a tile; ops/packed.py's PackedExecutor overrides them to compute a
     # packed (THD) tile document by document.
     def _kernel_forward(self, spec, q, k, v):
+        if self.window is not None:
+            return masked_forward(q, k, v, self._allowed(spec, q.device), self.scale)
         return self.backend.forward(q, k, v, spec.causal, self.scale)
 
     def _kernel_backward(self, spec, dout, q, k, v, out, lse):
+        if self.window is not None:
+            return masked_backward(dout, q, k, v, out, lse, self._allowed(spec, q.device),
+                                   self.scale)
         return self.backend.backward(dout, q, k, v, out, lse, spec.causal, self.scale)
+
+    def _allowed(self, spec, device: torch.device) -> torch.Tensor:
+        w = self.window
+        return w.allowed(spec.q_owner, spec.q_half, spec.kv_owner, spec.kv_half,
+                         w.load_balanced, device)
 
     def _forward_cut(self, spec, q: torch.Tensor,
                      k: torch.Tensor) -> list[tuple[slice, slice, bool]] | None:
@@ -295,7 +308,9 @@ class Executor(OpInterpreter[None]):
         blocks, whose masked half it would compute anyway). Each piece is merged into the
         accumulator as it comes, so the pieces never coexist with a whole-block output."""
         cut = getattr(self.backend, "forward_cut", None)
-        return cut(q, k, spec.causal) if cut is not None else None
+        if cut is None or self.window is not None:  # a windowed tile is one masked call
+            return None
+        return cut(q, k, spec.causal)
 
     def on_tile(self, op: Tile) -> None:
         s = op.spec

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from charm_megatron.kernels.head_dims import HeadDimPadding
+from charm_megatron.kernels.window import Window
 from charm_megatron.ops import agreement, softmax_offset
 from charm_megatron.ops.agreement import CPAttentionError
 from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent
@@ -31,10 +32,13 @@ def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor
     if dv != q.shape[3]:
         backend = HeadDimPadding(backend)  # the fused kernels take one head dim
     backend = GuardedBackend(backend)
+    window = call.request.window
+    extra = {} if window is None else {"window": Window(
+        window[0], window[1], sg.size, q.shape[0], load_balanced=call.request.causal)}
     return call.layout.executor(sg, backend, shape, call.scale,
                                 forced_backend=opts.backend is not None,
                                 compute=opts.compute, comm=opts.comm,
-                                timeout_s=opts.timeout_s, what=call.what(direction))
+                                timeout_s=opts.timeout_s, what=call.what(direction), **extra)
 
 
 def run_plan(call: Call, sg: StreamGroups, ex: Executor, ops, direction: Direction) -> None:

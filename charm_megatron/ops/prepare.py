@@ -30,6 +30,7 @@ from charm_megatron.ops.request import (
     check_backend,
     check_scale,
     check_softmax_offset,
+    check_window,
 )
 from charm_megatron.ops.resolution import Resolved, model_cluster, resolve_call
 from charm_megatron.ops.streams import StreamGroups, stream_groups
@@ -84,7 +85,7 @@ class Call:
 
 def build_request(q, k, v, *, cp_size: int, algo: str, topology, causal: bool,
                   softmax_scale, options, roles, cu_seqlens, cu_seqlens_padded,
-                  tag=None, softmax_offset=None) -> CallRequest:
+                  tag=None, softmax_offset=None, window_size=None) -> CallRequest:
     """This rank's request, every argument checked (TypeError / ValueError naming it)."""
     opts = resolve(options)
     if algo not in CHOICES:
@@ -100,8 +101,9 @@ def build_request(q, k, v, *, cp_size: int, algo: str, topology, causal: bool,
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"cp_attention: tag must be a string or None, got {type(tag).__name__}")
     offset = check_softmax_offset(softmax_offset, q, layout.heads(q, k)[2])
+    window = check_window(window_size, layout.name)
     return CallRequest(TensorDesc.of(q), TensorDesc.of(k), TensorDesc.of(v), layout, algo,
-                       topology, bool(causal), scale, opts, settings, tag, offset)
+                       topology, bool(causal), scale, opts, settings, tag, offset, window)
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, **arguments) -> Call:
@@ -112,7 +114,7 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, **argum
     try:  # this rank's own checks; the verdict is shared by the agreement below
         request = build_request(q, k, v, cp_size=cp_size, **arguments)
         cluster = model_cluster(request.options)  # a profile this rank cannot read fails all
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, NotImplementedError) as exc:
         error = exc
     opts = request.options if request is not None else CPOptions()
     sg = stream_groups(group, opts.timeout_s)

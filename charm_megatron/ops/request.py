@@ -85,6 +85,28 @@ def check_softmax_offset(offset, q: torch.Tensor, heads: int) -> TensorDesc | No
     return TensorDesc.of(offset)
 
 
+def check_window(window_size, layout_name: str) -> tuple[int, int] | None:
+    """``window_size`` as ``(left, right)`` ints (``-1``: unbounded), or ``None`` (no window;
+    also for ``(-1, -1)``). Packed THD calls take no window yet."""
+    if window_size is None:
+        return None
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise TypeError(f"cp_attention: window_size must be (left, right) ints or None, got "
+                        f"{window_size!r}")
+    left, right = window_size
+    if left < -1 or right < -1:
+        raise ValueError(f"cp_attention: window_size={tuple(window_size)}: each side must be "
+                         ">= 0, or -1 for unbounded (flash-attn's convention)")
+    if left == right == -1:
+        return None
+    if layout_name != "sbhd":
+        raise NotImplementedError(
+            "cp_attention: a sliding window (window_size) with packed sequences (cu_seqlens) "
+            "is not supported yet; use the sbhd layout")
+    return int(left), int(right)
+
+
 def _topology_desc(topology) -> str:
     groups = getattr(topology, "groups", None)
     return repr(tuple(tuple(g) for g in groups)) if groups is not None else repr(topology)
@@ -115,6 +137,7 @@ class CallRequest:
     settings: Values  # every registered algorithm setting's value for this call
     tag: str | None = None  # the caller's name for the call site (Megatron: the layer)
     softmax_offset: TensorDesc | None = None  # a sink per query head (None: vanilla softmax)
+    window: tuple[int, int] | None = None  # sliding window (left, right); None: none
 
     def fields(self, direction: Direction, call: int,
                cluster=None) -> tuple[tuple[str, object], ...]:
@@ -133,6 +156,7 @@ class CallRequest:
             ("causal", bool(self.causal)),
             ("softmax_scale", self.scale),
             ("call tag", self.tag),
+            ("window_size", self.window),
             ("softmax_offset shape/dtype/device",
              None if self.softmax_offset is None else self.softmax_offset.field()),
             ("kernel backend", opts.backend_name),

@@ -1,0 +1,120 @@
+"""Sliding-window attention on a tile of a CP plan: which (query, key) pairs a window keeps,
+from the tile's global positions, and plain-math kernels that take that mask.
+
+A window ``(left, right)`` is flash-attn's and megatron-core's: query ``i`` sees key ``j`` iff
+``i - left <= j <= i + right`` in global positions (``-1``: unbounded on that side), and, for a
+causal call, ``j <= i``. A plan's tile holds rows of two ranks' blocks; their global
+positions follow Megatron's layout (:func:`positions`), so the mask of every tile, sub-tile
+and half is exact. Rows a tile leaves without any key get ``lse = -inf`` and a zero output,
+which the log-sum-exp merge ignores.
+
+These kernels compute every tile (no tile is skipped yet) in fp32 (float64 for float64
+inputs) with the mask materialised: correct on every device, and slower than the fused
+kernels, which take no arbitrary mask with a log-sum-exp here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from charm_megatron.plan.vocab import Half
+
+__all__ = ["Window", "masked_backward", "masked_forward", "positions"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """A call's window and what places its rows: ``left``, ``right`` (``-1``: unbounded), the
+    CP size ``n``, rows per rank ``s_local`` and whether the shards are load-balanced
+    (causal calls) or contiguous."""
+
+    left: int
+    right: int
+    n: int
+    s_local: int
+    load_balanced: bool
+
+    def allowed(self, q_owner: int, q_half: Half, kv_owner: int, kv_half: Half,
+                causal: bool, device: torch.device) -> torch.Tensor:
+        """``[sq, sk]`` bool: the pairs of this tile the window (and the causal mask) keep."""
+        qp = positions(q_owner, q_half, self.s_local, self.n, self.load_balanced, device)
+        kp = positions(kv_owner, kv_half, self.s_local, self.n, self.load_balanced, device)
+        diff = qp[:, None] - kp[None, :]  # i - j
+        keep = torch.ones_like(diff, dtype=torch.bool)
+        if causal:
+            keep &= diff >= 0
+        if self.left >= 0:
+            keep &= diff <= self.left
+        if self.right >= 0:
+            keep &= -diff <= self.right
+        return keep
+
+
+def positions(owner: int, half: Half, s_local: int, n: int, load_balanced: bool,
+              device: torch.device | str = "cpu") -> torch.Tensor:
+    """Global positions of rows ``half`` of rank ``owner``'s block: chunks ``owner`` and
+    ``2n-1-owner`` of ``2n`` (load-balanced) or rows ``owner*s_local ...`` (contiguous)."""
+    c = s_local // 2
+    if load_balanced:
+        first = torch.arange(owner * c, owner * c + c, device=device)
+        second = torch.arange((2 * n - 1 - owner) * c, (2 * n - owner) * c, device=device)
+    else:
+        base = owner * s_local
+        first = torch.arange(base, base + c, device=device)
+        second = torch.arange(base + c, base + s_local, device=device)
+    if half is Half.FIRST:
+        return first
+    if half is Half.SECOND:
+        return second
+    return torch.cat([first, second])
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _heads_first(x: torch.Tensor, groups: int, wide: torch.dtype) -> torch.Tensor:
+    """``[s, b, h, d]`` -> ``[b, h * groups, s, d]`` in ``wide`` (kv heads repeated for GQA)."""
+    x = x.to(wide).permute(1, 2, 0, 3)
+    return x.repeat_interleave(groups, 1) if groups > 1 else x
+
+
+def masked_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [sq, b, hq, dv] in q's dtype, lse [b, hq, sq])`` of the pairs ``allowed``."""
+    wide, g = _wide(q.dtype), q.shape[2] // k.shape[2]
+    qh, kh, vh = _heads_first(q, 1, wide), _heads_first(k, g, wide), _heads_first(v, g, wide)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, -1)  # -inf where a row keeps no key
+    p = torch.where(allowed, torch.exp(s - lse.unsqueeze(-1)), torch.zeros((), dtype=wide))
+    out = (p @ vh).permute(2, 0, 1, 3)
+    return out.to(q.dtype), lse
+
+
+def masked_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, allowed: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of the pairs ``allowed``; ``lse [b, hq, sq]`` the rows' final one."""
+    wide, g = _wide(q.dtype), q.shape[2] // k.shape[2]
+    qh, kh, vh = _heads_first(q, 1, wide), _heads_first(k, g, wide), _heads_first(v, g, wide)
+    doh, oh = _heads_first(dout, 1, wide), _heads_first(out, 1, wide)
+    s = (qh @ kh.transpose(-1, -2)) * scale
+    p = torch.where(allowed, torch.exp(s - lse.to(wide).unsqueeze(-1)),
+                    torch.zeros((), dtype=wide))
+    dvh = p.transpose(-1, -2) @ doh
+    dp = doh @ vh.transpose(-1, -2)
+    delta = (doh * oh).sum(-1, keepdim=True)
+    ds = p * (dp - delta)
+    dqh = (ds @ kh) * scale
+    dkh = (ds.transpose(-1, -2) @ qh) * scale
+
+    def fold(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        b, hg, sk, d = x.shape
+        if g > 1:
+            x = x.view(b, hg // g, g, sk, d).sum(2)
+        return x.permute(2, 0, 1, 3).to(like.dtype)
+
+    return dqh.permute(2, 0, 1, 3).to(q.dtype), fold(dkh, k), fold(dvh, v)
