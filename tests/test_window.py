@@ -28,3 +28,8 @@ def test_sbhd_matches_float64_reference(world):
     bad = [f"{c} rank {r}: {n} {e:.3g}" for r, per in enumerate(res) for c, errs in per.items()
            for n, e in errs.items() if not e < window_cases.TOL[c[3]]]
     assert not bad, "\n".join(bad)
+
+
+def test_a_window_on_packed_sequences_is_refused_on_every_rank():
+    texts = run_ranks(window_cases.packed_window_refused, 2, timeout_s=120)
+    assert all("window_size" in t and "packed" in t for t in texts), texts

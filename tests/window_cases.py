@@ -58,3 +58,16 @@ def run_sbhd(rank: int, world: int, cases: list[tuple]) -> dict:
         results[case] = {n: rel_err(a, w) for n, a, w in
                          zip(("out", "lse", "dq", "dk", "dv"), got, want)}
     return results
+
+
+def packed_window_refused(rank: int, world: int) -> str:
+    """A window on a packed (THD) call: every rank must raise the same clear error."""
+    import packed_cases
+
+    q, k, v = (torch.randn(8, 2, 8) for _ in range(3))
+    cu = packed_cases.cumulative([8 * world])
+    try:
+        cp_attention(q, k, v, cu_seqlens=cu, window_size=(4, 0))
+    except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
