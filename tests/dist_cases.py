@@ -36,6 +36,12 @@ def local_part(x: torch.Tensor, rank: int, n: int, causal: bool, seq_dim: int = 
     return x.chunk(n, dim=seq_dim)[rank]
 
 
+def local_reference(ref, rank: int, n: int, causal: bool) -> list[torch.Tensor]:
+    """This rank's part of a full-sequence reference ``(out, lse [b, h, s], dq, dk, dv)``."""
+    return [local_part(ref[0], rank, n, causal), local_part(ref[1], rank, n, causal, 2),
+            *(local_part(t, rank, n, causal) for t in ref[2:5])]
+
+
 def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
 
@@ -51,8 +57,7 @@ def run_attention(rank: int, world: int, algo: str, topology, causal: bool, dtyp
     out, lse = cp_attention(ql, kl, vl, algo=algo, topology=topology, causal=causal,
                             return_lse=True)
     out.backward(local_part(dout, rank, world, causal).to(dt))
-    want = [local_part(ref[0], rank, world, causal), local_part(ref[1], rank, world, causal, 2)]
-    want += [local_part(t, rank, world, causal) for t in ref[2:]]
+    want = local_reference(ref, rank, world, causal)
     got = [out, lse, ql.grad, kl.grad, vl.grad]
     assert out.dtype == dt and lse.dtype == torch.float32
     assert lse.shape == (b, hq, s // world)
@@ -146,9 +151,7 @@ def run_matrix(rank: int, world: int, cases: list[tuple], rows_per_rank: int = 8
         out, lse = cp_attention(ql, kl, vl, algo=algo, topology=topology, causal=causal,
                                 return_lse=True, **extra)
         out.backward(local_part(dout, rank, world, causal).to(dt))
-        want = [local_part(ref[0], rank, world, causal),
-                local_part(ref[1], rank, world, causal, 2)]
-        want += [local_part(t, rank, world, causal) for t in ref[2:]]
+        want = local_reference(ref, rank, world, causal)
         got = [out, lse, ql.grad, kl.grad, vl.grad]
         errs = {n: rel_err(g, w) for n, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want)}
         key = (causal, dtype, hkv)

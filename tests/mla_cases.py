@@ -14,7 +14,7 @@ import torch
 
 import packed_cases
 from charm_megatron import cp_attention
-from dist_cases import local_part, rel_err
+from dist_cases import local_part, local_reference, rel_err
 from packed_cases import DTYPES
 
 TOL = {"fp32": 1e-5, "bf16": 2e-2, "fp64": 1e-12}
@@ -58,9 +58,8 @@ def run_sbhd(rank: int, world: int, cases: list[tuple]) -> dict:
                                   return_lse=True)
         assert o.shape == (ql.shape[0], b, hq, dv), o.shape
         o.backward(local_part(dout, rank, world, causal).to(dt))
-        want = [local_part(out.detach(), rank, world, causal),
-                local_part(lse.detach(), rank, world, causal, 2)]
-        want += [local_part(t.grad, rank, world, causal) for t in (qr, kr, vr)]
+        want = local_reference((out.detach(), lse.detach(), qr.grad, kr.grad, vr.grad), rank,
+                               world, causal)
         got = [o, lse_got, ql.grad, kl.grad, vl.grad]
         results[case] = {n: rel_err(a, w) for n, a, w in
                          zip(("out", "lse", "dq", "dk", "dv"), got, want)}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from charm_megatron import cp_attention
-from dist_cases import local_part, make_inputs, rel_err
+from dist_cases import local_part, local_reference, make_inputs, rel_err
 from packed_cases import DTYPES
 
 TOL = {"fp32": 1e-5, "bf16": 2e-2, "fp64": 1e-12}
@@ -52,8 +52,7 @@ def run_sbhd(rank: int, world: int, cases: list[tuple]) -> dict:
         out, lse = cp_attention(ql, kl, vl, algo=algo, topology=topology, causal=causal,
                                 return_lse=True, window_size=(left, right))
         out.backward(local_part(dout, rank, world, causal).to(dt))
-        want = [local_part(ref[0], rank, world, causal), local_part(ref[1], rank, world, causal, 2)]
-        want += [local_part(t, rank, world, causal) for t in ref[2:]]
+        want = local_reference(ref, rank, world, causal)
         got = [out, lse, ql.grad, kl.grad, vl.grad]
         results[case] = {n: rel_err(a, w) for n, a, w in
                          zip(("out", "lse", "dq", "dk", "dv"), got, want)}

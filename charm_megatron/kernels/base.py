@@ -45,8 +45,8 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
 
     sbhd: ``q [s_q, b, h_q, d]``, ``k [s_k, b, h_kv, d]``, ``v [s_k, b, h_kv, d_v]``; thd
     (packed documents, no batch dimension): ``q [t_q, h_q, d]``, ``k [t_k, h_kv, d]``,
-    ``v [t_k, h_kv, d_v]``; ``d_v`` may differ from ``d`` (multi-latent attention). One float dtype and device,
-    ``h_q`` a multiple of ``h_kv``; equal q and kv lengths when ``equal_lengths`` or
+    ``v [t_k, h_kv, d_v]``; ``d_v`` may differ from ``d`` (multi-latent attention). One float
+    dtype and device, ``h_q`` a multiple of ``h_kv``; equal q and kv lengths when ``equal_lengths`` or
     ``causal``. Raises ``TypeError`` / ``ValueError`` whose message starts with ``who``.
     """
     dims, form, hint = _LAYOUTS[layout]

@@ -21,35 +21,40 @@ import torch
 
 from charm_megatron.plan.vocab import Half
 
-__all__ = ["Window", "masked_backward", "masked_forward", "positions"]
+__all__ = ["Window", "keep", "masked_backward", "masked_forward", "positions"]
+
+
+def keep(diff: torch.Tensor, causal: bool, left: int, right: int) -> torch.Tensor:
+    """Which pairs a window keeps, from ``diff = query position - key position``: ``diff``
+    within ``[-right, left]`` (``-1``: that side unbounded) and, when ``causal``, ``>= 0``."""
+    kept = torch.ones_like(diff, dtype=torch.bool)
+    if causal:
+        kept &= diff >= 0
+    if left >= 0:
+        kept &= diff <= left
+    if right >= 0:
+        kept &= -diff <= right
+    return kept
 
 
 @dataclass(frozen=True)
 class Window:
     """A call's window and what places its rows: ``left``, ``right`` (``-1``: unbounded), the
-    CP size ``n``, rows per rank ``s_local`` and whether the shards are load-balanced
-    (causal calls) or contiguous."""
+    CP size ``n``, rows per rank ``s_local`` and whether the call is causal (its shards then
+    load-balanced, else contiguous)."""
 
     left: int
     right: int
     n: int
     s_local: int
-    load_balanced: bool
+    causal: bool
 
     def allowed(self, q_owner: int, q_half: Half, kv_owner: int, kv_half: Half,
-                causal: bool, device: torch.device) -> torch.Tensor:
+                device: torch.device) -> torch.Tensor:
         """``[sq, sk]`` bool: the pairs of this tile the window (and the causal mask) keep."""
-        qp = positions(q_owner, q_half, self.s_local, self.n, self.load_balanced, device)
-        kp = positions(kv_owner, kv_half, self.s_local, self.n, self.load_balanced, device)
-        diff = qp[:, None] - kp[None, :]  # i - j
-        keep = torch.ones_like(diff, dtype=torch.bool)
-        if causal:
-            keep &= diff >= 0
-        if self.left >= 0:
-            keep &= diff <= self.left
-        if self.right >= 0:
-            keep &= -diff <= self.right
-        return keep
+        qp = positions(q_owner, q_half, self.s_local, self.n, self.causal, device)
+        kp = positions(kv_owner, kv_half, self.s_local, self.n, self.causal, device)
+        return keep(qp[:, None] - kp[None, :], self.causal, self.left, self.right)
 
 
 def positions(owner: int, half: Half, s_local: int, n: int, load_balanced: bool,

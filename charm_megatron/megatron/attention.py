@@ -32,6 +32,7 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from charm_megatron.kernels import check_qkv
+from charm_megatron.kernels.window import keep
 from charm_megatron.megatron.args import TE_COMM_TYPES, our_comm_types, stand_in
 from charm_megatron.megatron.comm_types import is_ours, layer_comm_type
 from charm_megatron.ops.options import CPOptions
@@ -71,14 +72,10 @@ def _local_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float
     g = qb.shape[1] // kb.shape[1]
     kb, vb = kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)
     scores = (qb.float() @ kb.float().transpose(-1, -2)) * scale
-    n = scores.shape[-1]
-    i = torch.arange(n, device=q.device)
-    diff = i[:, None] - i[None, :]  # query - key position
-    drop = (diff < 0) if causal else torch.zeros_like(diff, dtype=torch.bool)
-    if window is not None:
-        drop = drop | ((diff > window[0]) if window[0] >= 0 else False)
-        drop = drop | ((-diff > window[1]) if window[1] >= 0 else False)
-    scores = scores.masked_fill(drop, float("-inf"))
+    i = torch.arange(scores.shape[-1], device=q.device)
+    left, right = window if window is not None else (-1, -1)
+    scores = scores.masked_fill(~keep(i[:, None] - i[None, :], causal, left, right),
+                                float("-inf"))
     if offset is not None:
         sink = offset.float().view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
         probs = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
@@ -281,8 +278,9 @@ class CharmDotProductAttention(MegatronModule):
             return DEFAULT_COMM_TYPE
         if isinstance(cp_comm_type, str) and is_ours(cp_comm_type):
             return cp_comm_type
-        if isinstance(cp_comm_type, str) and stand_in(cp_comm_type) is not None:
-            return stand_in(cp_comm_type)
+        served = stand_in(cp_comm_type) if isinstance(cp_comm_type, str) else None
+        if served is not None:
+            return served
         if cp_comm_type in TE_COMM_TYPES:
             raise NotImplementedError(
                 f"CharmDotProductAttention: layer {layer_number} has cp_comm_type "

@@ -39,7 +39,7 @@ from charm_megatron.plan.core import (
     Wait,
 )
 from charm_megatron.plan.lifetimes import Lifetimes, lifetimes
-from charm_megatron.plan.vocab import BLOCKS, Dtype, as_loc
+from charm_megatron.plan.vocab import BLOCKS, Dtype, as_loc, block_sizes
 
 
 class CommError(RuntimeError):
@@ -197,8 +197,7 @@ class Executor(OpInterpreter[None]):
         key = (kind, wire)
         if key not in self._shapes:
             sh = self.shape
-            sizes = {"s": sh.s, "b": sh.b, "hq": sh.hq, "hkv": sh.hkv, "d": sh.d,
-                     "dv": sh.dv or sh.d}
+            sizes = block_sizes(sh.b, sh.hq, sh.hkv, sh.d, sh.dv, s=sh.s)
             self._shapes[key] = [(t.shape(sizes), self._torch_dtype(t.dtype(accumulator=not wire)))
                                  for t in BLOCKS[Kind(kind)].tensors]
         return self._shapes[key]
@@ -297,9 +296,8 @@ class Executor(OpInterpreter[None]):
         return self.backend.backward(dout, q, k, v, out, lse, spec.causal, self.scale)
 
     def _allowed(self, spec, device: torch.device) -> torch.Tensor:
-        w = self.window
-        return w.allowed(spec.q_owner, spec.q_half, spec.kv_owner, spec.kv_half,
-                         w.load_balanced, device)
+        return self.window.allowed(spec.q_owner, spec.q_half, spec.kv_owner, spec.kv_half,
+                                   device)
 
     def _forward_cut(self, spec, q: torch.Tensor,
                      k: torch.Tensor) -> list[tuple[slice, slice, bool]] | None:

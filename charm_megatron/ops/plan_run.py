@@ -21,11 +21,11 @@ from charm_megatron.plan.vocab import Direction
 
 
 def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor,
-                  direction: Direction, v: torch.Tensor | None = None) -> Executor:
+                  v: torch.Tensor, direction: Direction) -> Executor:
     """The executor of one direction of ``call`` on internal ``[s, b, h, d]`` blocks: its
     kernels behind the failure guard, its layout's tile computation."""
     opts = call.options
-    dv = v.shape[3] if v is not None else q.shape[3]
+    dv = v.shape[3]
     shape = BlockShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype,
                        q.device, dv)
     backend = kernel_backend(opts, q.device, q.dtype)
@@ -34,7 +34,7 @@ def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor
     backend = GuardedBackend(backend)
     window = call.request.window
     extra = {} if window is None else {"window": Window(
-        window[0], window[1], sg.size, q.shape[0], load_balanced=call.request.causal)}
+        window[0], window[1], sg.size, q.shape[0], causal=call.request.causal)}
     return call.layout.executor(sg, backend, shape, call.scale,
                                 forced_backend=opts.backend is not None,
                                 compute=opts.compute, comm=opts.comm,
@@ -87,7 +87,7 @@ def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     include it (ops/softmax_offset.py), applied to the accumulator before the cast."""
     fwd, _ = call.plans()
     sg = stream_groups(call.group, call.options.timeout_s)
-    ex = make_executor(call, sg, q, k, Direction.FORWARD, v)
+    ex = make_executor(call, sg, q, k, v, Direction.FORWARD)
     ex.set_own("own.q", "q", q)
     ex.set_own("own.kv", "kv", k, v)
     run_plan(call, sg, ex, fwd.ops[dist.get_rank(call.group)], Direction.FORWARD)
@@ -109,7 +109,7 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         agreement.open_call(sg, timeout_s, forward_call=call.seq)
         sig = agreement.Signature(call.fields(Direction.BACKWARD))
         agreement.agree(sg, sig, call.seq, True, timeout_s)
-    ex = make_executor(call, sg, q, k, Direction.BACKWARD, v)
+    ex = make_executor(call, sg, q, k, v, Direction.BACKWARD)
     dout = dout.to(q.dtype)
     # delta = rowsum(dout * out) is all the tiles' backward needs of the output (see
     # executor._out_with_delta), so the q-side bundle carries it instead of out, scaled by

@@ -63,15 +63,19 @@ def problem(request: CallRequest, cp_size: int) -> Problem:
     scale = getattr(request.options.backend, "problem_scale", None)
     if scale is not None:
         s, b = s * scale.rows, b * scale.batch
-    dv = request.v.shape[-1]
-    return Problem(b, s * cp_size, hq, hkv, d, request.q.element_size, 0 if dv == d else dv)
+    return Problem(b, s * cp_size, hq, hkv, d, request.q.element_size, _own_v_dim(request, d))
 
 
 def role_shape(request: CallRequest) -> RoleShape:
     """What the plan rules (the byte rule, the memory bound) read of a call."""
     _, _, hq, hkv, d = _heads(request)
+    return RoleShape(hq, hkv, d, request.q.element_size, _own_v_dim(request, d))
+
+
+def _own_v_dim(request: CallRequest, d: int) -> int:
+    """The call's v head dim where it differs from ``d`` (MLA), else 0 (the models' "as d")."""
     dv = request.v.shape[-1]
-    return RoleShape(hq, hkv, d, request.q.element_size, 0 if dv == d else dv)
+    return 0 if dv == d else dv
 
 
 def resolve_call(request: CallRequest, group, cp_size: int, cluster) -> Resolved:

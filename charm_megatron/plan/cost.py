@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from charm_megatron.plan.core import Kind, Plan, Xfer
 from charm_megatron.plan.roles import ROLE_MIXES
+from charm_megatron.plan.vocab import block_sizes
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,7 @@ class Problem:
 
 @functools.lru_cache(maxsize=4096)  # the simulator asks for every message it times
 def _block_bytes(problem: Problem, kind: Kind, n: int) -> float:
-    sizes = {"b": problem.b, "hq": problem.hq, "hkv": problem.hkv, "d": problem.d,
-             "dv": problem.v_dim}
+    sizes = block_sizes(problem.b, problem.hq, problem.hkv, problem.d, problem.dv)
     return problem.s / n * kind.spec.row_bytes(sizes, problem.elem)
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from charm_megatron.plan.core import Comm, Half, Kind, Loc, Op, Plan, Reset, Tile, TileBwd
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.lifetimes import lifetimes
-from charm_megatron.plan.vocab import BLOCKS
+from charm_megatron.plan.vocab import BLOCKS, block_sizes
 
 __all__ = ["BOUND", "Peak", "max_peak", "peak", "plan_peak"]
 
@@ -45,8 +45,7 @@ class Peak:
 
 @functools.lru_cache(maxsize=4096)
 def _block_bytes(problem: Problem, n: int, kind: Kind, accumulator: bool, rows: Half) -> float:
-    sizes = {"b": problem.b, "hq": problem.hq, "hkv": problem.hkv, "d": problem.d,
-             "dv": problem.v_dim}
+    sizes = block_sizes(problem.b, problem.hq, problem.hkv, problem.d, problem.dv)
     per_row = 0
     for t in BLOCKS[Kind(kind)].tensors:
         size = t.dtype(accumulator).size(problem.elem)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from charm_megatron.plan.vocab import BLOCKS, Half, Kind, Role, RoleMix
+from charm_megatron.plan.vocab import BLOCKS, Half, Kind, Role, RoleMix, block_sizes
 
 __all__ = ["ROLE_MIXES", "TIE_MARGIN", "Decision", "RoleChoice", "RoleShape", "check_roles",
            "choose", "row_bytes"]
@@ -53,7 +53,8 @@ def check_roles(value: object, option: str = "roles") -> RoleMix:
 @dataclass(frozen=True)
 class RoleShape:
     """What the byte rule reads of an attention call: query heads, kv heads, head dim, the
-    bytes of one input element and the v head dim (``dv``, 0: as ``d``). (Batch and sequence length scale both alternatives alike.)"""
+    bytes of one input element and the v head dim (``dv``, 0: as ``d``). (Batch and sequence
+    length scale both alternatives alike.)"""
 
     hq: int
     hkv: int
@@ -72,7 +73,7 @@ class RoleShape:
 @functools.lru_cache(maxsize=4096)  # a pure function the role rules ask per exchange
 def row_bytes(kind: Kind, shape: RoleShape, half: Half = Half.FULL) -> float:
     """Bytes per token of a block of ``kind`` (the rows of ``half``) as it travels."""
-    sizes = {"b": 1, "hq": shape.hq, "hkv": shape.hkv, "d": shape.d, "dv": shape.dv or shape.d}
+    sizes = block_sizes(1, shape.hq, shape.hkv, shape.d, shape.dv)
     return BLOCKS[Kind(kind)].row_bytes(sizes, shape.elem) * half.fraction
 
 

@@ -198,9 +198,20 @@ class BlockSpec:
         return sum(t.row_bytes(sizes, input_bytes) for t in self.tensors)
 
 
+def block_sizes(b: int, hq: int, hkv: int, d: int, dv: int = 0,
+                s: int | None = None) -> dict[str, int]:
+    """The sizes :data:`BLOCKS`' dims are written in: ``d`` the q / k head dim, ``dv`` the v
+    (and output) head dim (``0``: as ``d``; they differ only for multi-latent attention),
+    and, where a caller shapes whole blocks, ``s`` the rank's rows."""
+    sizes = {"b": b, "hq": hq, "hkv": hkv, "d": d, "dv": dv or d}
+    if s is not None:
+        sizes["s"] = s
+    return sizes
+
+
 _FP32 = Dtype.FP32
-# The one statement of every block's layout. ``d`` is the q / k head dim, ``dv`` the v (and
-# output) head dim: equal but for multi-latent attention (MLA: q/k 192, v 128). The wire-dtype rule: partials (out, dq, dkv)
+# The one statement of every block's layout, in the sizes of block_sizes (MLA: q / k 192,
+# v 128). The wire-dtype rule: partials (out, dq, dkv)
 # accumulate in fp32 and travel in the input dtype (half the bytes for bf16; one rounding per
 # hop, summed in fp32 on both sides); lse and the (lse, delta) statistics are fp32 everywhere.
 # Own blocks are the caller's tensors themselves, in these layouts.
