@@ -320,7 +320,7 @@ def test_sub_tiles_of_two_sides_do_not_make_a_tile():
     q1 = dataclasses.replace(want, q_half=Half.FIRST)
     kv2 = dataclasses.replace(want, kv_half=Half.SECOND)
     assert covered({q1, kv2}, False) == {q1, kv2}
-    assert kv2 in _rivals(q1, False) and want in _rivals(q1, False)
+    assert kv2 in _rivals(q1, want) and want in _rivals(q1, want)
     plan = build_plan("ring", "forward", _groups(1, 4), False)
     with pytest.raises(PlanError, match="computed 2 times"):
         check_tiles_once(plan, {(2, 0): [q1, kv2]})

@@ -169,14 +169,15 @@ class TimedBackend:
 
     # -- device time ------------------------------------------------------------------------
     def tile_seconds(self, sq: int, sk: int, b: int, hq: int, hkv: int, d: int, elem: int,
-                     causal: bool, backward: bool) -> float:
+                     causal: bool, backward: bool, kept: float = 1.0) -> float:
         """Device seconds of one tile of ``sq`` x ``sk`` *virtual* rows, batch ``b``, ``hq`` /
         ``hkv`` heads of dim ``d``, ``elem`` bytes per element: the model's price
         (:mod:`charm_megatron.model.sim`'s ``_op_cost``): FLOPs at the profile's rate and tile
         efficiency (slowed while a transfer is in flight), the fold of its result into the
-        accumulators at the merge rate, the per-op overhead."""
+        accumulators at the merge rate, the per-op overhead. ``kept``: the share of the
+        tile's pairs a sliding window keeps (its FLOPs scale with it)."""
         cl = self.cluster
-        flops = 4.0 * b * hq * d * sq * sk * (0.5 if causal else 1.0)
+        flops = 4.0 * b * hq * d * sq * sk * (0.5 if causal else 1.0) * kept
         if backward:
             flops *= cl.bwd_factor
         eff = effects.kernel_efficiency(cl, sq, sk, d)
@@ -234,6 +235,31 @@ class TimedBackend:
         self._wait(self.tile_seconds(sq, sk, b, q.shape[2], k.shape[2], q.shape[3],
                                      q.element_size(), causal, True), True)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    def forward_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       allowed: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """A tile under a sliding window's mask ``allowed``: priced at the share it keeps."""
+        return self._masked(q, k, v, allowed, None)
+
+    def backward_masked(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        allowed: torch.Tensor, scale: float
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._masked(q, k, v, allowed, dout)
+
+    def _masked(self, q, k, v, allowed, dout):
+        sq, b = self._virtual(q.shape[0], q.shape[1])
+        sk, _ = self._virtual(k.shape[0], k.shape[1])
+        kept = float(allowed.float().mean()) if allowed.numel() else 0.0
+        backward = dout is not None
+        self._wait(self.tile_seconds(sq, sk, b, q.shape[2], k.shape[2], q.shape[3],
+                                     q.element_size(), False, backward, kept), True)
+        if backward:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse = torch.zeros((q.shape[1], q.shape[2], q.shape[0]), dtype=lse_dtype,
+                          device=q.device)
+        return q.new_zeros((*q.shape[:-1], v.shape[-1])), lse
 
     def merged(self, wire_bytes: float) -> None:
         """The executor merged a received partial of ``wire_bytes``: its device time (the

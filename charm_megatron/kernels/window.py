@@ -8,17 +8,23 @@ positions follow Megatron's layout (:func:`positions`), so the mask of every til
 and half is exact. Rows a tile leaves without any key get ``lse = -inf`` and a zero output,
 which the log-sum-exp merge ignores.
 
-These kernels compute every tile (no tile is skipped yet) in fp32 (float64 for float64
-inputs) with the mask materialised: correct on every device, and slower than the fused
-kernels, which take no arbitrary mask with a log-sum-exp here.
+Plans hold only the tiles a window needs (plan/prune.py). Of those, a tile the window keeps
+whole runs on the backend's fused kernel (:meth:`Window.needs_mask` is False); the others
+run here in fp32 (float64 for float64 inputs) with the mask materialised: correct on every
+device, and slower than a fused kernel, which takes no arbitrary mask with a log-sum-exp
+here. A backend with ``forward_masked`` / ``backward_masked`` (the emulator's timed device)
+takes them instead.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from charm_megatron.plan.core import TileSpec
+from charm_megatron.plan.tile_rule import WindowGeometry
 from charm_megatron.plan.vocab import Half
 
 __all__ = ["Window", "keep", "masked_backward", "masked_forward", "positions"]
@@ -55,6 +61,29 @@ class Window:
         qp = positions(q_owner, q_half, self.s_local, self.n, self.causal, device)
         kp = positions(kv_owner, kv_half, self.s_local, self.n, self.causal, device)
         return keep(qp[:, None] - kp[None, :], self.causal, self.left, self.right)
+
+    @property
+    def geometry(self) -> WindowGeometry:
+        return WindowGeometry(self.left, self.right, self.n, self.s_local, self.causal)
+
+    def needs_mask(self, spec: TileSpec) -> bool:
+        """False where the window keeps every pair the tile's own mask keeps: the fused
+        kernel (causal on the diagonal, else none) computes it exactly."""
+        return not _fully_kept(self.geometry, spec)
+
+    def fraction(self, spec: TileSpec) -> float:
+        """The share of the tile's own pairs the window keeps (what a windowed kernel pays)."""
+        return _fraction(self.geometry, spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fully_kept(geometry: WindowGeometry, spec: TileSpec) -> bool:
+    return geometry.fully_kept(spec)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fraction(geometry: WindowGeometry, spec: TileSpec) -> float:
+    return geometry.fraction(spec)
 
 
 def positions(owner: int, half: Half, s_local: int, n: int, load_balanced: bool,

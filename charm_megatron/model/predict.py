@@ -28,9 +28,11 @@ def _plans(algo: str, groups: Groups, problem: Problem, causal: bool,
     others at their defaults), the rules reading ``problem``'s shape (the byte rule, the memory
     bound), a setting left to the model (``auto``) timed with ``timer`` (off without one).
     Memoised by :func:`~charm_megatron.plan.registry.plans`: plans depend on the topology,
-    mask, shape and settings, not on the sequence length."""
+    mask, shape and settings, and under a sliding window on the tiles it needs (which the
+    sequence length decides), not otherwise on the sequence length."""
+    n = sum(len(g) for g in groups)
     return registry.plans(algo, groups, causal, shape=role_shape(problem), timer=timer,
-                          **settings)
+                          tiles=problem.tiles(n, causal), **settings)
 
 
 def _plan(algo: str, direction: str, groups: Groups, causal: bool) -> Plan:

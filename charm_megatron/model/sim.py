@@ -138,6 +138,9 @@ class _Engine(OpInterpreter[None]):
         c = cluster.cpu_ns_per_byte * 1e-9
         self.flow_weight = 1.0 / c if c else 1.0
         self.flow_cap = 1.0 / c if c else math.inf
+        # A sliding window: a tile costs the share of its pairs the window keeps (a windowed
+        # kernel skips the blocks outside it; plan/tile_rule.py counts the pairs exactly).
+        self.window = problem.geometry(self.n, plan.causal)
 
     # ---------------------------------------------------------------- resources
     def _capacities(self) -> dict[Hashable, float]:
@@ -191,6 +194,8 @@ class _Engine(OpInterpreter[None]):
             return self._merge_s(self.loc_bytes[r].get(op.src, 0.0)) + over
         s = op.spec
         flops = tile_flops(s, p, n) * (cl.bwd_factor if isinstance(op, TileBwd) else 1.0)
+        if self.window is not None:
+            flops *= self.window.fraction(s)
         rows = p.s / n
         eff = effects.kernel_efficiency(cl, rows * s.q_half.fraction, rows * s.kv_half.fraction,
                                         p.d)

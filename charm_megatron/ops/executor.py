@@ -285,15 +285,26 @@ class Executor(OpInterpreter[None]):
     # The kernel calls of a tile; ops/packed.py's PackedExecutor overrides them to compute a
     # packed (THD) tile document by document.
     def _kernel_forward(self, spec, q, k, v):
-        if self.window is not None:
-            return masked_forward(q, k, v, self._allowed(spec, q.device), self.scale)
+        if self._masked(spec):
+            allowed = self._allowed(spec, q.device)
+            own = getattr(self.backend, "forward_masked", None)
+            if own is not None:
+                return own(q, k, v, allowed, self.scale)
+            return masked_forward(q, k, v, allowed, self.scale)
         return self.backend.forward(q, k, v, spec.causal, self.scale)
 
     def _kernel_backward(self, spec, dout, q, k, v, out, lse):
-        if self.window is not None:
-            return masked_backward(dout, q, k, v, out, lse, self._allowed(spec, q.device),
-                                   self.scale)
+        if self._masked(spec):
+            allowed = self._allowed(spec, q.device)
+            own = getattr(self.backend, "backward_masked", None)
+            if own is not None:
+                return own(dout, q, k, v, out, lse, allowed, self.scale)
+            return masked_backward(dout, q, k, v, out, lse, allowed, self.scale)
         return self.backend.backward(dout, q, k, v, out, lse, spec.causal, self.scale)
+
+    def _masked(self, spec) -> bool:
+        """The tile needs the window's mask (a tile it keeps whole runs the fused kernel)."""
+        return self.window is not None and self.window.needs_mask(spec)
 
     def _allowed(self, spec, device: torch.device) -> torch.Tensor:
         return self.window.allowed(spec.q_owner, spec.q_half, spec.kv_owner, spec.kv_half,
@@ -306,7 +317,7 @@ class Executor(OpInterpreter[None]):
         blocks, whose masked half it would compute anyway). Each piece is merged into the
         accumulator as it comes, so the pieces never coexist with a whole-block output."""
         cut = getattr(self.backend, "forward_cut", None)
-        if cut is None or self.window is not None:  # a windowed tile is one masked call
+        if cut is None or self._masked(spec):  # a masked tile is one call
             return None
         return cut(q, k, spec.causal)
 

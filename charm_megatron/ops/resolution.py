@@ -17,6 +17,7 @@ from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.roles import RoleShape
 from charm_megatron.plan.settings import Values
+from charm_megatron.plan.tile_rule import TileRule, WindowGeometry, window_rule
 from charm_megatron.plan.validate import validate
 
 Groups = tuple[tuple[int, ...], ...]
@@ -60,10 +61,14 @@ def problem(request: CallRequest, cp_size: int) -> Problem:
     ``problem_scale``: batch and rows factors) makes that the call's problem, so ``auto`` and
     the variant rules predict for the problem the device times."""
     s, b, hq, hkv, d = _heads(request)
+    window = request.window
     scale = getattr(request.options.backend, "problem_scale", None)
     if scale is not None:
         s, b = s * scale.rows, b * scale.batch
-    return Problem(b, s * cp_size, hq, hkv, d, request.q.element_size, _own_v_dim(request, d))
+        if window is not None:  # the window spans as many virtual rows as the rows do
+            window = tuple(w * scale.rows if w > 0 else w for w in window)
+    return Problem(b, s * cp_size, hq, hkv, d, request.q.element_size, _own_v_dim(request, d),
+                   window)
 
 
 def role_shape(request: CallRequest) -> RoleShape:
@@ -107,15 +112,28 @@ def resolve_call(request: CallRequest, group, cp_size: int, cluster) -> Resolved
     shape = role_shape(request)
     variants = registry.variants(algo, groups, request.causal, shape=shape, timer=timer,
                                  **request.settings)
-    plans = _validated(algo, groups, request.causal, shape, timer, request.settings)
+    plans = _validated(algo, groups, request.causal, shape, timer, request.settings,
+                       tile_rule(request, cp_size))
     return Resolved(algo, groups, variants, plans)
 
 
+def tile_rule(request: CallRequest, cp_size: int) -> TileRule | None:
+    """The tiles a windowed call needs (plan/tile_rule.py); ``None`` without a window, or on
+    packed sequences, whose documents each place the window differently (their plans keep
+    every tile, each masked document by document)."""
+    if request.window is None or request.layout.name != "sbhd":
+        return None
+    left, right = request.window
+    rows = _heads(request)[0]
+    return window_rule(WindowGeometry(left, right, cp_size, rows, request.causal))
+
+
 def _validated(algo: str, groups: Groups, causal: bool, shape: RoleShape, timer,
-               values: Values) -> tuple[Plan, Plan]:
+               values: Values, tiles: TileRule | None = None) -> tuple[Plan, Plan]:
     """The registry's plans (memoised there), each validated before its first use: every rank
     derives the same plans, and a plan is proved once however many keys lead to it."""
-    fwd, bwd = registry.plans(algo, groups, causal, shape=shape, timer=timer, values=values)
+    fwd, bwd = registry.plans(algo, groups, causal, shape=shape, timer=timer, values=values,
+                              tiles=tiles)
     _validate_once(fwd)
     _validate_once(bwd)
     return fwd, bwd
@@ -127,7 +145,7 @@ _PROVED: set[tuple] = set()
 
 
 def _validate_once(plan: Plan) -> None:
-    key = (plan.algo, plan.direction, plan.n, plan.groups, plan.causal,
+    key = (plan.algo, plan.direction, plan.n, plan.groups, plan.causal, plan.tiles,
            tuple(tuple(ops) for ops in plan.ops))
     if key in _PROVED:
         return

@@ -86,5 +86,6 @@ def _dkv_rows(q_owner: int, kv_owner: int, causal: bool) -> Half:
 
 ALLGATHER = register(Algorithm(
     "allgather", allgather_rank, uses_topology=False, te_name="allgather",
+    prunes_messages=False,  # TE gathers all of k and v whatever the window
     description="TransformerEngine's all_gather: kv gathered from every rank, dk/dv "
                 "reduce-scattered"))

@@ -106,7 +106,10 @@ def closed_matching(heads: Mapping[Key, Comm]) -> set[Key]:
             batch = heads[key]
             for peer in batch.peers:
                 other = (peer, stream)
-                if other not in alive or not _counts_match(rank, batch, peer, heads[other]):
+                # Both ways: a batch that only receives from ``peer`` must not meet a head of
+                # ``peer`` that sends it nothing (a later batch of ``peer`` is its partner).
+                if other not in alive or not _counts_match(rank, batch, peer, heads[other]) \
+                        or not _counts_match(peer, heads[other], rank, batch):
                     alive.discard(key)
                     changed = True
                     break

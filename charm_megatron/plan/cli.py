@@ -11,7 +11,7 @@ import argparse
 from collections import Counter
 from collections.abc import Collection
 
-from charm_megatron.plan.core import Plan
+from charm_megatron.plan.core import Plan, Tile, TileBwd
 from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args, traffic
 from charm_megatron.plan.memory import max_peak
 from charm_megatron.plan.registry import (
@@ -24,6 +24,7 @@ from charm_megatron.plan.registry import (
     settings_values,
 )
 from charm_megatron.plan.roles import Decision, RoleShape
+from charm_megatron.plan.tile_rule import WindowGeometry
 from charm_megatron.plan.validate import validate
 from charm_megatron.topology import Topology
 
@@ -122,11 +123,12 @@ def run(args: argparse.Namespace) -> int:
     shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem, problem.dv)
     mask = "causal" if args.causal else "full"
     settings = settings_from_args(args)
+    tiles = problem.tiles(args.cp, args.causal)
     if args.rank is not None:
         if not 0 <= args.rank < args.cp:
             raise SystemExit(f"--rank must be in [0, {args.cp})")
         plan = build_plan(args.algo, args.direction, groups, args.causal, shape=shape,
-                          **settings)
+                          tiles=tiles, **settings)
         validate(plan)
         print(f"# {args.algo} {args.direction}, topology {topo}, {mask}, rank {args.rank}, "
               f"roles {args.roles}")
@@ -150,13 +152,53 @@ def run(args: argparse.Namespace) -> int:
     print(header)
     for direction in ("forward", "backward"):
         for algo in names():
-            plan = build_plan(algo, direction, groups, args.causal, shape=shape, **settings)
+            plan = build_plan(algo, direction, groups, args.causal, shape=shape, tiles=tiles,
+                              **settings)
             stats = validate(plan)
             t = traffic(plan, problem, groups)
             print(f"{algo:{w}} {direction:8} {stats.critical_path:9d} {max(stats.messages):9d} "
                   f"{_mb(max(t.intra))} {_mb(t.max_cross)} {_mb(t.total_cross):>11} "
                   f"{_mb(max_peak(plan, problem))}  {_role_summary(plan)}")
+    if tiles is not None:
+        _window_savings(args, groups, problem, shape, settings, w)
     return 0
+
+
+def _window_savings(args, groups, problem, shape, settings, w: int) -> None:
+    """What the window saves: per algorithm and direction, the busiest rank's MiB sent and
+    tiles, windowed against the same algorithm's full attention."""
+    tiles = problem.tiles(args.cp, args.causal)
+    left, right = problem.window
+    print()
+    print(f"# window {left},{right}: {len(tiles.pairs())} of {args.cp ** 2} tiles needed; "
+          "the busiest rank's MiB sent, tiles and compute (score pairs the window keeps, in "
+          "rank-block squares), windowed and full attention, and their ratio")
+    print(f"{'algo':{w}} {'dir':8} {'MiB window':>10} {'MiB full':>10} {'ratio':>6} "
+          f"{'tiles':>6} {'full':>5} {'compute':>8} {'full':>6} {'ratio':>6}")
+    rows = problem.s // args.cp
+    geometries = (problem.geometry(args.cp, args.causal),
+                  WindowGeometry(-1, -1, args.cp, rows, args.causal))
+    for direction in ("forward", "backward"):
+        for algo in names():
+            cut = build_plan(algo, direction, groups, args.causal, shape=shape, tiles=tiles,
+                             **settings)
+            full = build_plan(algo, direction, groups, args.causal, shape=shape, **settings)
+            sent = [_sent(p, problem, groups) for p in (cut, full)]
+            counts = [max(validate(p).tiles) for p in (cut, full)]
+            work = [max(sum(g.kept_pairs(op.spec) for op in ops if type(op) in (Tile, TileBwd))
+                        for ops in p.ops) / rows ** 2 for p, g in zip((cut, full), geometries)]
+            print(f"{algo:{w}} {direction:8} {_mb(sent[0])} {_mb(sent[1])} "
+                  f"{_ratio(sent):6.2f} {counts[0]:6g} {counts[1]:5g} {work[0]:8.2f} "
+                  f"{work[1]:6.2f} {_ratio(work):6.2f}")
+
+
+def _ratio(pair: list[float]) -> float:
+    return pair[0] / pair[1] if pair[1] else 1.0
+
+
+def _sent(plan: Plan, problem, groups) -> float:
+    t = traffic(plan, problem, groups)
+    return max(i + c for i, c in zip(t.intra, t.cross))
 
 
 def _dims(problem) -> str:

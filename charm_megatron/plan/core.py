@@ -239,6 +239,9 @@ class Plan:
     #: ``plan.memory.BOUND`` x ring's peak memory (``registry.build_plan``).
     early_returns: bool = False
     lean: bool = False
+    #: The tiles the plan computes (:class:`~charm_megatron.plan.tile_rule.TileRule`): those
+    #: of a sliding window; ``None``: every tile of the full attention.
+    tiles: object = None
 
     # Where the executor finds the results on every rank.
     OUT = RESULT[Kind.OUT]
@@ -247,6 +250,16 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.direction = Direction(self.direction)
+
+    @property
+    def rule(self):
+        """The plan's :class:`~charm_megatron.plan.tile_rule.TileRule` (the full attention's
+        where ``tiles`` is ``None``)."""
+        if self.tiles is not None:
+            return self.tiles
+        from charm_megatron.plan.tile_rule import full_rule  # imports this module
+
+        return full_rule(self.n, self.causal)
 
     def comms(self, rank: int) -> list[Comm]:
         """``rank``'s batches, in posted order."""

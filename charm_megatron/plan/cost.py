@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from charm_megatron.plan.core import Kind, Plan, Xfer
 from charm_megatron.plan.roles import ROLE_MIXES
+from charm_megatron.plan.tile_rule import TileRule, WindowGeometry, window_rule
 from charm_megatron.plan.vocab import block_sizes
 
 
@@ -23,6 +24,18 @@ class Problem:
     d: int
     elem: int = 2  # bf16
     dv: int = 0  # v / output head dim; 0: as d (MLA has its own)
+    window: tuple[int, int] | None = None  # sliding window (left, right); None: full
+
+    def geometry(self, n: int, causal: bool) -> WindowGeometry | None:
+        """Where the window's rows lie on ``n`` ranks (``None``: no window)."""
+        if self.window is None:
+            return None
+        return WindowGeometry(self.window[0], self.window[1], n, self.s // n, causal)
+
+    def tiles(self, n: int, causal: bool) -> TileRule | None:
+        """The tiles the window needs on ``n`` ranks (``None``: every tile)."""
+        geometry = self.geometry(n, causal)
+        return None if geometry is None else window_rule(geometry)
 
     @property
     def v_dim(self) -> int:
@@ -58,6 +71,10 @@ def add_problem_args(parser: argparse.ArgumentParser) -> None:
                         help="v (and output) head dim, e.g. 128 for MLA's 192 / 128; default: "
                              "--head-dim")
     parser.add_argument("--dtype", choices=sorted(ELEM_BYTES), default="bf16")
+    parser.add_argument("--window", type=parse_window, default=None, metavar="LEFT[,RIGHT]",
+                        help="sliding window (flash-attn's window_size): query i sees keys "
+                             "i-LEFT .. i+RIGHT (-1: unbounded; RIGHT defaults to 0); plans "
+                             "then hold only the tiles and messages it needs")
     parser.add_argument("--roles", choices=ROLE_MIXES, default="bytes",
                         help="what the rmplus / charm exchanges move: bytes (default: per "
                              "exchange the role moving fewer bytes for this shape), paper "
@@ -65,12 +82,27 @@ def add_problem_args(parser: argparse.ArgumentParser) -> None:
                              "kv or q (forced for every exchange)")
 
 
+def parse_window(text: str) -> tuple[int, int]:
+    """``"LEFT"`` or ``"LEFT,RIGHT"`` as ``(left, right)`` (``-1``: unbounded)."""
+    parts = text.split(",")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or any(v < -1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"--window {text!r}: give LEFT or LEFT,RIGHT as integers >= -1 (-1: unbounded)")
+    return (values[0], values[1] if len(values) == 2 else 0)
+
+
 def problem_from_args(args: argparse.Namespace, seq: int | None = None) -> Problem:
     """The :class:`Problem` those options describe (``seq`` overrides ``--seq``)."""
     dv = getattr(args, "v_head_dim", None)
+    window = getattr(args, "window", None)
     return Problem(args.batch, args.seq if seq is None else seq, args.heads,
                    args.kv_heads or args.heads, args.head_dim, ELEM_BYTES[args.dtype],
-                   0 if dv in (None, args.head_dim) else dv)
+                   0 if dv in (None, args.head_dim) else dv,
+                   None if window in (None, (-1, -1)) else tuple(window))
 
 
 @dataclass

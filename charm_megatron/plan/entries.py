@@ -76,7 +76,14 @@ class Algorithm:
     ``te_name``: the ``--cp-comm-type`` under which TransformerEngine offers the same
     algorithm (``p2p`` for ring), so printouts and docs can name the peer it stands for; an
     entry whose own name is a TE comm type (``allgather``) is a *peer*: Megatron's
-    ``--cp-comm-type`` of that name stays TE's (docs/megatron.md)."""
+    ``--cp-comm-type`` of that name stays TE's (docs/megatron.md).
+
+    Under a sliding window every plan is pruned to the tiles and messages the window needs
+    (plan/prune.py); ``windowed_rank`` builds it instead of ``build_rank`` where the
+    algorithm has a shape of its own for windows (ring: two bounded rings), given the
+    :class:`~charm_megatron.plan.tile_rule.TileRule` in place of ``causal``.
+    ``prunes_messages`` False keeps every message (a collective that moves everything,
+    as TE's all-gather does) and prunes tiles only."""
 
     name: str
     build_rank: RankBuilder
@@ -86,6 +93,8 @@ class Algorithm:
     variants: VariantRule | None = None
     finish: PlanRule | None = None
     te_name: str | None = None
+    windowed_rank: RankBuilder | None = None
+    prunes_messages: bool = True
 
 
 _REGISTRY: dict[str, Algorithm] = {}

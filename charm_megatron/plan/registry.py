@@ -50,8 +50,10 @@ from charm_megatron.plan.entries import (
     registered,
     unregister,
 )
+from charm_megatron.plan.prune import prune
 from charm_megatron.plan.roles import ROLE_MIXES, RoleShape
 from charm_megatron.plan.settings import Setting, Values
+from charm_megatron.plan.tile_rule import TileRule
 from charm_megatron.plan.vocab import Direction
 
 __all__ = [
@@ -176,25 +178,29 @@ def variants(algo: str, groups: Sequence[Sequence[int]], causal: bool, *,
 
 def build_plan(algo: str, direction: Direction | str, groups: Sequence[Sequence[int]],
                causal: bool, *, shape: RoleShape | None = None,
-               timer: PlanTimer | None = None, **settings: object) -> Plan:
+               timer: PlanTimer | None = None, tiles: TileRule | None = None,
+               **settings: object) -> Plan:
     """The plan of the registered ``algo`` for ``direction`` (``forward`` or ``backward``) on CP
     ranks partitioned into ``groups`` (CP-local ranks); an algorithm that does not use the
     topology gets one flat group. ``settings``: the algorithm's settings by name (e.g.
     ``pass_order="joint", roles="kv", split_visiting=True``; :func:`all_settings`), the others
     at their defaults; ``shape``, ``timer``: as :func:`variants`'. Without a shape the plan is
-    shape-free (the default role mix ``bytes`` is then the paper's Algorithm 1)."""
+    shape-free (the default role mix ``bytes`` is then the paper's Algorithm 1). ``tiles``:
+    a sliding window's :class:`TileRule` (``None``: full attention)."""
     entry = get(algo)
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     ctx = VariantContext(_algo_groups(entry, groups), causal, shape, timer)
     fwd, bwd = _variants(entry, ctx.groups, causal, shape, timer,
                          _own(entry, settings_values(**settings)))
-    return _build(entry, Direction(direction), ctx, fwd if direction == "forward" else bwd)
+    return _build(entry, Direction(direction), ctx, fwd if direction == "forward" else bwd,
+                  tiles)
 
 
 def plans(algo: str, groups: Sequence[Sequence[int]], causal: bool, *,
           shape: RoleShape | None = None, timer: PlanTimer | None = None,
-          values: Values | None = None, **settings: object) -> tuple[Plan, Plan]:
+          values: Values | None = None, tiles: TileRule | None = None,
+          **settings: object) -> tuple[Plan, Plan]:
     """The forward and backward plans of :func:`build_plan`, memoised (callers share them:
     do not modify) and not validated (callers validate). ``values``: resolved settings
     (:func:`settings_values`); ``settings`` by name override them."""
@@ -203,7 +209,10 @@ def plans(algo: str, groups: Sequence[Sequence[int]], causal: bool, *,
     entry = get(algo)
     if entry.variants is None and entry.finish is None:
         shape = timer = None  # nothing of the entry reads them: one plan for every shape
-    return _plans(entry, _algo_groups(entry, groups), causal, shape, timer, _own(entry, values))
+    if tiles is not None and not tiles.windowed:
+        tiles = None
+    return _plans(entry, _algo_groups(entry, groups), causal, shape, timer, _own(entry, values),
+                  tiles)
 
 
 def _algo_groups(entry: Algorithm, groups: Sequence[Sequence[int]]) -> Groups:
@@ -227,17 +236,30 @@ def _variants(entry: Algorithm, groups: Groups, causal: bool, shape: RoleShape |
     return entry.variants(values, VariantContext(groups, causal, shape, timer))
 
 
-def _build(entry: Algorithm, direction: Direction, ctx: VariantContext, variant: Any) -> Plan:
-    plan = assemble(entry.name, entry.build_rank, direction, ctx.groups, ctx.causal, variant)
+def _build(entry: Algorithm, direction: Direction, ctx: VariantContext, variant: Any,
+           tiles: TileRule | None = None) -> Plan:
+    """The entry's plan; under a window (``tiles``), built by its windowed builder where it
+    has one, then pruned to the window (plan/prune.py)."""
+    windowed = tiles is not None and tiles.windowed
+    build_rank = entry.build_rank
+    if windowed and entry.windowed_rank is not None:
+        def build_rank(rank, groups, causal, direction, variant):  # noqa: ANN001, ARG001
+            return entry.windowed_rank(rank, groups, tiles, direction, variant)
+    plan = assemble(entry.name, build_rank, direction, ctx.groups, ctx.causal, variant)
     assert plan is not None  # no keep test: every rank assembled
-    return entry.finish(plan, ctx, variant) if entry.finish is not None else plan
+    if entry.finish is not None:
+        plan = entry.finish(plan, ctx, variant)
+    if windowed:
+        plan = prune(plan, tiles, messages=entry.prunes_messages)
+    return plan
 
 
 @lru_cache(maxsize=256)
 def _plans(entry: Algorithm, groups: Groups, causal: bool, shape: RoleShape | None,
-           timer: PlanTimer | None, values: Values) -> tuple[Plan, Plan]:
+           timer: PlanTimer | None, values: Values,
+           tiles: TileRule | None = None) -> tuple[Plan, Plan]:
     # Keyed on the entry itself (not its name), so a re-registered name never hits old plans.
     ctx = VariantContext(groups, causal, shape, timer)
     fwd, bwd = _variants(entry, groups, causal, shape, timer, values)
-    return (_build(entry, Direction.FORWARD, ctx, fwd),
-            _build(entry, Direction.BACKWARD, ctx, bwd))
+    return (_build(entry, Direction.FORWARD, ctx, fwd, tiles),
+            _build(entry, Direction.BACKWARD, ctx, bwd, tiles))

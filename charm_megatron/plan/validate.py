@@ -54,9 +54,9 @@ from charm_megatron.plan.core import (
     Wait,
     Xfer,
     format_op,
-    tile_spec,
 )
 from charm_megatron.plan.lifetimes import lifetimes
+from charm_megatron.plan.tile_rule import TileRule, full_rule
 from charm_megatron.plan.vocab import Direction, Side, Stream
 
 
@@ -79,6 +79,7 @@ class _Batch:
     op: Comm
     to_peer: dict[int, list[_Content]] = field(default_factory=lambda: defaultdict(list))
     done: bool = False
+    index: int = -1  # the Comm's position in its rank's op list
 
 
 @dataclass
@@ -128,41 +129,51 @@ def sub_tiles(want: TileSpec) -> tuple[tuple[TileSpec, TileSpec], ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _variants(q_owner: int, kv_owner: int, causal: bool) -> tuple[TileSpec, ...]:
-    """The specs a plan may compute of tile ``(q_owner, kv_owner)``: the tile, or one of its
-    half sub-tiles (:func:`sub_tiles`)."""
-    want = tile_spec(q_owner, kv_owner, causal)
+def _variants(want: TileSpec) -> tuple[TileSpec, ...]:
+    """The specs a plan may compute of the tile ``want`` of a block pair: the tile, or one of
+    its half sub-tiles (:func:`sub_tiles`)."""
     return (want,) + tuple(t for pair in sub_tiles(want) for t in pair)
 
 
-def _is_sub_tile(s: TileSpec, causal: bool) -> bool:
-    """``s`` is one half sub-tile of its tile (along q or kv)."""
-    return s != tile_spec(s.q_owner, s.kv_owner, causal) and \
-        s in _variants(s.q_owner, s.kv_owner, causal)
+def _is_sub_tile(s: TileSpec, want: TileSpec) -> bool:
+    """``s`` is one half sub-tile of the tile ``want`` (along q or kv)."""
+    return s != want and s in _variants(want)
 
 
-def _sibling(t: TileSpec, causal: bool) -> TileSpec:
+def _sibling(t: TileSpec, want: TileSpec) -> TileSpec:
     """The other half sub-tile of sub-tile ``t``'s pair."""
-    pair = next(p for p in sub_tiles(tile_spec(t.q_owner, t.kv_owner, causal)) if t in p)
+    pair = next(p for p in sub_tiles(want) if t in p)
     return pair[1] if t == pair[0] else pair[0]
 
 
-def _rivals(t: TileSpec, causal: bool) -> tuple[TileSpec, ...]:
+def _rivals(t: TileSpec, want: TileSpec) -> tuple[TileSpec, ...]:
     """The other specs of ``t``'s block pair that share (q row, kv row) pairs with it: a
     whole tile's sub-tiles, a sub-tile's whole tile and the other side's sub-tiles that cross
     it (the only specs that pass :meth:`_SymbolicRun.check_tile_halves` for one block
     pair)."""
-    return tuple(u for u in _variants(t.q_owner, t.kv_owner, causal) if u != t
+    return tuple(u for u in _variants(want) if u != t
                  and _overlap(u.q_half, t.q_half) and _overlap(u.kv_half, t.kv_half))
 
 
-def covered(tiles: frozenset[TileSpec] | set[TileSpec], causal: bool) -> set[TileSpec]:
-    """The whole tiles in ``tiles``: a tile, or both sub-tiles of one pair; a lone sub-tile
-    stays as it is (and so matches no tile of the full attention)."""
+def _as_rule(rule: TileRule | bool, tiles) -> TileRule:
+    """A rule, or for a bool (``causal``) the full attention's on as many ranks as ``tiles``
+    name."""
+    if isinstance(rule, TileRule):
+        return rule
+    n = 1 + max((max(t.q_owner, t.kv_owner) for t in tiles), default=0)
+    return full_rule(n, bool(rule))
+
+
+def covered(tiles: frozenset[TileSpec] | set[TileSpec], rule: TileRule | bool) -> set[TileSpec]:
+    """The whole tiles in ``tiles`` (``rule``: the call's :class:`TileRule`, or ``causal``
+    for the full attention's): a tile, or both sub-tiles of one pair; a lone sub-tile stays
+    as it is (and so matches no tile the rule needs)."""
+    rule = _as_rule(rule, tiles)
     out = set()
     for t in tiles:
-        if _is_sub_tile(t, causal) and _sibling(t, causal) in tiles:
-            out.add(tile_spec(t.q_owner, t.kv_owner, causal))
+        want = rule.want(t.q_owner, t.kv_owner)
+        if want is not None and _is_sub_tile(t, want) and _sibling(t, want) in tiles:
+            out.add(want)
         else:
             out.add(t)
     return out
@@ -179,6 +190,7 @@ class _SymbolicRun(OpInterpreter[bool]):
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
+        self.rule = plan.rule
         n = plan.n
         query = plan.direction.query
         self.state: list[dict[Loc, _Content]] = [
@@ -288,28 +300,34 @@ class _SymbolicRun(OpInterpreter[bool]):
         if not c.half.covers(rows):
             self.fail(f"accumulates rows {rows} into {acc}, which holds rows {c.half}")
         self.check_no_transfer(acc)
-        causal = self.plan.causal
-        dup = (c.tiles & new) | {t for t in new
-                                 if any(u in c.tiles for u in _rivals(t, causal))}
+        rule = self.rule
+        dup = (c.tiles & new) | {t for t in new if any(
+            u in c.tiles for u in _rivals(t, rule.want(t.q_owner, t.kv_owner)))}
         if dup:
             self.fail(f"merges tiles {sorted(map(_tile_name, dup))} into {acc} twice")
         c.tiles = c.tiles | new
         c.depth = max(c.depth, depth)
 
     # ------------------------------------------------------------------ tiles
-    def check_tile_halves(self, s: TileSpec) -> None:
-        want = tile_spec(s.q_owner, s.kv_owner, self.plan.causal)
-        if s not in _variants(s.q_owner, s.kv_owner, self.plan.causal):
-            self.fail(f"tile {_tile_name(s)} should be {_tile_name(want)}")
+    def check_tile_halves(self, s: TileSpec) -> TileSpec:
+        """``s`` is the tile its pair needs, or a half sub-tile of it; returns that tile."""
+        want = self.rule.want(s.q_owner, s.kv_owner)
+        if want is None:
+            self.fail(f"tile {_tile_name(s)} is computed but its window keeps none of its "
+                      "pairs")
+        if s not in _variants(want):
+            self.fail(f"tile {_tile_name(s)} rows q.{s.q_half} x kv.{s.kv_half} should be "
+                      f"{_rows_name(want)}")
+        return want
 
     def _tile_inputs(self, op: Tile | TileBwd) -> int:
         """Check a tile's shape and inputs, count it; return the depth of its inputs."""
         s = op.spec
-        self.check_tile_halves(s)
+        want = self.check_tile_halves(s)
         qc = self.read(op.q_loc, self.plan.direction.query, s.q_owner, s.q_half)
         kc = self.read(op.kv_loc, Kind.KV, s.kv_owner, s.kv_half)
         self.tile_count[(s.q_owner, s.kv_owner)].append(s)
-        self.halves_done[self.r] += 1 if _is_sub_tile(s, self.plan.causal) else 2
+        self.halves_done[self.r] += 1 if _is_sub_tile(s, want) else 2
         return max(qc.depth, kc.depth)
 
     def _result(self, loc: Loc, fresh: bool, kind: Kind, owner: int, half: Half,
@@ -322,7 +340,7 @@ class _SymbolicRun(OpInterpreter[bool]):
     # ------------------------------------------------------------------ the ops
     def on_comm(self, op: Comm) -> bool:
         r, n = self.r, self.plan.n
-        b = _Batch(r, op)
+        b = _Batch(r, op, index=self.pc[r])
         for x in op.sends:
             if x.peer == r or not 0 <= x.peer < n:
                 self.fail(f"sends to invalid peer {x.peer}")
@@ -406,12 +424,19 @@ class _SymbolicRun(OpInterpreter[bool]):
                     self.check_message(stream, peer, sx, r, rx)
                     depth = content.depth + 1
                     self.max_depth = max(self.max_depth, depth)
-                    self.state[r][rx.loc] = _Content(content.kind, content.owner, content.half,
-                                                      content.tiles, depth)
+                    got = _Content(content.kind, content.owner, content.half, content.tiles,
+                                   depth)
+                    self.state[r][rx.loc] = got
+                    self.delivered(sender, sx, b, rx, got)
         for key in ready:
             heads[key].done = True
             self.queues.pop(*key)
         return True
+
+    def delivered(self, sender: _Batch, sx: Xfer, receiver: _Batch, rx: Xfer,
+                  content: _Content) -> None:
+        """Message ``sx`` of ``sender`` arrived as ``rx`` of ``receiver``, holding ``content``
+        (a hook for :mod:`charm_megatron.plan.prune`, which traces the data flow)."""
 
     def check_message(self, stream: Stream, src: int, sx: Xfer, dst: int, rx: Xfer) -> None:
         if (rx.kind, rx.owner, rx.half) != (sx.kind, sx.owner, sx.half):
@@ -443,8 +468,9 @@ def check_all_completed(run: _SymbolicRun) -> None:
 
 def check_tiles_once(plan: Plan, tile_count: dict[tuple[int, int], list[TileSpec]]) -> None:
     """Each tile computed once: whole, or as the two half sub-tiles of one side, each once."""
+    rule = plan.rule
     for (i, j), specs in tile_count.items():
-        want = tile_spec(i, j, plan.causal)
+        want = rule.want(i, j)
         if specs == [want]:
             continue
         if any(sorted(specs, key=_order) == list(pair) for pair in sub_tiles(want)):
@@ -464,22 +490,24 @@ def _rows_name(t: TileSpec) -> str:
 def check_results(plan: Plan, state: list[dict[Loc, _Content]]) -> None:
     """Each rank's results hold exactly the tiles of its rows (forward: out; backward: dq of
     its q rows and dkv of its kv rows)."""
-    n, causal = plan.n, plan.causal
+    n, rule = plan.n, plan.rule
+
+    def needed(pairs) -> set[TileSpec]:
+        return {w for w in (rule.want(i, j) for i, j in pairs) if w is not None}
+
     for r in range(n):
         if plan.direction is Direction.BACKWARD:
-            _expect(plan, r, state[r].get(Plan.DQ), Kind.DQ,
-                    {tile_spec(r, j, causal) for j in range(n)})
+            _expect(plan, r, state[r].get(Plan.DQ), Kind.DQ, needed((r, j) for j in range(n)))
             _expect(plan, r, state[r].get(Plan.DKV), Kind.DKV,
-                    {tile_spec(i, r, causal) for i in range(n)})
+                    needed((i, r) for i in range(n)))
         else:
-            _expect(plan, r, state[r].get(Plan.OUT), Kind.OUT,
-                    {tile_spec(r, j, causal) for j in range(n)})
+            _expect(plan, r, state[r].get(Plan.OUT), Kind.OUT, needed((r, j) for j in range(n)))
 
 
 def _expect(plan: Plan, r: int, c: _Content | None, kind: Kind, want: set[TileSpec]) -> None:
     if c is None or c.kind != kind or c.owner != r:
         raise PlanError(f"{plan.algo} {plan.direction}: rank {r} ends without its {kind}")
-    have = covered(c.tiles, plan.causal)
+    have = covered(c.tiles, plan.rule)
     if have != want:
         missing = sorted(map(_tile_name, want - have))
         extra = sorted(map(_tile_name, have - want))

@@ -1,0 +1,184 @@
+"""Which tiles a call needs: all of them (full attention) or those a sliding window reaches.
+
+A plan computes, for each (q owner, kv owner) pair of ranks, one *tile* of rows
+(:func:`charm_megatron.plan.core.tile_spec`). A sliding window ``(left, right)`` (query ``i``
+sees key ``j`` iff ``i - left <= j <= i + right`` in global positions, ``-1``: unbounded; on
+top of the causal mask) makes many of those tiles empty, and others need only one half of
+their rows. A :class:`TileRule` says, pair by pair, which tile a plan must compute: the tile of
+the full attention narrowed to the halves with any pair the window keeps, or none. Plans,
+their validator and their pruning (:mod:`charm_megatron.plan.prune`) read only that.
+
+:class:`WindowGeometry` holds what places rows in global positions (Megatron's load-balanced
+layout for causal calls, contiguous shards otherwise, ``c`` rows per half block) and counts,
+exactly and without enumerating rows, the pairs of a tile the window keeps: what the timed
+device and the performance model charge a windowed tile, and whether a tile needs a mask at
+all (:meth:`WindowGeometry.fully_kept`).
+
+Plan layer: no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from charm_megatron.plan.core import TileSpec, tile_spec
+from charm_megatron.plan.vocab import Half
+
+__all__ = ["TileRule", "WindowGeometry", "full_rule", "window_rule"]
+
+_HALVES = (Half.FIRST, Half.SECOND)
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class WindowGeometry:
+    """A window on ``n`` ranks of ``rows`` rows each; ``causal`` calls are load-balanced
+    (Megatron's layout: chunks ``r`` and ``2n-1-r`` of ``rows / 2``), others contiguous."""
+
+    left: int
+    right: int
+    n: int
+    rows: int
+    causal: bool
+
+    def start(self, owner: int, half: Half) -> int:
+        """First global position of half ``half`` (FIRST or SECOND) of ``owner``'s block."""
+        c = self.rows // 2
+        if self.causal:
+            return (owner if half is Half.FIRST else 2 * self.n - 1 - owner) * c
+        return owner * self.rows + (0 if half is Half.FIRST else c)
+
+    def size(self, half: Half) -> int:
+        """Rows of half ``half`` (the executor's split: the first ``rows // 2``, the rest)."""
+        return self.rows // 2 if half is Half.FIRST else self.rows - self.rows // 2
+
+    def bounds(self, causal_tile: bool) -> tuple[float, float]:
+        """The kept ``query - key`` differences ``[lo, hi]``: the window's, and ``>= 0``
+        under a causal mask."""
+        lo = -self.right if self.right >= 0 else -_INF
+        if self.causal or causal_tile:
+            lo = max(lo, 0)
+        hi = self.left if self.left >= 0 else _INF
+        return lo, hi
+
+    def kept_pairs(self, spec: TileSpec) -> int:
+        """How many (query row, key row) pairs of ``spec`` the window (and the mask) keep."""
+        lo, hi = self.bounds(spec.causal)
+        return sum(self._quarter_pairs(spec.q_owner, a, spec.kv_owner, b, lo, hi)
+                   for a in _split(spec.q_half) for b in _split(spec.kv_half))
+
+    def fraction(self, spec: TileSpec) -> float:
+        """The share of ``spec``'s pairs the window keeps, of what the tile's own mask keeps
+        (a causal tile's lower triangle, every pair of another): what a windowed kernel pays
+        of the kernel without a window."""
+        full = WindowGeometry(-1, -1, self.n, self.rows, self.causal)
+        whole = full.kept_pairs(spec)
+        return self.kept_pairs(spec) / whole if whole else 0.0
+
+    def fully_kept(self, spec: TileSpec) -> bool:
+        """True if the window removes no pair the tile's own mask keeps: then the fused kernel
+        without a window computes it exactly."""
+        return self.fraction(spec) == 1.0
+
+    def _quarter_pairs(self, i: int, a: Half, j: int, b: Half, lo: float, hi: float) -> int:
+        shift = self.start(i, a) - self.start(j, b)  # query - key of the quarters' first rows
+        sq, sk = self.size(a), self.size(b)
+        upper = _pairs_at_most(hi - shift, sq, sk) if hi < _INF else sq * sk
+        lower = _pairs_at_most(lo - 1 - shift, sq, sk) if lo > -_INF else 0
+        return max(0, upper - lower)
+
+    def needed(self, spec: TileSpec) -> TileSpec | None:
+        """``spec`` narrowed to the halves of each side with any kept pair (``None``: none)."""
+        lo, hi = self.bounds(spec.causal)
+        qs, ks = set(), set()
+        for a in _split(spec.q_half):
+            for b in _split(spec.kv_half):
+                if self._quarter_pairs(spec.q_owner, a, spec.kv_owner, b, lo, hi):
+                    qs.add(a)
+                    ks.add(b)
+        if not qs:
+            return None
+        return TileSpec(spec.q_owner, spec.kv_owner, _join(qs), _join(ks), spec.causal)
+
+
+def _pairs_at_most(t: float, a: int, b: int) -> int:
+    """``#{(x, y) in [0, a) x [0, b) : x - y <= t}``, without enumerating: row ``x`` keeps
+    ``min(b, max(0, b + t - x))`` keys; rows up to ``t`` keep all ``b``, the next ``b`` rows
+    one fewer each, the rest none."""
+    t = int(t // 1)
+    full_rows = max(0, min(a, t + 1))  # x <= t
+    lo, hi = full_rows, max(full_rows, min(a, b + t))  # rows keeping b + t - x keys
+    partial = (hi - lo) * (b + t) - (hi * (hi - 1) - lo * (lo - 1)) // 2
+    return full_rows * b + partial
+
+
+def _split(h: Half) -> tuple[Half, ...]:
+    return _HALVES if h is Half.FULL else (h,)
+
+
+def _join(halves: set[Half]) -> Half:
+    return Half.FULL if len(halves) == 2 else next(iter(halves))
+
+
+class TileRule:
+    """The tile each (q owner, kv owner) pair needs (``None``: none), for ``n`` ranks.
+
+    Rules compare and hash by what they require, so two windows (or sequence lengths) that
+    need the same tiles share plans. Full attention is :func:`full_rule`."""
+
+    __slots__ = ("n", "causal", "windowed", "_wants", "_hash")
+
+    def __init__(self, n: int, causal: bool,
+                 wants: tuple[tuple[TileSpec | None, ...], ...] | None = None) -> None:
+        self.n, self.causal = n, causal
+        self.windowed = wants is not None
+        if wants is None:
+            wants = tuple(tuple(tile_spec(i, j, causal) for j in range(n)) for i in range(n))
+        self._wants = wants
+        self._hash = hash((n, causal, wants))
+
+    def want(self, q_owner: int, kv_owner: int) -> TileSpec | None:
+        """The tile the pair needs, or ``None``."""
+        return self._wants[q_owner][kv_owner]
+
+    def pairs(self) -> list[TileSpec]:
+        """Every needed tile."""
+        return [w for row in self._wants for w in row if w is not None]
+
+    def reach(self) -> tuple[int, int]:
+        """How far a rank's needed kv owners lie below and above it: ``(max r - j over
+        needed j < r, max j - r over needed j > r)``."""
+        below = above = 0
+        for w in self.pairs():
+            d = w.q_owner - w.kv_owner
+            below, above = max(below, d), max(above, -d)
+        return below, above
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, TileRule) and self._hash == other._hash
+                and (self.n, self.causal, self._wants) == (other.n, other.causal, other._wants))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        if not self.windowed:
+            return f"TileRule(n={self.n}, causal={self.causal})"
+        return (f"TileRule(n={self.n}, causal={self.causal}, windowed: "
+                f"{len(self.pairs())} of {self.n * self.n} tiles)")
+
+
+@functools.lru_cache(maxsize=64)
+def full_rule(n: int, causal: bool) -> TileRule:
+    """Every tile of the full attention."""
+    return TileRule(n, causal)
+
+
+@functools.lru_cache(maxsize=256)
+def window_rule(geometry: WindowGeometry) -> TileRule:
+    """The tiles ``geometry``'s window needs: the full attention's, narrowed or dropped."""
+    n, causal = geometry.n, geometry.causal
+    wants = tuple(tuple(geometry.needed(tile_spec(i, j, causal)) for j in range(n))
+                  for i in range(n))
+    return TileRule(n, causal, wants)
