@@ -165,3 +165,26 @@ def test_a_tile_the_window_keeps_whole_runs_unmasked():
     frac = Window(5, 0, 4, 8, True).fraction(tile_spec(2, 1, True))
     allowed = Window(5, 0, 4, 8, True).allowed(2, Half.FULL, 1, Half.FIRST, "cpu")
     assert frac == pytest.approx(float(allowed.to(torch.float64).mean()))
+
+
+def test_the_model_times_a_window_and_auto_picks_from_it():
+    from charm_megatron.model import auto_cluster, choose_algo, predict
+
+    cluster = auto_cluster("h100")
+    groups = _groups(2, 8)
+    full = Problem(1, 65536, 32, 8, 128)
+    windowed = dataclasses.replace(full, window=(4096, 0))
+    times = {}
+    for algo in ("ring", "charm", "allgather"):
+        t_full = predict(algo, groups, full, cluster, True).total_s
+        t_win = predict(algo, groups, windowed, cluster, True).total_s
+        times[algo] = t_win
+        assert t_win < t_full
+    # Ring and CHARM+ send only what the window needs: far below their full attention.
+    assert times["ring"] < 0.3 * predict("ring", groups, full, cluster, True).total_s
+    # All-gather still moves every k and v: the window leaves it the slowest.
+    assert times["allgather"] > max(times["ring"], times["charm"])
+    pick = choose_algo(groups, windowed, cluster, causal=True)
+    best = min(times, key=times.get)
+    assert times.get(pick, predict(pick, groups, windowed, cluster, True).total_s) <= \
+        1.05 * times[best]

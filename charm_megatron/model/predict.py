@@ -35,10 +35,12 @@ def _plans(algo: str, groups: Groups, problem: Problem, causal: bool,
                           tiles=problem.tiles(n, causal), **settings)
 
 
-def _plan(algo: str, direction: str, groups: Groups, causal: bool) -> Plan:
+def _plan(algo: str, direction: str, groups: Groups, causal: bool,
+          problem: Problem | None = None) -> Plan:
     """One direction of ``algo``'s shape-free plan at its default settings (the ring's CCR,
-    calibration)."""
-    fwd, bwd = registry.plans(algo, groups, causal)
+    calibration); with ``problem``, under its window's tiles where it has one."""
+    tiles = None if problem is None else problem.tiles(sum(len(g) for g in groups), causal)
+    fwd, bwd = registry.plans(algo, groups, causal, tiles=tiles)
     return fwd if direction == "forward" else bwd
 
 
@@ -106,7 +108,7 @@ def ring_ccr(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster
              causal: bool, direction: str = "forward") -> CCR:
     """The ring's CCR for ``direction`` (``forward`` or ``backward``) on this cluster."""
     g = _groups(groups)
-    plan = _plan("ring", direction, g, causal)
+    plan = _plan("ring", direction, g, causal, problem)
     comp = simulate(plan, problem, cluster, g, comm=False).time_s
     comm = simulate(plan, problem, cluster, g, compute=False).time_s
     return CCR(comp, comm)

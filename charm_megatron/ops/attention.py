@@ -82,8 +82,9 @@ def cp_attention(
         window_size: ``(left, right)``: query ``i`` sees key ``j`` iff ``i - left <= j <=
             i + right`` in global positions (``-1``: unbounded; flash-attn's and
             megatron-core's convention), on top of ``causal``; ``None``: no window. sbhd only
-            (packed THD raises ``NotImplementedError``). Every tile is still computed, masked
-            (kernels/window.py); tiles outside the window are not skipped yet.
+            (packed THD raises ``NotImplementedError``). Plans hold only the tiles the
+            window needs and the messages they read (plan/prune.py); a tile it cuts is
+            masked (kernels/window.py).
 
     Returns:
         ``out [s_local, b, h_q, d]`` in q's dtype; with ``return_lse`` also
