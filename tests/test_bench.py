@@ -331,3 +331,15 @@ def test_gc_is_off_inside_timed_calls_and_restored():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_bench_window_on_cpu_ranks_leaves_torch_out(tmp_path, capsys):
+    # A window on every call; PyTorch's CP takes none, so it is left out with its reason.
+    out = str(tmp_path / "run")
+    assert cli_main(["bench", *TINY, "--ranks", "2", "--algos", "ring,charm,torch",
+                     "--window", "40", "--out", out]) == 0
+    assert "window 40,0" in capsys.readouterr().out
+    rows = _check_outputs(out, {"ring", "charm", "torch"}, "local")
+    assert {r["window"] for r in rows} == {"40,0"}
+    torch_rows = [r for r in rows if r["algo"] == "torch"]
+    assert all(r["status"] != "ok" and "window" in r["note"] for r in torch_rows)

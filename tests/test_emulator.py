@@ -159,3 +159,41 @@ def test_from_profile_builds_the_profiles_device():
     assert dev.problem_scale == WireScale(2, 4)
     with pytest.raises(ValueError, match="GPU profile"):
         TimedBackend.from_profile("cpu-testbed")
+
+
+def test_an_emulated_windowed_run_times_the_windowed_plans(tmp_path):
+    """``bench --window`` on an emulated 2x2 H100 cluster: every contender runs under the
+    window (the CSV says which), each within 15 % of the model's windowed prediction, and the
+    window cuts ring's time against the same point's full attention in the same model."""
+    out = tmp_path / "run"
+    assert cli_main(["bench", "--emulate", "2x2", "--device-model", "h100", "--batch", "1",
+                     "--seq", "16k", "--heads", "8x128", "--kv-heads", "2", "--algos",
+                     "ring,charm", "--window", "1024", "--dtype", "bf16", "--warmup", "1",
+                     "--iters", "2", "--out", str(out), "--no-plot", "--quiet"]) == 0
+    rows = list(csv.DictReader(open(out / "results.csv")))
+    assert {r["window"] for r in rows} == {"1024,0"}
+    assert {r["algo"] for r in rows} == {"ring", "charm"}
+    for r in rows:
+        assert abs(float(r["vs_model"]) - 1) < 0.15, (r["algo"], r["pass"], r["vs_model"])
+        assert r["analytic_ring_ms"] == ""  # the textbook ring has no window
+    from charm_megatron.model import predict
+
+    full = Problem(1, 16384, 8, 2, 128)
+    ring = next(r for r in rows if r["algo"] == "ring" and r["pass"] == "fwdbwd")
+    groups = [[0, 1], [2, 3]]
+    assert float(ring["median_ms"]) < 0.5 * predict("ring", groups, full, H100, True).total_s * 1e3
+
+
+def test_a_window_the_wire_copy_cannot_shrink_is_refused():
+    from dataclasses import replace
+
+    from charm_megatron.bench.config import BenchConfig, HeadSpec
+
+    cfg = BenchConfig([1], [4096], [HeadSpec(4, 64)], window=(100, 0),
+                      device=DeviceSetup("h100", 50.0, 1, 8))
+    with pytest.raises(ValueError, match="--window 100,0.*--wire-scale"):
+        cfg.wire_window()
+    assert replace(cfg, window=(96, -1)).wire_window() == (12, -1)
+    points = [Point(0, 1, 65536, 32, 8, 128)]
+    _, rows = choose_scale(points, 16, 2, 256 * 1024, divides=[1000])
+    assert 1000 % rows == 0

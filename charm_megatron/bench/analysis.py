@@ -38,7 +38,8 @@ from charm_megatron.plan.registry import ALGORITHM_NAMES, build_plan, uses_topol
 from charm_megatron.plan.roles import RoleShape
 
 COLUMNS = [
-    "point", "batch", "seq", "heads", "kv_heads", "head_dim", "dtype", "causal", "world",
+    "point", "batch", "seq", "heads", "kv_heads", "head_dim", "dtype", "causal", "window",
+    "world",
     "topology", "mode", "nic", "algo", "pass", "status", "iters",
     "median_ms", "min_ms", "q1_ms", "q3_ms", "max_ms",
     "speedup_vs_ring", "speedup_min", "speedup_max",
@@ -110,9 +111,10 @@ def _pass_series(per_rank: Sequence[dict], pos: int, key: str, cpu: bool = False
 
 def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
                hw_groups: Sequence[Sequence[int]], causal: bool, point: Point, dtype: str,
-               nic: str, roles: str = "bytes") -> dict[tuple[str, int], float]:
+               nic: str, roles: str = "bytes",
+               window: tuple[int, int] | None = None) -> dict[tuple[str, int], float]:
     """Bytes per direction of every cross-node link for one call of ``algo``'s plan (with the
-    role mix ``roles``, for this point's head shape).
+    role mix ``roles``, for this point's head shape; under ``window``, its windowed plan).
 
     Keys: ``("out", owner)`` / ``("in", owner)``, owner = node index (``nic="node"``: a node's
     ranks share its link) or rank (``nic="rank"``). Message sizes come from
@@ -120,10 +122,11 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
     :func:`charm_megatron.plan.cost.traffic` counts the sender's side, plus the receiver's.
     """
     problem = Problem(point.batch, point.seq, point.heads, point.kv_heads, point.head_dim,
-                      elem=element_size(dtype))
+                      elem=element_size(dtype), window=window)
     shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem)
+    n = sum(len(g) for g in plan_groups)
     plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal, roles=roles,
-                      shape=shape)
+                      shape=shape, tiles=problem.tiles(n, causal))
     group_of = {r: gi for gi, g in enumerate(hw_groups) for r in g}
 
     def owner(r: int) -> int:
@@ -140,10 +143,13 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
 
 def busiest_link_bytes(algo: str, plan_groups: Sequence[Sequence[int]],
                        hw_groups: Sequence[Sequence[int]], causal: bool, point: Point,
-                       dtype: str, nic: str, roles: str = "bytes") -> dict[str, float]:
+                       dtype: str, nic: str, roles: str = "bytes",
+                       window: tuple[int, int] | None = None) -> dict[str, float]:
     """Bytes over the most loaded cross-link direction, per pass (fwd, bwd, fwdbwd)."""
-    fwd = link_loads(algo, "forward", plan_groups, hw_groups, causal, point, dtype, nic, roles)
-    bwd = link_loads(algo, "backward", plan_groups, hw_groups, causal, point, dtype, nic, roles)
+    fwd = link_loads(algo, "forward", plan_groups, hw_groups, causal, point, dtype, nic, roles,
+                     window)
+    bwd = link_loads(algo, "backward", plan_groups, hw_groups, causal, point, dtype, nic, roles,
+                     window)
     both: dict[tuple[str, int], float] = defaultdict(float)
     for d in (fwd, bwd):
         for k, v in d.items():
@@ -176,7 +182,9 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                 "bwd_cpu_ms_sum": [x * 1e3 for x in cpu[k]["bwd"]]} for k in keys}
         base = {"point": point.index, "batch": point.batch, "seq": point.seq,
                 "heads": point.heads, "kv_heads": point.kv_heads, "head_dim": point.head_dim,
-                "dtype": cfg.dtype, "causal": cfg.causal, "world": world, "topology": topology,
+                "dtype": cfg.dtype, "causal": cfg.causal,
+                "window": "" if cfg.window is None else f"{cfg.window[0]},{cfg.window[1]}",
+                "world": world, "topology": topology,
                 "mode": info.mode, "nic": info.nic or "", **_link_columns(info)}
         ccr: dict[str, tuple[float, float, float]] = {}
         if "ring/compute" in wall and "ring/comm" in wall:
@@ -201,7 +209,7 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                 plan_groups = charm_groups if uses_topology(plan_algo) else flat
                 bytes_by_pass = busiest_link_bytes(plan_algo, plan_groups, info.hw_groups,
                                                    cfg.causal, point, cfg.dtype, info.nic or "node",
-                                                   cfg.roles)
+                                                   cfg.roles, cfg.problem_window())
             for p in passes:
                 row = {**base, "algo": algo, "pass": p, "status": "ok",
                        "note": rec0["notes"].get(algo, "")}
@@ -265,7 +273,7 @@ def _model_columns(cfg: BenchConfig, point: Point, algo: str, p: str,
     cluster = cfg.device.model_cluster
     hw = info.hw_groups or [list(range(info.world))]
     problem = Problem(point.batch, point.seq, point.heads, point.kv_heads, point.head_dim,
-                      elem=element_size(cfg.dtype))
+                      elem=element_size(cfg.dtype), window=cfg.problem_window())
     settings = {**dict(cfg.settings), "roles": cfg.roles}
     own = {k: v for k, v in settings.items() if k in _settings_of(algo)}
     pred = predict(algo, hw, problem, cluster, cfg.causal, tune=True, **own)
@@ -289,7 +297,7 @@ def _model_columns(cfg: BenchConfig, point: Point, algo: str, p: str,
                        "forward" if p == "fwd" else "backward")
         out.update(ring_ccr=ccr.ratio, ring_compute_ms=ccr.compute_s * 1e3,
                    ring_comm_ms=ccr.comm_s * 1e3)
-    if algo == "ring":
+    if algo == "ring" and problem.window is None:  # the textbook ring has no window
         from charm_megatron.bench.emulator_checks import analytic_ring
 
         n = info.world

@@ -40,6 +40,7 @@ from charm_megatron.bench.report import format_table, plot, write_csv, write_jso
 from charm_megatron.emulate import LINK_MODELS, NIC_MODELS, available, parse_rate, parse_size
 from charm_megatron.emulate.rates import format_rate
 from charm_megatron.model.profiles import get_profile
+from charm_megatron.plan.cost import parse_window
 from charm_megatron.plan.roles import ROLE_MIXES
 
 _DEFAULT_COMM_TIMEOUT_S = 300
@@ -62,6 +63,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                    help="causal mask, Megatron's load-balanced layout (default)")
     g.add_argument("--no-causal", dest="causal", action="store_false", help="full attention")
     g.add_argument("--max-tokens", type=int, help="skip points with B*S above this (0: none)")
+    g.add_argument("--window", type=parse_window, default=None, metavar="LEFT[,RIGHT]",
+                   help="a sliding window on every call (flash-attn's window_size; RIGHT "
+                        "defaults to 0, -1: unbounded), in the point's rows; PyTorch's CP "
+                        "takes none and is left out")
     g.add_argument("--packed", metavar="MEAN", type=parse_count, default=0,
                    help="packed documents (THD): B*S tokens of documents whose lengths are "
                         "LogNormal(sigma=1) with mean MEAN tokens (seeded), each padded to a "
@@ -185,6 +190,7 @@ def _config(args: argparse.Namespace, cuda: bool) -> BenchConfig:
         packed_mean=args.packed,
         roles=args.roles,
         settings=parse_settings(args.setting),
+        window=args.window,
     )
 
 
@@ -279,6 +285,7 @@ def _header(cfg: BenchConfig, world: int, topology: str, where: str, points, dro
         f"{'causal' if cfg.causal else 'full attention'}, "
         f"{'forward + backward' if cfg.backward else 'forward only'}, CHARM+ topology {topology}, "
         f"roles {cfg.roles}; "
+        + (f"window {cfg.window[0]},{cfg.window[1]}; " if cfg.window else "") +
         f"{cfg.warmup} warm-up + {cfg.iters} timed rounds per point")
     if cfg.packed_mean:
         from charm_megatron.bench.packing import describe
@@ -303,7 +310,8 @@ def _device_setup(args, cfg: BenchConfig, points) -> DeviceSetup:
                      wire_bytes=args.wire_kib * 1024, dilation=dilation,
                      cross_Bps=parse_rate(args.cross_rate) if args.cross_rate else None,
                      intra_Bps=parse_rate(args.intra_rate) if args.intra_rate else None,
-                     sm_contention=not args.no_sm_contention, nic=args.nic)
+                     sm_contention=not args.no_sm_contention, nic=args.nic,
+                     divides=[w for w in (cfg.window or ()) if w > 0])
 
 
 def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:
@@ -323,6 +331,11 @@ def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:
         # Memory means nothing on a timed device; its compute-only times and ring's CCR are
         # the model's (analysis._model_columns), so no ablated runs either.
         job.cfg = cfg = replace(cfg, device=device, memory=False, ccr=False, bound=False)
+        try:
+            cfg.wire_window()  # a window the wire copy cannot scale: refused before any rank
+        except ValueError as exc:
+            print(f"charm-megatron bench: {exc}", file=sys.stderr)
+            return 2
         return _run_emulated_gpu(args, cfg, job, dropped, emulate)
     mode = "local"
     if emulate:

@@ -118,6 +118,27 @@ class BenchConfig:
     # An emulated GPU cluster (--device-model): every rank's device is timed, not computed,
     # and every *_ms is device time (bench/gpu_emulation.py, docs/emulator.md).
     device: DeviceSetup | None = None
+    # A sliding window (--window LEFT[,RIGHT]) of every call, in the point's (virtual) rows.
+    window: tuple[int, int] | None = None
+
+    def wire_window(self) -> tuple[int, int] | None:
+        """The window as the calls run it: on an emulated cluster whose wire copy divides the
+        rows by ``R``, the window spans ``1/R`` as many rows (so every ratio of window to
+        chunk stays the point's; the model and the device see the virtual window)."""
+        if self.window is None or self.device is None or self.device.rows_scale == 1:
+            return self.window
+        r = self.device.rows_scale
+        bad = [w for w in self.window if w > 0 and w % r]
+        if bad:
+            raise ValueError(f"--window {self.window[0]},{self.window[1]}: the wire copy "
+                             f"divides rows by {r} (--wire-scale), which does not divide "
+                             f"{bad[0]}; give a window that is a multiple of {r}, or a "
+                             "--wire-scale whose rows factor divides it")
+        return tuple(w // r if w > 0 else w for w in self.window)
+
+    def problem_window(self) -> tuple[int, int] | None:
+        """The window a :class:`~charm_megatron.plan.cost.Problem` of a point carries."""
+        return None if self.window in (None, (-1, -1)) else self.window
 
     def points(self, world: int) -> tuple[list[Point], list[str]]:
         """The grid for a CP group of ``world`` ranks, and a line per point left out (why)."""

@@ -77,9 +77,10 @@ class PlanContender(Contender):
     def __init__(self, algo: str, topology: str | None, causal: bool,
                  packed: dict | None = None, options: CPOptions | None = None,
                  roles: str = "bytes", settings: tuple[tuple[str, str], ...] = (),
-                 backend=None) -> None:
+                 backend=None, window: tuple[int, int] | None = None) -> None:
         self.name = algo
         self._args = (algo, topology, causal, packed)
+        self.window = window
         self.roles = roles
         # The bench's CHARM_* settings (the job's environment, set before the line-up) and its
         # --setting values over them, read once here; ablated variants differ only in
@@ -89,7 +90,7 @@ class PlanContender(Contender):
                         else CPOptions.from_env(**dict(settings), **extra_opts))
         # packed: cu_seqlens / cu_seqlens_padded for THD inputs (the benchmark's packed mode).
         # roles: the role mix, for packed and unpacked calls alike.
-        extra = {**(packed or {}), "roles": roles}
+        extra = {**(packed or {}), "roles": roles, "window_size": window}
         self._fn = functools.partial(cp_attention, algo=algo, causal=causal,
                                      topology=topology if uses_topology(algo) else None,
                                      options=self.options, **extra)
@@ -101,7 +102,7 @@ class PlanContender(Contender):
         if ablation == self.options.ablation:
             return self
         return PlanContender(*self._args, options=self.options.with_(ablation=ablation),
-                             roles=self.roles)
+                             roles=self.roles, window=self.window)
 
 
 class AutoContender(PlanContender):
@@ -119,9 +120,10 @@ class AutoContender(PlanContender):
 
     def __init__(self, topology: str | None, causal: bool, point: Point, dtype: torch.dtype,
                  packed: dict | None = None, roles: str = "bytes",
-                 settings: tuple[tuple[str, str], ...] = (), backend=None) -> None:
+                 settings: tuple[tuple[str, str], ...] = (), backend=None,
+                 window: tuple[int, int] | None = None) -> None:
         super().__init__("auto", topology, causal, packed, roles=roles, settings=settings,
-                         backend=backend)
+                         backend=backend, window=window)
         world = dist.get_world_size()
         # The shapes cp_attention resolves with: sbhd, or THD as [t, 1, h, d] (the same
         # plans and role mix as sbhd).
@@ -134,7 +136,8 @@ class AutoContender(PlanContender):
                 for h in (point.heads, point.kv_heads))
         self.picked_roles = roles
         self.picked = resolve_algo(q, k, algo="auto", topology=topology, causal=causal,
-                                   options=self.options, roles=self.picked_roles)
+                                   options=self.options, roles=self.picked_roles,
+                                   window_size=window)
 
     def ablated(self, ablation: str) -> Contender:
         return Contender.ablated(self, ablation)
@@ -298,7 +301,8 @@ def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
     for algo in cfg.algos:
         if algo == "auto":
             auto = AutoContender(topology, cfg.causal, point, DTYPES[cfg.dtype], packed,
-                                 roles=cfg.roles, settings=cfg.settings, backend=backend)
+                                 roles=cfg.roles, settings=cfg.settings, backend=backend,
+                                 window=cfg.wire_window())
             lineup.contenders[algo] = auto
             lineup.picks[algo] = auto.picked
             lineup.notes[algo] = f"auto picked {auto.picked} (roles {auto.picked_roles})"
@@ -306,7 +310,11 @@ def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
         if algo != "torch":
             lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed,
                                                     roles=cfg.roles, settings=cfg.settings,
-                                                    backend=backend)
+                                                    backend=backend, window=cfg.wire_window())
+            continue
+        if cfg.window is not None:
+            lineup.skipped[algo] = ("PyTorch's context-parallel attention takes no sliding "
+                                    "window (--window)")
             continue
         if backend is not None:
             lineup.skipped[algo] = ("PyTorch's context-parallel attention runs its own kernels: "

@@ -134,11 +134,14 @@ def auto_dilation(cluster: Cluster, points: Sequence, groups: Sequence[Sequence[
 
 
 def choose_scale(points: Sequence, world: int, elem: int,
-                 target_bytes: int = DEFAULT_WIRE_BYTES) -> tuple[int, int]:
+                 target_bytes: int = DEFAULT_WIRE_BYTES,
+                 divides: Sequence[int] = ()) -> tuple[int, int]:
     """``(batch factor, rows factor)`` for every point of a run: the batch divided by the
     batches' greatest common divisor (the wire batch is then whole at every point), the rows
     per rank by the largest common divisor that leaves every point an even number of wire rows
-    (the causal halves) and the largest point's q block not below ``target_bytes``."""
+    (the causal halves) and the largest point's q block not below ``target_bytes``; the rows
+    factor also divides every length in ``divides`` (a sliding window's sides, which the wire
+    copy shrinks alike)."""
     batch = 0
     rows = 0
     for p in points:
@@ -148,7 +151,8 @@ def choose_scale(points: Sequence, world: int, elem: int,
     biggest = max(points, key=lambda p: (p.batch // batch) * (p.seq // world) * p.heads)
 
     def ok(f: int) -> bool:
-        return all(((p.seq // world) // f) % 2 == 0 for p in points)
+        return all(((p.seq // world) // f) % 2 == 0 for p in points) and \
+            all(w % f == 0 for w in divides)
 
     def q_bytes(f: int) -> int:
         return (biggest.batch // batch) * ((biggest.seq // world) // f) * biggest.heads \
@@ -165,12 +169,13 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
               *, wire_scale: tuple[int, int] | None = None,
               wire_bytes: int = DEFAULT_WIRE_BYTES, dilation: float | None = None,
               cross_Bps: float | None = None, intra_Bps: float | None = None,
-              sm_contention: bool = True, nic: str | None = None) -> DeviceSetup:
+              sm_contention: bool = True, nic: str | None = None,
+              divides: Sequence[int] = ()) -> DeviceSetup:
     """The emulated cluster of a bench run on a ``grid`` of (nodes, GPUs per node): the wire
     scale given (checked against every point) or chosen (:func:`choose_scale`), the dilation
     given or ``auto`` (``None``: :func:`auto_dilation` on the run's real links)."""
     world = grid[0] * grid[1]
-    batch, rows = wire_scale or choose_scale(points, world, elem, wire_bytes)
+    batch, rows = wire_scale or choose_scale(points, world, elem, wire_bytes, divides)
     for p in points:
         if p.batch % batch or (p.seq // world) % rows or ((p.seq // world) // rows) % 2:
             raise ValueError(f"--wire-scale {batch}x{rows}: point {p.label} has batch {p.batch} "

@@ -113,7 +113,8 @@ def cp_attention(
 
 def resolve_algo(q: torch.Tensor, k: torch.Tensor, *, group: dist.ProcessGroup | None = None,
                  algo: str = "auto", topology=None, causal: bool = True,
-                 options: CPOptions | None = None, roles: str | None = None) -> str:
+                 options: CPOptions | None = None, roles: str | None = None,
+                 window_size: tuple[int, int] | None = None) -> str:
     """The algorithm ``cp_attention(q, k, v, algo=algo, ...)`` runs with these arguments (sbhd
     ``q``, ``k``; tensors on the ``meta`` device do): for ``"auto"`` the performance model's pick,
     made by the same code as the call's; any other name unchanged. No communication unless the
@@ -122,7 +123,7 @@ def resolve_algo(q: torch.Tensor, k: torch.Tensor, *, group: dist.ProcessGroup |
     cp_size = dist.get_world_size(group)
     request = build_request(q, k, k, cp_size=cp_size, algo=algo, topology=topology,
                             causal=causal, softmax_scale=None, options=options, roles=roles,
-                            cu_seqlens=None, cu_seqlens_padded=None)
+                            cu_seqlens=None, cu_seqlens_padded=None, window_size=window_size)
     if algo != "auto":
         return algo
     return resolve_call(request, group, cp_size, model_cluster(request.options)).algo
