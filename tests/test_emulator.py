@@ -197,3 +197,36 @@ def test_a_window_the_wire_copy_cannot_shrink_is_refused():
     points = [Point(0, 1, 65536, 32, 8, 128)]
     _, rows = choose_scale(points, 16, 2, 256 * 1024, divides=[1000])
     assert 1000 % rows == 0
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_windowed_tile_waits_the_models_price_of_the_virtual_window(backward):
+    """A masked tile on the timed device costs what the model charges the virtual tile: its
+    FLOPs times the share of pairs the *virtual* window keeps (the wire mask, a band a few
+    rows wide, keeps a few % more)."""
+    from charm_megatron.kernels.window import Window
+    from charm_megatron.plan.core import tile_spec
+
+    n, s_local, b, hq, hkv, d = 4, 4096, 2, 8, 2, 128
+    scale, dilation = WireScale(batch=1, rows=64), 20.0
+    sleep = _Recorder()
+    dev = TimedBackend(H100, dilation=dilation, scale=scale, sleep=sleep)
+    wire = Window(1024 // 64, 0, n, s_local // 64, True)
+    for spec in (tile_spec(2, 2, True), tile_spec(2, 1, True)):
+        q = torch.zeros(int(s_local // 64 * spec.q_half.fraction), b, hq, d)
+        k = torch.zeros(int(s_local // 64 * spec.kv_half.fraction), b, hkv, d)
+        allowed = wire.allowed(spec.q_owner, spec.q_half, spec.kv_owner, spec.kv_half, "cpu")
+        sleep.slept.clear()
+        if backward:
+            dev.backward_masked(q, q, k, k, q, torch.zeros(1), allowed, 0.1, window=wire,
+                                spec=spec)
+        else:
+            dev.forward_masked(q, k, k, allowed, 0.1, window=wire, spec=spec)
+        geometry = Problem(b, s_local * n, hq, hkv, d, 4, window=(1024, 0)).geometry(n, True)
+        virtual = Window(1024, 0, n, s_local, True)
+        assert virtual.fraction(spec) == pytest.approx(geometry.fraction(spec))
+        sq = s_local * spec.q_half.fraction
+        sk = s_local * spec.kv_half.fraction
+        want = dev.tile_seconds(int(sq), int(sk), b, hq, hkv, d, 4, spec.causal, backward,
+                                geometry.fraction(spec))
+        assert sleep.slept == pytest.approx([want * dilation], rel=1e-9)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -237,23 +237,37 @@ class TimedBackend:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     def forward_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       allowed: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       allowed: torch.Tensor, scale: float, *, window=None,
+                       spec=None) -> tuple[torch.Tensor, torch.Tensor]:
         """A tile under a sliding window's mask ``allowed``: priced at the share it keeps."""
-        return self._masked(q, k, v, allowed, None)
+        return self._masked(q, k, v, allowed, None, window, spec)
 
     def backward_masked(self, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                         v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                        allowed: torch.Tensor, scale: float
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._masked(q, k, v, allowed, dout)
+                        allowed: torch.Tensor, scale: float, *, window=None,
+                        spec=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self._masked(q, k, v, allowed, dout, window, spec)
 
-    def _masked(self, q, k, v, allowed, dout):
+    def _kept(self, allowed: torch.Tensor, window, spec) -> tuple[float, bool]:
+        """The share of the *virtual* tile's pairs the window keeps, and whether it is priced
+        as causal: from the window and tile (``window``: the executor's, in wire rows) scaled
+        to the virtual rows, as the model prices it; the wire mask's own mean (a band a few
+        wire rows wide keeps a few % more than the virtual one) where they are not given."""
+        if window is None or spec is None:
+            return (float(allowed.float().mean()) if allowed.numel() else 0.0), False
+        r = self.scale.rows
+        virtual = replace(window, left=window.left * r if window.left > 0 else window.left,
+                          right=window.right * r if window.right > 0 else window.right,
+                          s_local=window.s_local * r)
+        return virtual.fraction(spec), spec.causal
+
+    def _masked(self, q, k, v, allowed, dout, window, spec):
         sq, b = self._virtual(q.shape[0], q.shape[1])
         sk, _ = self._virtual(k.shape[0], k.shape[1])
-        kept = float(allowed.float().mean()) if allowed.numel() else 0.0
+        kept, causal = self._kept(allowed, window, spec)
         backward = dout is not None
         self._wait(self.tile_seconds(sq, sk, b, q.shape[2], k.shape[2], q.shape[3],
-                                     q.element_size(), False, backward, kept), True)
+                                     q.element_size(), causal, backward, kept), True)
         if backward:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

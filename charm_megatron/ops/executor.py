@@ -289,7 +289,7 @@ class Executor(OpInterpreter[None]):
             allowed = self._allowed(spec, q.device)
             own = getattr(self.backend, "forward_masked", None)
             if own is not None:
-                return own(q, k, v, allowed, self.scale)
+                return own(q, k, v, allowed, self.scale, window=self.window, spec=spec)
             return masked_forward(q, k, v, allowed, self.scale)
         return self.backend.forward(q, k, v, spec.causal, self.scale)
 
@@ -298,7 +298,8 @@ class Executor(OpInterpreter[None]):
             allowed = self._allowed(spec, q.device)
             own = getattr(self.backend, "backward_masked", None)
             if own is not None:
-                return own(dout, q, k, v, out, lse, allowed, self.scale)
+                return own(dout, q, k, v, out, lse, allowed, self.scale, window=self.window,
+                           spec=spec)
             return masked_backward(dout, q, k, v, out, lse, allowed, self.scale)
         return self.backend.backward(dout, q, k, v, out, lse, spec.causal, self.scale)
 
