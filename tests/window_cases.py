@@ -59,14 +59,70 @@ def run_sbhd(rank: int, world: int, cases: list[tuple]) -> dict:
     return results
 
 
-def packed_window_refused(rank: int, world: int) -> str:
-    """A window on a packed (THD) call: every rank must raise the same clear error."""
+def _doc_reference(q, k, v, dout, real: list[int], causal: bool, window, scale: float):
+    """float64 out, lse [hq, T], dq, dk, dv of the unpadded packed sequence, each document
+    attending inside itself under the window (in its own positions)."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    outs, lses, start = [], [], 0
+    for n in real:
+        o, m, *_ = _attend(q[start:start + n], k[start:start + n], v[start:start + n],
+                           causal, window, scale)
+        outs.append(o)
+        lses.append(m)
+        start += n
+    out, lse = torch.cat(outs), torch.cat(lses, 1)
+    out.backward(dout.double())
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def _attend(q, k, v, causal, window, scale):
+    """One document ``[n, h, d]`` with the window's mask: ``(out [n, hq, d], lse [hq, n])``."""
+    n, g = q.shape[0], q.shape[1] // k.shape[1]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    keep = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window[0] >= 0:
+        keep &= j >= i - window[0]
+    if window[1] >= 0:
+        keep &= j <= i + window[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    sc = torch.einsum("shd,thd->hst", q, kk) * scale
+    sc = sc.masked_fill(~keep, float("-inf"))
+    return torch.einsum("hst,thd->shd", torch.softmax(sc, -1), vv), torch.logsumexp(sc, -1)
+
+
+def run_thd(rank: int, world: int, cases: list[tuple]) -> dict:
+    """Per case ``(algo, topology, causal, dtype, hkv, docs, left, right)``: this rank's errors
+    of out, lse, dq, dk, dv (real rows) against float64, and whether padding stayed zero."""
     import packed_cases
 
-    q, k, v = (torch.randn(8, 2, 8) for _ in range(3))
-    cu = packed_cases.cumulative([8 * world])
-    try:
-        cp_attention(q, k, v, cu_seqlens=cu, window_size=(4, 0))
-    except Exception as exc:  # noqa: BLE001 - the test reads what was raised
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
+    results = {}
+    hq, d = 4, 8
+    for case in cases:
+        algo, topology, causal, dtype, hkv, docs, left, right = case
+        dt = DTYPES[dtype]
+        real, padded = packed_cases.doc_lengths(docs, world)
+        gen = torch.Generator().manual_seed(7)
+        q, k, v, dout = (torch.randn(sum(real), h, d, generator=gen, dtype=torch.float64)
+                         .to(dt) for h in (hq, hkv, hkv, hq))
+        ref = _doc_reference(q, k, v, dout, real, causal, (left, right), d ** -0.5)
+        local, mask = packed_cases.local_rows(real, padded, rank, world)
+        ql, kl, vl = (local(t).to(dt).requires_grad_() for t in (q, k, v))
+        out, lse = cp_attention(
+            ql, kl, vl, algo=algo, topology=topology, causal=causal, return_lse=True,
+            cu_seqlens=packed_cases.cumulative(real),
+            cu_seqlens_padded=None if padded is None else packed_cases.cumulative(padded),
+            window_size=(left, right))
+        out.backward(local(dout).to(dt))
+        want = [local(ref[0]), local(ref[1].t()).t(), local(ref[2]), local(ref[3]),
+                local(ref[4])]
+        errs = {}
+        for name, got, w in zip(("out", "lse", "dq", "dk", "dv"),
+                                (out, lse, ql.grad, kl.grad, vl.grad), want):
+            got, w = (got[:, mask], w[:, mask]) if name == "lse" else (got[mask], w[mask])
+            errs[name] = rel_err(got, w)
+        errs["padding"] = 0.0 if all(bool((t[~mask] == 0).all())
+                                     for t in (out, ql.grad, kl.grad, vl.grad)) else 1.0
+        results[case] = errs
+    return results

@@ -118,6 +118,67 @@ def segmented_backward(backend: AttentionBackend, dout: torch.Tensor, q: torch.T
     return dq, dk, dv
 
 
+# ------------------------------------------------------------------------ sliding windows
+def _doc_masks(seg: Segments, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
+               left: int, right: int):
+    """Per document of the tile: its q and kv row ranges in the gathered rows and the pairs a
+    window keeps, from the rows' positions inside the document (kernels/window.keep)."""
+    from charm_megatron.kernels.window import keep
+
+    for (a, b), (c, e) in zip(zip(seg.cu_q, seg.cu_q[1:]), zip(seg.cu_k, seg.cu_k[1:])):
+        diff = q_pos[a:b, None] - k_pos[None, c:e]
+        yield a, b, c, e, keep(diff, causal, left, right)
+
+
+def windowed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments,
+                     q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, left: int,
+                     right: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`segmented_forward` under a sliding window measured in each document's own
+    positions (``q_pos`` / ``k_pos``: those of the gathered rows): every document's part of
+    the tile in the masked plain-math kernel (kernels/window.py)."""
+    from charm_megatron.kernels.window import masked_forward
+
+    sq, _, hq, _ = q.shape
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    lse = torch.full((1, hq, sq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
+    if seg.q_index.numel() == 0:
+        return out, lse
+    qg, kg, vg = q[seg.q_index], k[seg.k_index], v[seg.k_index]
+    og = qg.new_zeros((*qg.shape[:-1], v.shape[-1]))
+    lg = torch.full((1, hq, qg.shape[0]), float("-inf"), dtype=lse.dtype, device=q.device)
+    for a, b, c, e, allowed in _doc_masks(seg, q_pos, k_pos, causal, left, right):
+        o, m = masked_forward(qg[a:b], kg[c:e], vg[c:e], allowed, scale)
+        og[a:b], lg[..., a:b] = o, m.to(lg.dtype)
+    out.index_copy_(0, seg.q_index, og.to(out.dtype))
+    lse.index_copy_(2, seg.q_index, lg)
+    return out, lse
+
+
+def windowed_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      out: torch.Tensor, lse: torch.Tensor, seg: Segments,
+                      q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, left: int,
+                      right: int, scale: float
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`segmented_backward` under a sliding window (as :func:`windowed_forward`)."""
+    from charm_megatron.kernels.window import masked_backward
+
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if seg.q_index.numel() == 0:
+        return dq, dk, dv
+    qi, ki = seg.q_index, seg.k_index
+    qg, dog, og, kg, vg = q[qi], dout[qi], out[qi], k[ki], v[ki]
+    lg = lse.index_select(2, qi)
+    dqg, dkg, dvg = torch.zeros_like(qg), torch.zeros_like(kg), torch.zeros_like(vg)
+    for a, b, c, e, allowed in _doc_masks(seg, q_pos, k_pos, causal, left, right):
+        g = masked_backward(dog[a:b], qg[a:b], kg[c:e], vg[c:e], og[a:b], lg[..., a:b],
+                            allowed, scale)
+        dqg[a:b], dkg[c:e], dvg[c:e] = g
+    dq.index_copy_(0, qi, dqg)
+    dk.index_copy_(0, ki, dkg)
+    dv.index_copy_(0, ki, dvg)
+    return dq, dk, dv
+
+
 # ---------------------------------------------------------------------------- CUDA varlen
 @functools.cache
 def _cuda_varlen() -> _FlashAttnVarlen | _AtenVarlen:

@@ -81,10 +81,10 @@ def cp_attention(
             softmax. Its gradient on each rank is that rank's tokens' share.
         window_size: ``(left, right)``: query ``i`` sees key ``j`` iff ``i - left <= j <=
             i + right`` in global positions (``-1``: unbounded; flash-attn's and
-            megatron-core's convention), on top of ``causal``; ``None``: no window. sbhd only
-            (packed THD raises ``NotImplementedError``). Plans hold only the tiles the
-            window needs and the messages they read (plan/prune.py); a tile it cuts is
-            masked (kernels/window.py).
+            megatron-core's convention), on top of ``causal``; ``None``: no window. sbhd:
+            plans hold only the tiles the window needs and the messages they read
+            (plan/prune.py), a tile it cuts is masked (kernels/window.py). Packed THD: the
+            window is measured inside each document; every tile is masked by document.
 
     Returns:
         ``out [s_local, b, h_q, d]`` in q's dtype; with ``return_lse`` also

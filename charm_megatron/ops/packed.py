@@ -32,6 +32,8 @@ from charm_megatron.kernels.varlen import (
     lse_dtype,
     segmented_backward,
     segmented_forward,
+    windowed_backward,
+    windowed_forward,
 )
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.failsafe import GuardedBackend
@@ -87,6 +89,19 @@ class THDLayout:
             rows.append(doc)
         return rows
 
+    def doc_positions(self, owner: int, half: Half) -> list[list[int]]:
+        """Per document, the positions *within the document* of :meth:`doc_rows`' rows (what a
+        sliding window is measured in on packed sequences)."""
+        halves = (0, 1) if half is Half.FULL else ((0,) if half is Half.FIRST else (1,))
+        out: list[list[int]] = []
+        for i, c in enumerate(self.chunks):
+            pos: list[int] = []
+            for h in halves:
+                chunk = owner if h == 0 else 2 * self.cp - 1 - owner
+                pos.extend(range(chunk * c, chunk * c + self.real_in_chunk(i, chunk)))
+            out.append(pos)
+        return out
+
     def permutation(self) -> list[int]:
         """Internal row ``j`` is THD-local row ``perm[j]`` (``[first chunks | second chunks]``;
         the same on every rank)."""
@@ -97,6 +112,19 @@ class THDLayout:
                 second.extend(range(start + c, start + 2 * c))
             start += self.parts * c
         return first + second
+
+
+@functools.lru_cache(maxsize=512)
+def tile_positions(layout: THDLayout, spec: TileSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The in-document positions of tile ``spec``'s gathered q rows and kv rows (aligned with
+    its :class:`Segments`' ``q_index`` / ``k_index``)."""
+    qp, kp = [], []
+    for qd, kd in zip(layout.doc_positions(spec.q_owner, spec.q_half),
+                      layout.doc_positions(spec.kv_owner, spec.kv_half)):
+        if qd and kd:  # the documents _segment_lists keeps
+            qp.extend(qd)
+            kp.extend(kd)
+    return tuple(qp), tuple(kp)
 
 
 @functools.lru_cache(maxsize=512)
@@ -234,9 +262,19 @@ class PackedExecutor(Executor):
     def _forward_cut(self, spec, q, k):
         return None  # a packed tile is cut by its documents (segmented_forward), not so
 
+    def _window_args(self, spec: TileSpec, device: torch.device):
+        """What a windowed tile needs: its rows' in-document positions and the window."""
+        qp, kp = tile_positions(self.layout, spec)
+        w = self.window
+        return (torch.tensor(qp, device=device), torch.tensor(kp, device=device),
+                w.causal, w.left, w.right)
+
     def _kernel_forward(self, spec, q, k, v):
         if not self._failed():
             try:
+                if self.window is not None:  # each document masked in its own positions
+                    return windowed_forward(q, k, v, self._segments(spec),
+                                            *self._window_args(spec, q.device), self.scale)
                 return segmented_forward(self.backend, q, k, v, self._segments(spec),
                                          self.scale, varlen=self.varlen)
             except Exception as exc:  # noqa: BLE001 - reported after the plan, on every rank
@@ -248,6 +286,9 @@ class PackedExecutor(Executor):
     def _kernel_backward(self, spec, dout, q, k, v, out, lse):
         if not self._failed():
             try:
+                if self.window is not None:
+                    return windowed_backward(dout, q, k, v, out, lse, self._segments(spec),
+                                             *self._window_args(spec, q.device), self.scale)
                 return segmented_backward(self.backend, dout, q, k, v, out, lse,
                                           self._segments(spec), self.scale, varlen=self.varlen)
             except Exception as exc:  # noqa: BLE001 - reported after the plan, on every rank

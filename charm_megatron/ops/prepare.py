@@ -101,7 +101,7 @@ def build_request(q, k, v, *, cp_size: int, algo: str, topology, causal: bool,
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"cp_attention: tag must be a string or None, got {type(tag).__name__}")
     offset = check_softmax_offset(softmax_offset, q, layout.heads(q, k)[2])
-    window = check_window(window_size, layout.name)
+    window = check_window(window_size)
     return CallRequest(TensorDesc.of(q), TensorDesc.of(k), TensorDesc.of(v), layout, algo,
                        topology, bool(causal), scale, opts, settings, tag, offset, window)
 

@@ -85,9 +85,9 @@ def check_softmax_offset(offset, q: torch.Tensor, heads: int) -> TensorDesc | No
     return TensorDesc.of(offset)
 
 
-def check_window(window_size, layout_name: str) -> tuple[int, int] | None:
+def check_window(window_size) -> tuple[int, int] | None:
     """``window_size`` as ``(left, right)`` ints (``-1``: unbounded), or ``None`` (no window;
-    also for ``(-1, -1)``). Packed THD calls take no window yet."""
+    also for ``(-1, -1)``). On packed THD calls it is measured inside each document."""
     if window_size is None:
         return None
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
@@ -100,10 +100,6 @@ def check_window(window_size, layout_name: str) -> tuple[int, int] | None:
                          ">= 0, or -1 for unbounded (flash-attn's convention)")
     if left == right == -1:
         return None
-    if layout_name != "sbhd":
-        raise NotImplementedError(
-            "cp_attention: a sliding window (window_size) with packed sequences (cu_seqlens) "
-            "is not supported yet; use the sbhd layout")
     return int(left), int(right)
 
 
