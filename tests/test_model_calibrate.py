@@ -190,3 +190,17 @@ def test_environment_profile_reaches_choose_algo_and_the_cli(
         groups, prob, None, causal=True)  # cluster=None: generic, whatever the variable says
     assert main(["model", "--seq", "16384"]) == 0
     assert "profile fast (from CHARM_MODEL_PROFILE)" in capsys.readouterr().out
+
+
+def test_windowed_bench_rows_are_replayed_with_their_window(tmp_path: Path) -> None:
+    # bench --window writes a window column; the model must replay those rows windowed.
+    csv_path = _write_bench(tmp_path / "results.csv", TRUTH)
+    rows = list(csv.DictReader(open(csv_path)))
+    for r in rows:
+        r["window"] = "64,0"
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    points = load_points([csv_path])
+    assert points and all(p.problem.window == (64, 0) for p in points)

@@ -23,7 +23,7 @@ SETUPS = {
 def test_sbhd_matches_float64_reference(world):
     cases = [(algo, topo, causal, dtype, hkv, left, right)
              for algo, topo in SETUPS[world] for causal, left, right in WINDOWS
-             for dtype, hkv in (("fp64", 2), ("bf16", 4))]
+             for dtype, hkv in (("fp64", 2), ("fp32", 4), ("bf16", 4))]
     res = run_ranks(window_cases.run_sbhd, world, cases, timeout_s=300)
     bad = [f"{c} rank {r}: {n} {e:.3g}" for r, per in enumerate(res) for c, errs in per.items()
            for n, e in errs.items() if not e < window_cases.TOL[c[3]]]
@@ -42,7 +42,7 @@ def test_thd_windows_match_each_documents_float64_reference(world):
     # documents of very unequal lengths with padding, GQA, fp64 and bf16.
     cases = [(algo, topo, causal, dtype, hkv, "unequal", left, right)
              for algo, topo in THD_SETUPS[world] for causal, left, right in THD_WINDOWS
-             for dtype, hkv in (("fp64", 2), ("bf16", 4))]
+             for dtype, hkv in (("fp64", 2), ("fp32", 4), ("bf16", 4))]
     res = run_ranks(window_cases.run_thd, world, cases, timeout_s=300)
     bad = [f"{c} rank {r}: {n} {e:.3g}" for r, per in enumerate(res) for c, errs in per.items()
            for n, e in errs.items()

@@ -72,8 +72,11 @@ def load_points(paths: Iterable[str | Path]) -> list[Point]:
             if row.get("pass") not in PASSES:
                 continue
             heads, kvh = int(row["heads"]), int(row.get("kv_heads") or row["heads"])
+            # A windowed run (bench --window) is replayed with its window's plans.
+            window = row.get("window") or ""
             prob = Problem(int(row["batch"]), int(row["seq"]), heads, kvh, int(row["head_dim"]),
-                           ELEM_BYTES[row["dtype"]])
+                           ELEM_BYTES[row["dtype"]],
+                           window=tuple(int(w) for w in window.split(",")) if window else None)
             cores = row.get("cores")
             out.append(Point(p.name, row["topology"], row.get("nic") or "rank", prob,
                              row["causal"] in ("True", "true", "1"), row["algo"], row["pass"],
