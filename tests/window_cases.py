@@ -16,11 +16,9 @@ from packed_cases import DTYPES
 TOL = {"fp32": 1e-5, "bf16": 2e-2, "fp64": 1e-12}
 
 
-def reference(q, k, v, dout, causal: bool, window: tuple[int, int], scale: float):
-    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    s, g = q.shape[0], q.shape[2] // k.shape[2]
-    i = torch.arange(s)[:, None]
-    j = torch.arange(s)[None, :]
+def window_keep(s: int, causal: bool, window: tuple[int, int]) -> torch.Tensor:
+    """``[s, s]``: query ``i`` keeps key ``j`` (the definition, written out)."""
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
     keep = torch.ones(s, s, dtype=torch.bool)
     if causal:
         keep &= j <= i
@@ -28,6 +26,13 @@ def reference(q, k, v, dout, causal: bool, window: tuple[int, int], scale: float
         keep &= j >= i - window[0]
     if window[1] >= 0:
         keep &= j <= i + window[1]
+    return keep
+
+
+def reference(q, k, v, dout, causal: bool, window: tuple[int, int], scale: float):
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s, g = q.shape[0], q.shape[2] // k.shape[2]
+    keep = window_keep(s, causal, window)
     kk, vv = k.repeat_interleave(g, 2), v.repeat_interleave(g, 2)
     sc = torch.einsum("sbhd,tbhd->bhst", q, kk) * scale
     sc = sc.masked_fill(~keep, float("-inf"))
@@ -78,14 +83,7 @@ def _doc_reference(q, k, v, dout, real: list[int], causal: bool, window, scale: 
 def _attend(q, k, v, causal, window, scale):
     """One document ``[n, h, d]`` with the window's mask: ``(out [n, hq, d], lse [hq, n])``."""
     n, g = q.shape[0], q.shape[1] // k.shape[1]
-    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    keep = torch.ones(n, n, dtype=torch.bool)
-    if causal:
-        keep &= j <= i
-    if window[0] >= 0:
-        keep &= j >= i - window[0]
-    if window[1] >= 0:
-        keep &= j <= i + window[1]
+    keep = window_keep(n, causal, window)
     kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     sc = torch.einsum("shd,thd->hst", q, kk) * scale
     sc = sc.masked_fill(~keep, float("-inf"))
