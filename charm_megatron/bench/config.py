@@ -137,8 +137,9 @@ class BenchConfig:
         return tuple(w // r if w > 0 else w for w in self.window)
 
     def problem_window(self) -> tuple[int, int] | None:
-        """The window a :class:`~charm_megatron.plan.cost.Problem` of a point carries."""
-        return None if self.window in (None, (-1, -1)) else self.window
+        """The window a :class:`~charm_megatron.plan.cost.Problem` of a point carries (none
+        for packed points: their plans keep every tile, as the model then prices them)."""
+        return None if self.window in (None, (-1, -1)) or self.packed_mean else self.window
 
     def points(self, world: int) -> tuple[list[Point], list[str]]:
         """The grid for a CP group of ``world`` ranks, and a line per point left out (why)."""

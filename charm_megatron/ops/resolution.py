@@ -61,7 +61,8 @@ def problem(request: CallRequest, cp_size: int) -> Problem:
     ``problem_scale``: batch and rows factors) makes that the call's problem, so ``auto`` and
     the variant rules predict for the problem the device times."""
     s, b, hq, hkv, d = _heads(request)
-    window = request.window
+    # Packed plans keep every tile (tile_rule): the model prices them without a window.
+    window = request.window if request.layout.name == "sbhd" else None
     scale = getattr(request.options.backend, "problem_scale", None)
     if scale is not None:
         s, b = s * scale.rows, b * scale.batch
