@@ -56,8 +56,7 @@ def _facing(src: int, src_batch: Comm, dst: int,
 
 
 def _counts_match(src: int, src_batch: Comm, dst: int, dst_batch: Comm) -> bool:
-    sends, recvs = _facing(src, src_batch, dst, dst_batch)
-    return len(sends) == len(recvs)
+    return src_batch.counts[0].get(dst, 0) == dst_batch.counts[1].get(src, 0)
 
 
 class StreamQueues(Generic[B]):

@@ -112,6 +112,17 @@ class Comm:
         """The ranks this batch exchanges with, in order of first mention."""
         return tuple(dict.fromkeys(x.peer for x in self.sends + self.recvs))
 
+    @functools.cached_property
+    def counts(self) -> tuple[dict[int, int], dict[int, int]]:
+        """Messages to and from each peer: ``(sends per peer, receives per peer)``."""
+        out: dict[int, int] = {}
+        into: dict[int, int] = {}
+        for x in self.sends:
+            out[x.peer] = out.get(x.peer, 0) + 1
+        for x in self.recvs:
+            into[x.peer] = into.get(x.peer, 0) + 1
+        return out, into
+
 
 @dataclass(frozen=True)
 class Wait:
