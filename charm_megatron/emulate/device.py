@@ -38,6 +38,7 @@ import torch
 from charm_megatron.model import effects
 from charm_megatron.model.cluster import Cluster
 from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.tile_rule import scaled
 from charm_megatron.plan.vocab import Kind
 
 
@@ -256,9 +257,8 @@ class TimedBackend:
         if window is None or spec is None:
             return (float(allowed.float().mean()) if allowed.numel() else 0.0), False
         r = self.scale.rows
-        virtual = replace(window, left=window.left * r if window.left > 0 else window.left,
-                          right=window.right * r if window.right > 0 else window.right,
-                          s_local=window.s_local * r)
+        left, right = scaled((window.left, window.right), r)
+        virtual = replace(window, left=left, right=right, rows=window.rows * r)
         return virtual.fraction(spec), spec.causal
 
     def _masked(self, q, k, v, allowed, dout, window, spec):

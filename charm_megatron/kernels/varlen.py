@@ -28,6 +28,7 @@ import torch
 
 from charm_megatron.kernels.base import AttentionBackend
 from charm_megatron.kernels.head_dims import pad_to, widths
+from charm_megatron.kernels.window import keep, masked_backward, masked_forward
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,14 @@ def _use_varlen(q: torch.Tensor, varlen: bool) -> bool:
 
 
 def segmented_forward(backend: AttentionBackend, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, seg: Segments, scale: float, *, varlen: bool = True
+                      v: torch.Tensor, seg: Segments, scale: float, *, varlen: bool = True,
+                      masks: list[torch.Tensor] | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out [sq, 1, hq, d], lse [1, hq, sq])`` of the tile, by document (lse in fp32, or
     float64 for float64 inputs: float64 end to end); ``varlen`` allows the one-call CUDA varlen
-    kernel (fp16/bf16 on CUDA), else ``backend`` per document."""
+    kernel (fp16/bf16 on CUDA), else ``backend`` per document; ``masks``: a sliding window's
+    pairs per document (:func:`window_masks`), each document then in the masked plain-math
+    kernel (kernels/window.py)."""
     sq, _, hq, _ = q.shape
     _, d_v, width = widths(q, v)
     out = q.new_zeros((*q.shape[:-1], d_v))
@@ -76,13 +80,17 @@ def segmented_forward(backend: AttentionBackend, q: torch.Tensor, k: torch.Tenso
         return out, lse
     # One width for the kernels (MLA's v is narrower: kernels/head_dims.py); cut back below.
     qg, kg, vg = (pad_to(t, width) for t in (q[seg.q_index], k[seg.k_index], v[seg.k_index]))
-    if _use_varlen(q, varlen):
+    if masks is None and _use_varlen(q, varlen):
         og, lg = _cuda_varlen().forward(qg, kg, vg, seg, scale)
     else:
         og = torch.empty_like(qg)
         lg = torch.empty((1, hq, qg.shape[0]), dtype=lse.dtype, device=q.device)
-        for (a, b), (c, e) in zip(zip(seg.cu_q, seg.cu_q[1:]), zip(seg.cu_k, seg.cu_k[1:])):
-            o, m = backend.forward(qg[a:b], kg[c:e], vg[c:e], seg.causal, scale)
+        for i, ((a, b), (c, e)) in enumerate(zip(zip(seg.cu_q, seg.cu_q[1:]),
+                                                 zip(seg.cu_k, seg.cu_k[1:]))):
+            if masks is None:
+                o, m = backend.forward(qg[a:b], kg[c:e], vg[c:e], seg.causal, scale)
+            else:
+                o, m = masked_forward(qg[a:b], kg[c:e], vg[c:e], masks[i], scale)
             og[a:b] = o
             lg[..., a:b] = m
     out.index_copy_(0, seg.q_index, og[..., :d_v].to(out.dtype))
@@ -92,10 +100,11 @@ def segmented_forward(backend: AttentionBackend, q: torch.Tensor, k: torch.Tenso
 
 def segmented_backward(backend: AttentionBackend, dout: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                       seg: Segments, scale: float, *, varlen: bool = True
+                       seg: Segments, scale: float, *, varlen: bool = True,
+                       masks: list[torch.Tensor] | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of the tile (zeros at unlisted rows); ``lse [1, hq, sq]``; ``varlen``
-    as in :func:`segmented_forward`."""
+    and ``masks`` as in :func:`segmented_forward`."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if seg.q_index.numel() == 0:
         return dq, dk, dv
@@ -104,13 +113,18 @@ def segmented_backward(backend: AttentionBackend, dout: torch.Tensor, q: torch.T
     qg, dog, og = (pad_to(t[qi], width) for t in (q, dout, out))
     lg = lse.index_select(2, qi)
     kg, vg = pad_to(k[ki], width), pad_to(v[ki], width)
-    if _use_varlen(q, varlen):
+    if masks is None and _use_varlen(q, varlen):
         dqg, dkg, dvg = _cuda_varlen().backward(dog, qg, kg, vg, og, lg, seg, scale)
     else:
         dqg, dkg, dvg = torch.empty_like(qg), torch.empty_like(kg), torch.empty_like(vg)
-        for (a, b), (c, e) in zip(zip(seg.cu_q, seg.cu_q[1:]), zip(seg.cu_k, seg.cu_k[1:])):
-            g = backend.backward(dog[a:b], qg[a:b], kg[c:e], vg[c:e], og[a:b],
-                                 lg[..., a:b], seg.causal, scale)
+        for i, ((a, b), (c, e)) in enumerate(zip(zip(seg.cu_q, seg.cu_q[1:]),
+                                                 zip(seg.cu_k, seg.cu_k[1:]))):
+            if masks is None:
+                g = backend.backward(dog[a:b], qg[a:b], kg[c:e], vg[c:e], og[a:b],
+                                     lg[..., a:b], seg.causal, scale)
+            else:
+                g = masked_backward(dog[a:b], qg[a:b], kg[c:e], vg[c:e], og[a:b],
+                                    lg[..., a:b], masks[i], scale)
             dqg[a:b], dkg[c:e], dvg[c:e] = g
     dq.index_copy_(0, qi, dqg[..., :d_qk].to(dq.dtype))
     dk.index_copy_(0, ki, dkg[..., :d_qk].to(dk.dtype))
@@ -119,64 +133,13 @@ def segmented_backward(backend: AttentionBackend, dout: torch.Tensor, q: torch.T
 
 
 # ------------------------------------------------------------------------ sliding windows
-def _doc_masks(seg: Segments, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
-               left: int, right: int):
-    """Per document of the tile: its q and kv row ranges in the gathered rows and the pairs a
-    window keeps, from the rows' positions inside the document (kernels/window.keep)."""
-    from charm_megatron.kernels.window import keep
-
-    for (a, b), (c, e) in zip(zip(seg.cu_q, seg.cu_q[1:]), zip(seg.cu_k, seg.cu_k[1:])):
-        diff = q_pos[a:b, None] - k_pos[None, c:e]
-        yield a, b, c, e, keep(diff, causal, left, right)
-
-
-def windowed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments,
-                     q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, left: int,
-                     right: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`segmented_forward` under a sliding window measured in each document's own
-    positions (``q_pos`` / ``k_pos``: those of the gathered rows): every document's part of
-    the tile in the masked plain-math kernel (kernels/window.py)."""
-    from charm_megatron.kernels.window import masked_forward
-
-    sq, _, hq, _ = q.shape
-    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
-    lse = torch.full((1, hq, sq), float("-inf"), dtype=lse_dtype(q.dtype), device=q.device)
-    if seg.q_index.numel() == 0:
-        return out, lse
-    qg, kg, vg = q[seg.q_index], k[seg.k_index], v[seg.k_index]
-    og = qg.new_zeros((*qg.shape[:-1], v.shape[-1]))
-    lg = torch.full((1, hq, qg.shape[0]), float("-inf"), dtype=lse.dtype, device=q.device)
-    for a, b, c, e, allowed in _doc_masks(seg, q_pos, k_pos, causal, left, right):
-        o, m = masked_forward(qg[a:b], kg[c:e], vg[c:e], allowed, scale)
-        og[a:b], lg[..., a:b] = o, m.to(lg.dtype)
-    out.index_copy_(0, seg.q_index, og.to(out.dtype))
-    lse.index_copy_(2, seg.q_index, lg)
-    return out, lse
-
-
-def windowed_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      out: torch.Tensor, lse: torch.Tensor, seg: Segments,
-                      q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, left: int,
-                      right: int, scale: float
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`segmented_backward` under a sliding window (as :func:`windowed_forward`)."""
-    from charm_megatron.kernels.window import masked_backward
-
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if seg.q_index.numel() == 0:
-        return dq, dk, dv
-    qi, ki = seg.q_index, seg.k_index
-    qg, dog, og, kg, vg = q[qi], dout[qi], out[qi], k[ki], v[ki]
-    lg = lse.index_select(2, qi)
-    dqg, dkg, dvg = torch.zeros_like(qg), torch.zeros_like(kg), torch.zeros_like(vg)
-    for a, b, c, e, allowed in _doc_masks(seg, q_pos, k_pos, causal, left, right):
-        g = masked_backward(dog[a:b], qg[a:b], kg[c:e], vg[c:e], og[a:b], lg[..., a:b],
-                            allowed, scale)
-        dqg[a:b], dkg[c:e], dvg[c:e] = g
-    dq.index_copy_(0, qi, dqg)
-    dk.index_copy_(0, ki, dkg)
-    dv.index_copy_(0, ki, dvg)
-    return dq, dk, dv
+def window_masks(seg: Segments, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
+                 left: int, right: int) -> list[torch.Tensor]:
+    """Per document of the tile, ``[nq, nk]``: the pairs a sliding window keeps, from the
+    gathered rows' positions inside the document (``q_pos`` / ``k_pos``; kernels/window.keep);
+    what :func:`segmented_forward` / :func:`segmented_backward` take as ``masks``."""
+    return [keep(q_pos[a:b, None] - k_pos[None, c:e], causal, left, right)
+            for (a, b), (c, e) in zip(zip(seg.cu_q, seg.cu_q[1:]), zip(seg.cu_k, seg.cu_k[1:]))]
 
 
 # ---------------------------------------------------------------------------- CUDA varlen

@@ -4,7 +4,7 @@ from the tile's global positions, and plain-math kernels that take that mask.
 A window ``(left, right)`` is flash-attn's and megatron-core's: query ``i`` sees key ``j`` iff
 ``i - left <= j <= i + right`` in global positions (``-1``: unbounded on that side), and, for a
 causal call, ``j <= i``. A plan's tile holds rows of two ranks' blocks; their global
-positions follow Megatron's layout (:func:`positions`), so the mask of every tile, sub-tile
+positions follow Megatron's layout (:meth:`Window.positions`), so the mask of every tile, sub-tile
 and half is exact. Rows a tile leaves without any key get ``lse = -inf`` and a zero output,
 which the log-sum-exp merge ignores.
 
@@ -18,7 +18,6 @@ takes them instead.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +26,7 @@ from charm_megatron.plan.core import TileSpec
 from charm_megatron.plan.tile_rule import WindowGeometry
 from charm_megatron.plan.vocab import Half
 
-__all__ = ["Window", "keep", "masked_backward", "masked_forward", "positions"]
+__all__ = ["Window", "keep", "masked_backward", "masked_forward"]
 
 
 def keep(diff: torch.Tensor, causal: bool, left: int, right: int) -> torch.Tensor:
@@ -44,65 +43,31 @@ def keep(diff: torch.Tensor, causal: bool, left: int, right: int) -> torch.Tenso
 
 
 @dataclass(frozen=True)
-class Window:
-    """A call's window and what places its rows: ``left``, ``right`` (``-1``: unbounded), the
-    CP size ``n``, rows per rank ``s_local`` and whether the call is causal (its shards then
-    load-balanced, else contiguous)."""
-
-    left: int
-    right: int
-    n: int
-    s_local: int
-    causal: bool
+class Window(WindowGeometry):
+    """A call's window and what places its rows (:class:`WindowGeometry`: ``left``,
+    ``right``, the CP size ``n``, ``rows`` per rank, causal and so load-balanced or not),
+    with the mask of a tile's rows."""
 
     def allowed(self, q_owner: int, q_half: Half, kv_owner: int, kv_half: Half,
                 device: torch.device) -> torch.Tensor:
         """``[sq, sk]`` bool: the pairs of this tile the window (and the causal mask) keep."""
-        qp = positions(q_owner, q_half, self.s_local, self.n, self.causal, device)
-        kp = positions(kv_owner, kv_half, self.s_local, self.n, self.causal, device)
+        qp = self.positions(q_owner, q_half, device)
+        kp = self.positions(kv_owner, kv_half, device)
         return keep(qp[:, None] - kp[None, :], self.causal, self.left, self.right)
-
-    @property
-    def geometry(self) -> WindowGeometry:
-        return WindowGeometry(self.left, self.right, self.n, self.s_local, self.causal)
 
     def needs_mask(self, spec: TileSpec) -> bool:
         """False where the window keeps every pair the tile's own mask keeps: the fused
         kernel (causal on the diagonal, else none) computes it exactly."""
-        return not _fully_kept(self.geometry, spec)
+        return not self.fully_kept(spec)
 
-    def fraction(self, spec: TileSpec) -> float:
-        """The share of the tile's own pairs the window keeps (what a windowed kernel pays)."""
-        return _fraction(self.geometry, spec)
-
-
-@functools.lru_cache(maxsize=4096)
-def _fully_kept(geometry: WindowGeometry, spec: TileSpec) -> bool:
-    return geometry.fully_kept(spec)
-
-
-@functools.lru_cache(maxsize=4096)
-def _fraction(geometry: WindowGeometry, spec: TileSpec) -> float:
-    return geometry.fraction(spec)
-
-
-def positions(owner: int, half: Half, s_local: int, n: int, load_balanced: bool,
-              device: torch.device | str = "cpu") -> torch.Tensor:
-    """Global positions of rows ``half`` of rank ``owner``'s block: chunks ``owner`` and
-    ``2n-1-owner`` of ``2n`` (load-balanced) or rows ``owner*s_local ...`` (contiguous)."""
-    c = s_local // 2
-    if load_balanced:
-        first = torch.arange(owner * c, owner * c + c, device=device)
-        second = torch.arange((2 * n - 1 - owner) * c, (2 * n - owner) * c, device=device)
-    else:
-        base = owner * s_local
-        first = torch.arange(base, base + c, device=device)
-        second = torch.arange(base + c, base + s_local, device=device)
-    if half is Half.FIRST:
-        return first
-    if half is Half.SECOND:
-        return second
-    return torch.cat([first, second])
+    def positions(self, owner: int, half: Half,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+        """Global positions of rows ``half`` of rank ``owner``'s block (chunks ``owner`` and
+        ``2n-1-owner`` of ``2n`` when load-balanced, else contiguous rows)."""
+        parts = [torch.arange(self.start(owner, h), self.start(owner, h) + self.size(h),
+                              device=device)
+                 for h in ((Half.FIRST, Half.SECOND) if half is Half.FULL else (half,))]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:

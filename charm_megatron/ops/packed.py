@@ -32,8 +32,7 @@ from charm_megatron.kernels.varlen import (
     lse_dtype,
     segmented_backward,
     segmented_forward,
-    windowed_backward,
-    windowed_forward,
+    window_masks,
 )
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.failsafe import GuardedBackend
@@ -262,21 +261,22 @@ class PackedExecutor(Executor):
     def _forward_cut(self, spec, q, k):
         return None  # a packed tile is cut by its documents (segmented_forward), not so
 
-    def _window_args(self, spec: TileSpec, device: torch.device):
-        """What a windowed tile needs: its rows' in-document positions and the window."""
-        qp, kp = tile_positions(self.layout, spec)
+    def _masks(self, spec: TileSpec, device: torch.device) -> list[torch.Tensor] | None:
+        """Under a sliding window, each document's pairs it keeps, in the document's own
+        positions; ``None`` without one."""
         w = self.window
-        return (torch.tensor(qp, device=device), torch.tensor(kp, device=device),
-                w.causal, w.left, w.right)
+        if w is None:
+            return None
+        qp, kp = tile_positions(self.layout, spec)
+        return window_masks(self._segments(spec), torch.tensor(qp, device=device),
+                            torch.tensor(kp, device=device), w.causal, w.left, w.right)
 
     def _kernel_forward(self, spec, q, k, v):
         if not self._failed():
             try:
-                if self.window is not None:  # each document masked in its own positions
-                    return windowed_forward(q, k, v, self._segments(spec),
-                                            *self._window_args(spec, q.device), self.scale)
                 return segmented_forward(self.backend, q, k, v, self._segments(spec),
-                                         self.scale, varlen=self.varlen)
+                                         self.scale, varlen=self.varlen,
+                                         masks=self._masks(spec, q.device))
             except Exception as exc:  # noqa: BLE001 - reported after the plan, on every rank
                 self._failed(exc)
         lse = torch.full((1, q.shape[2], q.shape[0]), float("-inf"),
@@ -286,11 +286,9 @@ class PackedExecutor(Executor):
     def _kernel_backward(self, spec, dout, q, k, v, out, lse):
         if not self._failed():
             try:
-                if self.window is not None:
-                    return windowed_backward(dout, q, k, v, out, lse, self._segments(spec),
-                                             *self._window_args(spec, q.device), self.scale)
                 return segmented_backward(self.backend, dout, q, k, v, out, lse,
-                                          self._segments(spec), self.scale, varlen=self.varlen)
+                                          self._segments(spec), self.scale, varlen=self.varlen,
+                                          masks=self._masks(spec, q.device))
             except Exception as exc:  # noqa: BLE001 - reported after the plan, on every rank
                 self._failed(exc)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

@@ -17,7 +17,7 @@ from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.roles import RoleShape
 from charm_megatron.plan.settings import Values
-from charm_megatron.plan.tile_rule import TileRule, WindowGeometry, window_rule
+from charm_megatron.plan.tile_rule import TileRule, WindowGeometry, scaled, window_rule
 from charm_megatron.plan.validate import validate
 
 Groups = tuple[tuple[int, ...], ...]
@@ -61,13 +61,12 @@ def problem(request: CallRequest, cp_size: int) -> Problem:
     ``problem_scale``: batch and rows factors) makes that the call's problem, so ``auto`` and
     the variant rules predict for the problem the device times."""
     s, b, hq, hkv, d = _heads(request)
-    # Packed plans keep every tile (tile_rule): the model prices them without a window.
-    window = request.window if request.layout.name == "sbhd" else None
+    window = _planned_window(request)
     scale = getattr(request.options.backend, "problem_scale", None)
     if scale is not None:
         s, b = s * scale.rows, b * scale.batch
         if window is not None:  # the window spans as many virtual rows as the rows do
-            window = tuple(w * scale.rows if w > 0 else w for w in window)
+            window = scaled(window, scale.rows)
     return Problem(b, s * cp_size, hq, hkv, d, request.q.element_size, _own_v_dim(request, d),
                    window)
 
@@ -118,13 +117,19 @@ def resolve_call(request: CallRequest, group, cp_size: int, cluster) -> Resolved
     return Resolved(algo, groups, variants, plans)
 
 
+def _planned_window(request: CallRequest) -> tuple[int, int] | None:
+    """The window the call's plans (and so the model) see: the call's, except on packed
+    sequences, whose documents each place it differently (their plans keep every tile, each
+    masked document by document)."""
+    return request.window if request.layout.name == "sbhd" else None
+
+
 def tile_rule(request: CallRequest, cp_size: int) -> TileRule | None:
-    """The tiles a windowed call needs (plan/tile_rule.py); ``None`` without a window, or on
-    packed sequences, whose documents each place the window differently (their plans keep
-    every tile, each masked document by document)."""
-    if request.window is None or request.layout.name != "sbhd":
+    """The tiles a windowed call needs (plan/tile_rule.py); ``None`` without one."""
+    window = _planned_window(request)
+    if window is None:
         return None
-    left, right = request.window
+    left, right = window
     rows = _heads(request)[0]
     return window_rule(WindowGeometry(left, right, cp_size, rows, request.causal))
 

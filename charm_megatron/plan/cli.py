@@ -160,14 +160,13 @@ def run(args: argparse.Namespace) -> int:
                   f"{_mb(max(t.intra))} {_mb(t.max_cross)} {_mb(t.total_cross):>11} "
                   f"{_mb(max_peak(plan, problem))}  {_role_summary(plan)}")
     if tiles is not None:
-        _window_savings(args, groups, problem, shape, settings, w)
+        _window_savings(args, groups, problem, shape, settings, tiles, w)
     return 0
 
 
-def _window_savings(args, groups, problem, shape, settings, w: int) -> None:
+def _window_savings(args, groups, problem, shape, settings, tiles, w: int) -> None:
     """What the window saves: per algorithm and direction, the busiest rank's MiB sent and
     tiles, windowed against the same algorithm's full attention."""
-    tiles = problem.tiles(args.cp, args.causal)
     left, right = problem.window
     print()
     print(f"# window {left},{right}: {len(tiles.pairs())} of {args.cp ** 2} tiles needed; "

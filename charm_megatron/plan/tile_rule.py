@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from charm_megatron.plan.core import TileSpec, tile_spec
 from charm_megatron.plan.vocab import Half
 
-__all__ = ["TileRule", "WindowGeometry", "full_rule", "window_rule"]
+__all__ = ["TileRule", "WindowGeometry", "full_rule", "scaled", "window_rule"]
 
 _HALVES = (Half.FIRST, Half.SECOND)
 _INF = float("inf")
@@ -71,10 +71,8 @@ class WindowGeometry:
     def fraction(self, spec: TileSpec) -> float:
         """The share of ``spec``'s pairs the window keeps, of what the tile's own mask keeps
         (a causal tile's lower triangle, every pair of another): what a windowed kernel pays
-        of the kernel without a window."""
-        full = WindowGeometry(-1, -1, self.n, self.rows, self.causal)
-        whole = full.kept_pairs(spec)
-        return self.kept_pairs(spec) / whole if whole else 0.0
+        of the kernel without a window. Memoised: the executor and the model ask per tile."""
+        return _fraction(self, spec)
 
     def fully_kept(self, spec: TileSpec) -> bool:
         """True if the window removes no pair the tile's own mask keeps: then the fused kernel
@@ -100,6 +98,19 @@ class WindowGeometry:
         if not qs:
             return None
         return TileSpec(spec.q_owner, spec.kv_owner, _join(qs), _join(ks), spec.causal)
+
+
+@functools.lru_cache(maxsize=4096)
+def _fraction(geometry: WindowGeometry, spec: TileSpec) -> float:
+    full = WindowGeometry(-1, -1, geometry.n, geometry.rows, geometry.causal)
+    whole = full.kept_pairs(spec)
+    return geometry.kept_pairs(spec) / whole if whole else 0.0
+
+
+def scaled(window: tuple[int, int], factor: int) -> tuple[int, int]:
+    """``window`` over ``factor`` times as many rows (the emulator's virtual problem); ``0``
+    and ``-1`` (unbounded) stay as they are."""
+    return tuple(w * factor if w > 0 else w for w in window)
 
 
 def _pairs_at_most(t: float, a: int, b: int) -> int:
