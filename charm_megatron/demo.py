@@ -26,7 +26,8 @@ from charm_megatron.layout import shard, unshard
 from charm_megatron.local_ranks import run_ranks
 from charm_megatron.ops.attention import cp_attention
 from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
-from charm_megatron.plan.registry import uses_topology
+from charm_megatron.plan.registry import CallTraits, check_call, uses_topology
+from charm_megatron.topology import Topology
 from charm_megatron.train_demo.runner import add_arguments
 from charm_megatron.train_demo.runner import main as train_demo_main
 
@@ -79,15 +80,31 @@ def run(args: argparse.Namespace) -> int:
     return train_demo_main(args)
 
 
+def _runnable(cfg: dict, world: int) -> dict[str, str | None]:
+    """Per algorithm, why it cannot run the demo's shape (``None``: it can): the head
+    all-to-alls need the heads to divide by their group size."""
+    groups = Topology.parse(cfg["topology"], world).groups
+    out: dict[str, str | None] = {}
+    for algo in ALGOS:
+        try:
+            check_call(algo, CallTraits(tuple(map(tuple, groups)), cfg["heads"],
+                                        cfg["kv_heads"]))
+            out[algo] = None
+        except (ValueError, NotImplementedError) as exc:
+            out[algo] = str(exc)
+    return out
+
+
 def _rank_main(rank: int, world: int, cfg: dict) -> dict:
     g = torch.Generator().manual_seed(0)
     s, b, hq, hkv, d = cfg["seq"], cfg["batch"], cfg["heads"], cfg["kv_heads"], cfg["head_dim"]
     q, k, v, dout = (torch.randn(s, b, h, d, generator=g) for h in (hq, hkv, hkv, hq))
     ql, kl, vl, dl = (shard(t, rank, world) for t in (q, k, v, dout))
-    times: dict[str, list[float]] = {a: [] for a in ALGOS}
+    algos = [a for a, why in _runnable(cfg, world).items() if why is None]
+    times: dict[str, list[float]] = {a: [] for a in algos}
     results = {}
     for it in range(cfg["iters"] + 1):  # iteration 0 warms up (process groups, plans)
-        for algo in ALGOS:
+        for algo in algos:
             qa, ka, va = (t.clone().requires_grad_() for t in (ql, kl, vl))
             topo = cfg["topology"] if uses_topology(algo) else None
             torch.distributed.barrier()
@@ -127,7 +144,10 @@ def run_operator(args: argparse.Namespace) -> int:
     print()
     print(f"{'algo':8} {'median ms/call':>15} {'vs ring':>8}   max |err| out, dq, dk, dv")
     ring_ms = None
-    for algo in ALGOS:
+    for algo, why in _runnable(cfg, args.ranks).items():
+        if why is not None:
+            print(f"{algo:8} {'-':>15} {'-':>8}   not run: {why}")
+            continue
         # A call's time is its slowest rank's time.
         per_iter = [max(r["times"][algo][i] for r in per_rank) for i in range(args.iters)]
         ms = statistics.median(per_iter) * 1e3

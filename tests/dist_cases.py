@@ -114,6 +114,13 @@ def bad_input(rank: int, world: int, case: str):
         kwargs["window_size"] = (-2, 0)
     elif case == "window_type":
         kwargs["window_size"] = 4
+    elif case == "a2a_heads":  # kv heads 1 over 2 ranks: Ulysses cannot split them
+        k, v = k[:, :, :1], v[:, :, :1]
+        kwargs["algo"] = "a2a"
+    elif case == "a2a_window":
+        kwargs.update(algo="a2a", window_size=(2, 0))
+    elif case == "a2a_offset":
+        kwargs.update(algo="a2a+p2p", topology="1x2", softmax_offset=torch.zeros(h))
     elif case == "backend_flash_on_cpu":
         from charm_megatron.ops.options import CPOptions
 
@@ -127,10 +134,10 @@ def bad_input(rank: int, world: int, case: str):
 
 
 def run_matrix(rank: int, world: int, cases: list[tuple], rows_per_rank: int = 8,
-               head_dim: int = 16):
+               head_dim: int = 16, heads: int = 8):
     """Run many (algo, topology, causal, dtype, hkv[, roles]) cases in one process group
     (``roles``: cp_attention's role mix; absent: its default), ``rows_per_rank`` sequence rows
-    on each rank.
+    on each rank, ``heads`` query heads.
 
     Returns per case the max relative errors vs the float64 reference and vs ring's result on
     the same inputs. The float64 reference sees the inputs after rounding to the test dtype,
@@ -138,7 +145,7 @@ def run_matrix(rank: int, world: int, cases: list[tuple], rows_per_rank: int = 8
     """
     results = {}
     ring_out = {}
-    s, b, hq, d = rows_per_rank * world, 2, 8, head_dim
+    s, b, hq, d = rows_per_rank * world, 2, heads, head_dim
     for case in cases:
         algo, topology, causal, dtype, hkv = case[:5]
         extra = {"roles": case[5]} if len(case) > 5 else {}

@@ -77,7 +77,8 @@ def _rank_checks(rank: int, world: int) -> dict:
 
     out["p2p_algo"] = build(cp_comm_type="p2p").algo  # TE's p2p without TE: our ring
     out["allgather_algo"] = build(cp_comm_type="allgather").algo
-    out["a2a"] = _outcome(lambda: build(cp_comm_type="a2a"))
+    out["a2a_algo"] = build(cp_comm_type="a2a").algo  # TE's a2a without TE: our Ulysses
+    out["a2a_p2p_algo"] = build(cp_comm_type="a2a+p2p", topology="1x2").algo
     out["bogus"] = _outcome(lambda: build(cp_comm_type="bogus"))
     out["none_is_charm"] = build(cp_comm_type=None).algo
     # megatron-core's rule: a window on every layer but each window_attn_skip_freq-th.
@@ -162,8 +163,8 @@ def _rank_checks(rank: int, world: int) -> dict:
     )
 
     # ---- a whole GPTModel with Megatron's p2p and the local spec (no TE core attention): our
-    # ring serves it instead of the local DotProductAttention's refusal of CP; a2a (no
-    # stand-in yet) keeps the local one, which refuses CP on every rank.
+    # ring serves it instead of the local DotProductAttention's refusal of CP; a2a likewise
+    # (our Ulysses).
     _init_parallel(1, 2)
     out["model_p2p"] = _outcome(lambda: _model(_config(1, 2, 2, cp_comm_type="p2p"), charm=True))
     out["model_a2a"] = _outcome(lambda: _model(_config(1, 2, 2, cp_comm_type="a2a"), charm=True))
@@ -207,13 +208,11 @@ def test_startup_line_once_on_rank0(results):
 
 def test_comm_types(results):
     assert all(r["p2p_algo"] == "ring" and r["allgather_algo"] == "allgather" for r in results)
-    _err(results, "a2a", "NotImplementedError", "layer 1 has cp_comm_type 'a2a'",
-         "ring, rmplus, charm, auto", "p2p, allgather", "use_charm")
+    assert all(r["a2a_algo"] == "a2a" and r["a2a_p2p_algo"] == "a2a+p2p" for r in results)
     _err(results, "bogus", "ValueError", "cp_comm_type 'bogus'")
-    # p2p ran on our ring; use_charm kept the local spec's DotProductAttention for a2a:
-    # Megatron's own refusal.
-    assert all(r["model_p2p"] == ("ok", "") for r in results), [r["model_p2p"] for r in results]
-    _err(results, "model_a2a", "AssertionError", "only supported by TEDotProductAttention")
+    # p2p and a2a ran on ours where the local spec's DotProductAttention would refuse CP.
+    for key in ("model_p2p", "model_a2a"):
+        assert all(r[key] == ("ok", "") for r in results), [r[key] for r in results]
     assert all(r["none_is_charm"] == "charm" for r in results)
 
 

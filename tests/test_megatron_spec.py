@@ -343,4 +343,4 @@ def test_only_the_local_core_attention_is_replaced_for_te_comm_types():
     assert not refuses_cp(ModuleSpec(module=TEDotProductAttention))
     assert not refuses_cp("megatron.core.extensions.transformer_engine.TEDotProductAttention")
     assert [stand_in(c) for c in ("p2p", "allgather", "a2a", "a2a+p2p", "charm", None)] == [
-        "ring", "allgather", None, None, None, None]
+        "ring", "allgather", "a2a", "a2a+p2p", None, None]

@@ -23,7 +23,7 @@ from charm_megatron.plan import registry
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.validate import validate
 
-BUILT_IN = ("ring", "rmplus", "charm", "allgather")
+BUILT_IN = ("ring", "rmplus", "charm", "allgather", "a2a", "a2a+p2p")
 #: Served under their own --cp-comm-type in Megatron: the built-ins less the TE-named peers.
 MEGATRON_OURS = ("ring", "rmplus", "charm")
 TOY = toy_algorithm.NAME
@@ -66,7 +66,8 @@ def test_built_in_lists_are_the_registry():
     assert lists["plan --algo"] == BUILT_IN
     assert registry.uses_topology("charm") and registry.uses_topology("auto")
     assert not registry.uses_topology("ring") and not registry.uses_topology("rmplus")
-    assert not registry.uses_topology("allgather")
+    assert not registry.uses_topology("allgather") and not registry.uses_topology("a2a")
+    assert registry.uses_topology("a2a+p2p")  # its all-to-all groups are the topology's
 
 
 def test_auto_is_accepted_by_the_args_cli(capsys):

@@ -102,7 +102,7 @@ def test_validator_rejects_a_tile_the_window_does_not_reach():
     far = next(j for j in range(8) if rule.want(0, j) is None)
     bad = _replace_tile(plan, 0, lambda s: s.kv_owner == 0,
                         lambda s: tile_spec(0, far, True))
-    with pytest.raises(PlanError, match="window keeps none"):
+    with pytest.raises(PlanError, match="needs none of its pairs"):
         validate(bad)
 
 

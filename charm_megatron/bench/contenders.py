@@ -291,6 +291,24 @@ class Lineup:
     picks: dict[str, str] = field(default_factory=dict)  # auto -> the algorithm it runs
 
 
+def _refusal(algo: str, topology: str | None, point: Point, packed: bool,
+             window) -> str | None:
+    """Why ``algo`` cannot run ``point`` (its entry's check: ``a2a`` where the heads do not
+    divide by the CP size), ``None`` if it can; the same on every rank."""
+    from charm_megatron.plan.registry import CallTraits, check_call
+    from charm_megatron.topology import Topology
+
+    world = dist.get_world_size()
+    groups = (Topology.parse(topology, world).groups if topology and uses_topology(algo)
+              and topology not in ("auto", "node", "numa") else (tuple(range(world)),))
+    try:
+        check_call(algo, CallTraits(tuple(tuple(g) for g in groups), point.heads,
+                                    point.kv_heads, packed=packed, windowed=window is not None))
+    except (ValueError, NotImplementedError) as exc:
+        return str(exc)
+    return None
+
+
 def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
             torch_probe: dict, packed: dict | None = None, backend=None) -> Lineup:
     """Every algorithm of ``cfg.algos`` that runs here at ``point``. ``torch_probe`` caches
@@ -308,6 +326,10 @@ def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
             lineup.notes[algo] = f"auto picked {auto.picked} (roles {auto.picked_roles})"
             continue
         if algo != "torch":
+            refusal = _refusal(algo, topology, point, packed is not None, cfg.window)
+            if refusal is not None:
+                lineup.skipped[algo] = refusal
+                continue
             lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed,
                                                     roles=cfg.roles, settings=cfg.settings,
                                                     backend=backend, window=cfg.wire_window())

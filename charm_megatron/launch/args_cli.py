@@ -36,7 +36,7 @@ from charm_megatron.launch.config import (
     parse_set,
 )
 from charm_megatron.megatron.args import CHARM_COMM_TYPES as MEGATRON_CHARM_COMM_TYPES
-from charm_megatron.plan.registry import NameView, choices, describe_choices
+from charm_megatron.plan.registry import NameView, describe_choices
 
 __all__ = [
     "CHARM_COMM_TYPES",
@@ -55,7 +55,8 @@ MEGATRON_COMM_TYPES: tuple[str, ...] = ("p2p", "a2a", "allgather")
 #: Served by charm-megatron's attention (the registry's choices less the TE-named peers, as
 #: ``charm_megatron.megatron.args`` rules); these get ``--charm-topology``.
 CHARM_COMM_TYPES = MEGATRON_CHARM_COMM_TYPES
-COMM_TYPES = NameView(lambda: tuple(dict.fromkeys(MEGATRON_COMM_TYPES + choices())))
+COMM_TYPES = NameView(lambda: tuple(dict.fromkeys(MEGATRON_COMM_TYPES
+                                                  + tuple(MEGATRON_CHARM_COMM_TYPES))))
 #: The training entry point the command runs (``python -m ENTRY_MODULE``).
 ENTRY_MODULE = "charm_megatron.pretrain_gpt"
 

@@ -40,8 +40,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from charm_megatron.launch.args_cli import MEGATRON_COMM_TYPES
-from charm_megatron.plan.registry import NameView, choices
+from charm_megatron.launch.args_cli import COMM_TYPES
+from charm_megatron.plan.registry import NameView
 
 __all__ = [
     "CompareRow",
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 #: Comm types in table order; the first present of BASELINES is the speedup reference.
-COMM_ORDER = NameView(lambda: tuple(dict.fromkeys((*MEGATRON_COMM_TYPES, *choices()))))
+COMM_ORDER = NameView(lambda: tuple(COMM_TYPES))
 #: Megatron's own ring first, then charm-megatron's ring.
 BASELINES: tuple[str, ...] = ("p2p", "ring")
 #: File suffixes read when a directory is given.

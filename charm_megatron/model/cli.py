@@ -283,13 +283,14 @@ def _grid(args: argparse.Namespace, groups: list[list[int]], cluster: Cluster,
           f"dim={args.head_dim} {args.dtype} {mask}, roles {args.roles}; times are fwd+bwd, "
           "speedups over ring")
     if compare:
-        print(f"# charm/MIX: charm with role mix MIX ({', '.join(compare)}); 'best' is among "
-              f"ring, rmplus, charm (roles {args.roles})")
+        print(f"# charm/MIX: charm with role mix MIX ({', '.join(compare)})")
+    print("# best: the fastest of every registered algorithm that can run the problem (the "
+          "peers allgather, a2a, a2a+p2p included), and its fwd+bwd ms")
     extra = "".join(f"  {f'charm/{m} x fwd':>{len(m) + 12}} {'bwd':>5} {'total':>5}"
                     for m in compare)
     print(f"{'seq':>8} {'CCR fwd':>7} {'bwd':>5}  {'ring ms':>9} {'rmplus ms':>9} "
           f"{'charm ms':>9}  {'rmplus x':>8}  {'charm x fwd':>11} {'bwd':>5} {'total':>5}"
-          f"{extra}  best")
+          f"{extra}  {'best ms':>9}  best")
     settings = settings_from_args(args)
     for seq in _parse_seqs(args.grid):
         problem = _problem(args, seq)
@@ -308,5 +309,6 @@ def _grid(args: argparse.Namespace, groups: list[list[int]], cluster: Cluster,
               f"{_ms(ch.total_s):>9}  {ring.total_s / rmp.total_s:8.2f}  "
               f"{ring.forward.time_s / ch.forward.time_s:11.2f} "
               f"{ring.backward.time_s / ch.backward.time_s:5.2f} "
-              f"{ring.total_s / ch.total_s:5.2f}{cells}  {_best(preds)}")
+              f"{ring.total_s / ch.total_s:5.2f}{cells}  "
+              f"{_ms(preds[_best(preds)].total_s):>9}  {_best(preds)}")
     return 0

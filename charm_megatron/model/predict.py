@@ -44,6 +44,12 @@ def _plan(algo: str, direction: str, groups: Groups, causal: bool,
     return fwd if direction == "forward" else bwd
 
 
+def call_traits(groups: Groups, problem: Problem) -> registry.CallTraits:
+    """What the entries' checks read of ``problem`` on ``groups``."""
+    return registry.CallTraits(groups, problem.hq, problem.hkv,
+                               windowed=problem.window is not None)
+
+
 def role_shape(problem: Problem) -> RoleShape:
     """What the plan rules read of ``problem`` (heads, kv heads, head dim, element bytes)."""
     return RoleShape(problem.hq, problem.hkv, problem.d, problem.elem, problem.dv)
@@ -74,6 +80,7 @@ def predict(algo: str, groups: Sequence[Sequence[int]], problem: Problem, cluste
     (``False``: off, as a call without a model profile runs it); ``compute_only``: messages
     are free (the plan's compute alone, ``CPOptions(ablation="compute_only")``'s part)."""
     g = _groups(groups)
+    registry.check_call(algo, call_traits(g, problem))  # a2a: heads that divide, ...
     timer = ClusterTimer(cluster, problem, g)
     fwd, bwd = _plans(algo, g, problem, causal, timer if tune else None, settings)
     if compute_only:
@@ -85,10 +92,12 @@ def predict(algo: str, groups: Sequence[Sequence[int]], problem: Problem, cluste
 def predict_all(groups: Sequence[Sequence[int]], problem: Problem, cluster: Cluster,
                 causal: bool, algos: Iterable[str] = ALGOS, *, tune: bool = False,
                 **settings: object) -> dict[str, Prediction]:
-    """:func:`predict` for each of ``algos`` (default: every registered one), in that order;
-    each algorithm reads the settings it owns."""
+    """:func:`predict` for each of ``algos`` (default: every registered one) that can run the
+    problem (its entry's check: ``a2a`` needs heads divisible by the CP size), in that
+    order; each algorithm reads the settings it owns."""
+    traits = call_traits(_groups(groups), problem)
     return {a: predict(a, groups, problem, cluster, causal, tune=tune, **settings)
-            for a in algos}
+            for a in algos if not registry.refuses(a, traits)}
 
 
 @dataclass(frozen=True)
@@ -142,11 +151,13 @@ def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
     problem and cluster gets the same answer without communicating. Ties go to the earlier
     algorithm of ``algos``. ``cluster=None`` means :func:`default_cluster_for` the topology (a
     profile: pass :func:`~charm_megatron.model.auto.auto_cluster` of it). ``causal`` defaults
-    to True (GPT training).
+    to True (GPT training). An algorithm that refuses the problem (``a2a`` where the heads do
+    not divide by the CP size; the entry's ``check``) is never chosen.
     """
-    if not algos:
-        raise ValueError("choose_algo needs at least one algorithm")
     g = _groups(groups)
+    algos = [a for a in algos if not registry.refuses(a, call_traits(g, problem))]
+    if not algos:
+        raise ValueError("choose_algo needs at least one algorithm that can run the problem")
     timer = ClusterTimer(cluster if cluster is not None else default_cluster_for(g), problem, g)
     times = [(sum(map(timer.seconds, _plans(a, g, problem, causal, timer if tune else None,
                                             settings))), i, a)

@@ -419,12 +419,26 @@ def simulate(plan: Plan, problem: Problem, cluster: Cluster,
     plan's algorithm used (ring and RM+ plans are built flat). ``compute=False`` makes compute
     free and ``comm=False`` makes messages instantaneous (per-message CPU overhead counts as
     communication), like ``CPOptions.ablation`` in the executor: the two give the CCR's parts.
+
+    A plan after a head all-to-all (``plan.head_group > 1``) runs on its super-blocks
+    (:meth:`Problem.for_plan`) between the two all-to-alls, each simulated as a plan of its
+    own (plan/head_stage.py) and added: nothing overlaps them, as in TE.
     """
-    eng = _Engine(plan, problem, cluster, groups, compute, comm)
-    time_s = eng.run()
+    parts = [(plan, problem.for_plan(plan))]
+    if plan.head_group > 1:
+        from charm_megatron.plan.head_stage import stage_plans
+
+        into, back = stage_plans(plan.n, plan.head_group, plan.direction, plan.causal)
+        parts = [(into, problem), *parts, (back, problem)]
+    time_s, ranks = 0.0, [RankStats(0.0, 0.0, 0.0)] * plan.n
+    messages = 0
+    for part, prob in parts:
+        eng = _Engine(part, prob, cluster, groups, compute, comm)
+        t = eng.run()
+        ranks = [RankStats(time_s + (eng.finish[r] or 0.0), was.busy_s + eng.busy[r],
+                           was.work_s + eng.work[r]) for r, was in enumerate(ranks)]
+        time_s += t
+        messages += sum(len(op.sends) for r in range(part.n) for op in part.comms(r))
     t = traffic(plan, problem, groups)
-    ranks = tuple(RankStats(eng.finish[r] or 0.0, eng.busy[r], eng.work[r])
-                  for r in range(plan.n))
-    messages = sum(len(op.sends) for r in range(plan.n) for op in plan.comms(r))
-    return SimResult(plan.algo, plan.direction, time_s, ranks, sum(t.intra), sum(t.cross),
-                     max(t.intra), max(t.cross), messages)
+    return SimResult(plan.algo, plan.direction, time_s, tuple(ranks), sum(t.intra),
+                     sum(t.cross), max(t.intra), max(t.cross), messages)

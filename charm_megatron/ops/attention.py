@@ -135,8 +135,8 @@ class _CPAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, offset, call: Call):
-        out, lse = run_forward(call, q, k, v, offset)
-        ctx.save_for_backward(q, k, v, out, lse, offset)
+        out, lse, saved = run_forward(call, q, k, v, offset)
+        ctx.save_for_backward(*saved, offset)
         ctx.call = call
         ctx.mark_non_differentiable(lse)
         return out, lse

@@ -434,6 +434,29 @@ class Executor(OpInterpreter[None]):
                                                   for t in self._view(x.loc, x.half)))
                                      for x in (*op.sends, *op.recvs)])
 
+    def exchange(self, stream, sends: list[tuple[int, torch.Tensor]],
+                 recvs: list[tuple[int, torch.Tensor]]) -> None:
+        """One batch of sends and receives outside a plan (a head all-to-all,
+        ops/head_stage.py): ``(CP rank, tensor)`` pairs, posted on ``stream``'s communicator
+        as a plan's batch is and waited at once, under the same bound and errors."""
+        group = self.streams.groups[stream]
+        ranks = self.streams.ranks
+        p2p = [dist.P2POp(dist.isend, t, ranks[p], group) for p, t in sends]
+        p2p += [dist.P2POp(dist.irecv, t, ranks[p], group) for p, t in recvs]
+        if not self.comm:
+            p2p = []  # an ablated run: only timing is meaningful
+        peers = sorted({ranks[p] for p, _ in (*sends, *recvs)})
+        try:
+            works = dist.batch_isend_irecv(p2p) if p2p else []
+        except Exception as exc:  # noqa: BLE001 - re-raised with what it means
+            raise CommError(self._comm_text(stream, peers, "could not post its transfers",
+                                            exc)) from exc
+        handle = -1 - len(self.pending)  # never a plan's (plans number from 0)
+        self.pending[handle] = (works, [t for _, t in sends], stream, peers)
+        if self._posted is not None and works:
+            self._posted(handle, [(p, t.numel() * t.element_size()) for p, t in (*sends, *recvs)])
+        self._wait(handle)
+
     def _wait(self, handle: int) -> None:
         works, _, stream, peers = self.pending.pop(handle)
         timeout = datetime.timedelta(seconds=self.timeout_s)

@@ -4,12 +4,14 @@ The same for both layouts; the layout builds the executor (ops/layouts.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
 from charm_megatron.kernels.head_dims import HeadDimPadding
 from charm_megatron.kernels.window import Window
-from charm_megatron.ops import agreement, softmax_offset
+from charm_megatron.ops import agreement, head_stage, softmax_offset
 from charm_megatron.ops.agreement import CPAttentionError
 from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent
 from charm_megatron.ops.failsafe import GuardedBackend
@@ -17,17 +19,21 @@ from charm_megatron.ops.options import kernel_backend
 from charm_megatron.ops.prepare import Call
 from charm_megatron.ops.streams import StreamGroups, control_timeout_s, stream_groups
 from charm_megatron.plan.core import Plan
+from charm_megatron.plan.head_stage import HeadStage
 from charm_megatron.plan.vocab import Direction
 
 
 def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, direction: Direction) -> Executor:
+                  v: torch.Tensor, direction: Direction, head_group: int = 1) -> Executor:
     """The executor of one direction of ``call`` on internal ``[s, b, h, d]`` blocks: its
-    kernels behind the failure guard, its layout's tile computation."""
+    kernels behind the failure guard, its layout's tile computation. ``head_group`` ``a``:
+    its blocks are super-blocks of a head all-to-all (``a`` times the rows of ``q``, ``k``,
+    ``v``, ``1/a`` of their heads)."""
     opts = call.options
     dv = v.shape[3]
-    shape = BlockShape(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], q.dtype,
-                       q.device, dv)
+    a = head_group
+    shape = BlockShape(q.shape[0] * a, q.shape[1], q.shape[2] // a, k.shape[2] // a,
+                       q.shape[3], q.dtype, q.device, dv)
     backend = kernel_backend(opts, q.device, q.dtype)
     if dv != q.shape[3]:
         backend = HeadDimPadding(backend)  # the fused kernels take one head dim
@@ -41,8 +47,11 @@ def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor
                                 timeout_s=opts.timeout_s, what=call.what(direction), **extra)
 
 
-def run_plan(call: Call, sg: StreamGroups, ex: Executor, ops, direction: Direction) -> None:
-    """Run this rank's ops, then share how it went (docs/api.md, failure model).
+def run_plan(call: Call, sg: StreamGroups, ex: Executor, work: Callable[[], None],
+             direction: Direction) -> None:
+    """Run this rank's part of the call (``work``: its plan's ops, with a head all-to-all's
+    exchanges around them where the plan has one), then share how it went (docs/api.md,
+    failure model).
 
     A kernel error is held back by the guarded backend, so every transfer still completes;
     any other error (a transfer that failed or timed out) marks the stream communicators for
@@ -51,7 +60,7 @@ def run_plan(call: Call, sg: StreamGroups, ex: Executor, ops, direction: Directi
     exc: BaseException | None = None
     code = agreement.OK
     try:
-        ex.run(ops)
+        work()
     except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
         exc, code = e, agreement.BROKEN
         sg.needs_rebuild = True
@@ -80,53 +89,90 @@ def run_plan(call: Call, sg: StreamGroups, ex: Executor, ops, direction: Directi
                                "the CP group is ready for the next call")
 
 
+def _stage(call: Call, plan: Plan) -> HeadStage | None:
+    """The head all-to-all around ``plan`` (``None``: it has none)."""
+    if plan.head_group == 1:
+        return None
+    return HeadStage(plan.n, plan.head_group, call.request.causal)
+
+
 def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                offset: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's forward plan on internal blocks: ``out`` in q's dtype and the accumulated
-    lse ``[s, b, h]`` (fp32; float64 for float64 inputs); with a softmax ``offset`` both
-    include it (ops/softmax_offset.py), applied to the accumulator before the cast."""
+                offset: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """This rank's forward plan on internal blocks: ``out`` in q's dtype, the accumulated lse
+    ``[s, b, h]`` (fp32; float64 for float64 inputs) and what the backward needs (``q, k, v,
+    out, lse``: as given, or in the heads layout of a head all-to-all, as TE keeps them);
+    with a softmax ``offset`` the results include it (ops/softmax_offset.py), applied to the
+    accumulator before the cast."""
     fwd, _ = call.plans()
+    stage = _stage(call, fwd)
     sg = stream_groups(call.group, call.options.timeout_s)
-    ex = make_executor(call, sg, q, k, v, Direction.FORWARD)
-    ex.set_own("own.q", "q", q)
-    ex.set_own("own.kv", "kv", k, v)
-    run_plan(call, sg, ex, fwd.ops[dist.get_rank(call.group)], Direction.FORWARD)
-    acc_out, acc_lse = ex.result(Plan.OUT)
-    if offset is not None:
-        acc_out, acc_lse = softmax_offset.apply_forward(acc_out, acc_lse, offset)
-    return acc_out.to(q.dtype), acc_lse
+    ex = make_executor(call, sg, q, k, v, Direction.FORWARD, fwd.head_group)
+    rank = dist.get_rank(call.group)
+    held: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def work() -> None:
+        qs, ks, vs = (q, k, v) if stage is None else head_stage.to_heads(ex, stage, rank,
+                                                                         q, k, v)
+        ex.set_own("own.q", "q", qs)
+        ex.set_own("own.kv", "kv", ks, vs)
+        ex.run(fwd.ops[rank])
+        acc_out, acc_lse = ex.result(Plan.OUT)
+        if offset is not None:
+            acc_out, acc_lse = softmax_offset.apply_forward(acc_out, acc_lse, offset)
+        out = acc_out.to(q.dtype)
+        held["saved"] = (qs, ks, vs, out, acc_lse)
+        held["result"] = ((out, acc_lse) if stage is None
+                          else head_stage.to_rows(ex, stage, rank, out, acc_lse))
+
+    run_plan(call, sg, ex, work, Direction.FORWARD)
+    out, lse = held["result"]
+    return out, lse, held["saved"]
 
 
 def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  out: torch.Tensor, lse_sbh: torch.Tensor, dout: torch.Tensor,
                  offset: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """This rank's backward plan after the ranks agree again: dq, dk, dv in the inputs'
-    dtypes, and with a softmax ``offset`` its gradient (this rank's rows' share)."""
+    dtypes, and with a softmax ``offset`` its gradient (this rank's rows' share). ``q`` ...
+    ``lse_sbh`` are what :func:`run_forward` saved; ``dout`` is this rank's rows'."""
     _, bwd = call.plans()
+    stage = _stage(call, bwd)
     sg = stream_groups(call.group, call.options.timeout_s)
     if sg.size > 1 and call.checked:
         timeout_s = call.options.timeout_s
         agreement.open_call(sg, timeout_s, forward_call=call.seq)
         sig = agreement.Signature(call.fields(Direction.BACKWARD))
         agreement.agree(sg, sig, call.seq, True, timeout_s)
-    ex = make_executor(call, sg, q, k, v, Direction.BACKWARD)
-    dout = dout.to(q.dtype)
-    # delta = rowsum(dout * out) is all the tiles' backward needs of the output (see
-    # executor._out_with_delta), so the q-side bundle carries it instead of out, scaled by
-    # the row's power of two 2**-e (e from max|dout|) so that it never overflows or
-    # underflows; the receiver recomputes e from the dout it receives.
-    wide = torch.float64
-    e = delta_exponent(dout)
-    unscaled = (dout.to(wide) * out.to(wide)).sum(-1)
-    delta = torch.ldexp(unscaled, -e.to(wide))
-    ex.set_own("own.qgrad", "qgrad", q, dout,
-               torch.stack([lse_sbh, delta.to(lse_sbh.dtype)], -1))
-    ex.set_own_output("own.qgrad", out.to(q.dtype))
-    ex.set_own("own.kv", "kv", k, v)
-    run_plan(call, sg, ex, bwd.ops[dist.get_rank(call.group)], Direction.BACKWARD)
-    (dq,) = ex.result(Plan.DQ)
-    dk, dv = ex.result(Plan.DKV)
-    grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
-    if offset is None:
-        return grads
-    return (*grads, softmax_offset.offset_grad(lse_sbh, unscaled, offset))
+    ex = make_executor(call, sg, q, k, v, Direction.BACKWARD)  # saved: already super-blocks
+    rank = dist.get_rank(call.group)
+    held: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def work() -> None:
+        d_out = dout.to(q.dtype)
+        if stage is not None:
+            (d_out,) = head_stage.to_heads(ex, stage, rank, d_out)
+        # delta = rowsum(dout * out) is all the tiles' backward needs of the output (see
+        # executor._out_with_delta), so the q-side bundle carries it instead of out, scaled
+        # by the row's power of two 2**-e (e from max|dout|) so that it never overflows or
+        # underflows; the receiver recomputes e from the dout it receives.
+        wide = torch.float64
+        e = delta_exponent(d_out)
+        unscaled = (d_out.to(wide) * out.to(wide)).sum(-1)
+        delta = torch.ldexp(unscaled, -e.to(wide))
+        ex.set_own("own.qgrad", "qgrad", q, d_out,
+                   torch.stack([lse_sbh, delta.to(lse_sbh.dtype)], -1))
+        ex.set_own_output("own.qgrad", out.to(q.dtype))
+        ex.set_own("own.kv", "kv", k, v)
+        ex.run(bwd.ops[rank])
+        (dq,) = ex.result(Plan.DQ)
+        dk, dv = ex.result(Plan.DKV)
+        grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
+        if stage is not None:
+            grads = head_stage.to_rows(ex, stage, rank, *grads)
+        held["grads"] = grads
+        if offset is not None:
+            held["offset"] = (softmax_offset.offset_grad(lse_sbh, unscaled, offset),)
+
+    run_plan(call, sg, ex, work, Direction.BACKWARD)
+    return (*held["grads"], *held.get("offset", ()))

@@ -98,11 +98,16 @@ def resolve_call(request: CallRequest, group, cp_size: int, cluster) -> Resolved
         topo_groups = tuple(tuple(g) for g in topo.groups)
     algo = request.algo
     prob = problem(request, cp_size)
+    traits = call_traits(request, topo_groups)
     if algo == registry.AUTO:
         from charm_megatron.model import choose_algo_cached
 
         algo = choose_algo_cached(topo_groups, prob, cluster, causal=request.causal,
-                                  tune=cluster is not None, **request.settings)
+                                  tune=cluster is not None, **request.settings,
+                                  algos=[a for a in registry.names()
+                                         if not registry.refuses(a, traits)])
+    # The same verdict on every rank (a function of what they agreed on), before data moves.
+    registry.check_call(algo, traits)
     groups = topo_groups if registry.uses_topology(algo) else flat
     timer = None
     if cluster is not None:
@@ -115,6 +120,14 @@ def resolve_call(request: CallRequest, group, cp_size: int, cluster) -> Resolved
     plans = _validated(algo, groups, request.causal, shape, timer, request.settings,
                        tile_rule(request, cp_size))
     return Resolved(algo, groups, variants, plans)
+
+
+def call_traits(request: CallRequest, groups: Groups) -> registry.CallTraits:
+    """What the entries' checks read of a call (plan/entries.CallTraits)."""
+    _, _, hq, hkv, _ = _heads(request)
+    return registry.CallTraits(groups, hq, hkv, packed=request.layout.name != "sbhd",
+                               windowed=request.window is not None,
+                               offset=request.softmax_offset is not None)
 
 
 def _planned_window(request: CallRequest) -> tuple[int, int] | None:

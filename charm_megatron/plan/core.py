@@ -81,13 +81,16 @@ def tile_spec(q_owner: int, kv_owner: int, causal: bool) -> TileSpec:
 
 @dataclass(frozen=True)
 class Xfer:
-    """One message of a batch: ``loc`` is the source (send) or destination (receive)."""
+    """One message of a batch: ``loc`` is the source (send) or destination (receive).
+    ``parts``: the message carries one of that many equal head slices of the rows (a head
+    all-to-all's message, plan/head_stage.py); 1: all heads."""
 
     peer: int
     loc: Loc
     kind: Kind
     owner: int
     half: Half
+    parts: int = 1
 
     def __post_init__(self) -> None:
         if type(self.kind) is not Kind or type(self.loc) is str:
@@ -253,6 +256,10 @@ class Plan:
     #: The tiles the plan computes (:class:`~charm_megatron.plan.tile_rule.TileRule`): those
     #: of a sliding window; ``None``: every tile of the full attention.
     tiles: object = None
+    #: ``a > 1``: the plan runs after a head all-to-all inside consecutive groups of ``a``
+    #: ranks (Ulysses, plan/head_stage.py): each block then holds ``a`` ranks' rows and
+    #: ``1/a`` of the heads, and tiles pair ranks of one lane (``rank % a``) only.
+    head_group: int = 1
 
     # Where the executor finds the results on every rank.
     OUT = RESULT[Kind.OUT]
@@ -268,8 +275,10 @@ class Plan:
         where ``tiles`` is ``None``)."""
         if self.tiles is not None:
             return self.tiles
-        from charm_megatron.plan.tile_rule import full_rule  # imports this module
+        from charm_megatron.plan.tile_rule import full_rule, lane_rule  # imports this module
 
+        if self.head_group > 1:
+            return lane_rule(self.n, self.head_group, self.causal)
         return full_rule(self.n, self.causal)
 
     def comms(self, rank: int) -> list[Comm]:
@@ -285,8 +294,9 @@ class _Printer(OpInterpreter[str]):
     """The one-line form of each op (the format of ``charm-megatron plan`` printouts)."""
 
     def on_comm(self, op: Comm) -> str:
-        parts = [f"send {x.kind}[{x.owner}].{x.half}->{x.peer}" for x in op.sends]
-        parts += [f"recv {x.kind}[{x.owner}].{x.half}<-{x.peer} into {x.loc}" for x in op.recvs]
+        parts = [f"send {x.kind}[{x.owner}].{x.half}{_heads(x)}->{x.peer}" for x in op.sends]
+        parts += [f"recv {x.kind}[{x.owner}].{x.half}{_heads(x)}<-{x.peer} into {x.loc}"
+                  for x in op.recvs]
         return f"post #{op.handle} on {op.stream}: " + ", ".join(parts)
 
     def on_wait(self, op: Wait) -> str:
@@ -306,6 +316,10 @@ class _Printer(OpInterpreter[str]):
 
     def on_merge(self, op: Merge) -> str:
         return f"merge {op.src} into {op.acc}"
+
+
+def _heads(x: Xfer) -> str:
+    return "" if x.parts == 1 else f".heads/{x.parts}"
 
 
 def _tile_rows(s: TileSpec) -> str:

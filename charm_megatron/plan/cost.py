@@ -47,8 +47,19 @@ class Problem:
         return _block_bytes(self, Kind(kind), n)
 
     def xfer_bytes(self, x: Xfer, n: int) -> float:
-        """Bytes of one message of a plan over ``n`` ranks."""
-        return self.block_bytes(x.kind, n) * x.half.fraction
+        """Bytes of one message of a plan over ``n`` ranks (a head slice: its share)."""
+        return self.block_bytes(x.kind, n) * x.half.fraction / x.parts
+
+    def for_plan(self, plan: Plan) -> Problem:
+        """The problem as ``plan``'s blocks see it: after a head all-to-all in groups of
+        ``a`` (``plan.head_group``) every block holds ``a`` times the rows and ``1/a`` of the
+        heads, which is the problem of ``a`` times the sequence and ``1/a`` of the heads on
+        as many ranks (the same bytes per block, ``a`` times the work per tile)."""
+        a = plan.head_group
+        if a == 1:
+            return self
+        return Problem(self.b, self.s * a, self.hq // a, self.hkv // a, self.d, self.elem,
+                       self.dv, self.window)
 
 
 @functools.lru_cache(maxsize=4096)  # the simulator asks for every message it times
@@ -121,16 +132,24 @@ class Traffic:
 
 def traffic(plan: Plan, problem: Problem, groups: Sequence[Sequence[int]]) -> Traffic:
     """Bytes sent by each rank, split by whether the peer is in the sender's group of
-    ``groups`` (the *hardware* topology, whatever groups the algorithm itself used)."""
+    ``groups`` (the *hardware* topology, whatever groups the algorithm itself used). A plan
+    after a head all-to-all (``plan.head_group > 1``) counts the all-to-alls too."""
     group_of = {r: gi for gi, g in enumerate(groups) for r in g}
     intra = [0.0] * plan.n
     cross = [0.0] * plan.n
-    for r in range(plan.n):
-        for op in plan.comms(r):
-            for x in op.sends:
-                nbytes = problem.xfer_bytes(x, plan.n)
-                if group_of[x.peer] == group_of[r]:
-                    intra[r] += nbytes
-                else:
-                    cross[r] += nbytes
+    parts = [(plan, problem.for_plan(plan))]
+    if plan.head_group > 1:
+        from charm_megatron.plan.head_stage import stage_plans
+
+        parts += [(p, problem) for p in stage_plans(plan.n, plan.head_group, plan.direction,
+                                                    plan.causal)]
+    for part, prob in parts:
+        for r in range(part.n):
+            for op in part.comms(r):
+                for x in op.sends:
+                    nbytes = prob.xfer_bytes(x, part.n)
+                    if group_of[x.peer] == group_of[r]:
+                        intra[r] += nbytes
+                    else:
+                        cross[r] += nbytes
     return Traffic(intra, cross)

@@ -20,7 +20,7 @@ from charm_megatron.plan.roles import Decision, RoleShape
 from charm_megatron.plan.settings import Setting, Values
 from charm_megatron.plan.vocab import Direction
 
-__all__ = ["AUTO", "AUTO_DESCRIPTION", "Algorithm", "Groups", "PlanRule", "PlanTimer",
+__all__ = ["AUTO", "AUTO_DESCRIPTION", "Algorithm", "CallCheck", "CallTraits", "Groups", "PlanRule", "PlanTimer",
            "RankBuilder", "VariantContext", "VariantRule", "all_settings", "assemble", "find",
            "get", "names", "register", "registered", "unregister"]
 
@@ -68,6 +68,25 @@ PlanRule = Callable[[Plan, VariantContext, Any], Plan]
 
 
 @dataclass(frozen=True)
+class CallTraits:
+    """What an entry's ``check`` may refuse a call for: its ``groups`` as the algorithm sees
+    them, its head counts (``None``: shape-free), and whether it is packed (THD), windowed or
+    has a softmax offset."""
+
+    groups: Groups
+    hq: int | None = None
+    hkv: int | None = None
+    packed: bool = False
+    windowed: bool = False
+    offset: bool = False
+
+
+#: ``traits -> None``, raising ``ValueError`` (illegal for this call) or
+#: ``NotImplementedError`` (not written yet) with a sentence naming the fix.
+CallCheck = Callable[[CallTraits], None]
+
+
+@dataclass(frozen=True)
 class Algorithm:
     """One registry entry: a name, a per-rank op builder, whether it runs on the topology's
     groups, a one-line description, and what it owns: its ``settings``, the rule that turns
@@ -83,7 +102,8 @@ class Algorithm:
     algorithm has a shape of its own for windows (ring: two bounded rings), given the
     :class:`~charm_megatron.plan.tile_rule.TileRule` in place of ``causal``.
     ``prunes_messages`` False keeps every message (a collective that moves everything,
-    as TE's all-gather does) and prunes tiles only."""
+    as TE's all-gather does) and prunes tiles only. ``check`` refuses calls the algorithm
+    cannot run (:data:`CallCheck`); ``auto`` never picks an entry that refuses the call."""
 
     name: str
     build_rank: RankBuilder
@@ -95,6 +115,7 @@ class Algorithm:
     te_name: str | None = None
     windowed_rank: RankBuilder | None = None
     prunes_messages: bool = True
+    check: CallCheck | None = None
 
 
 _REGISTRY: dict[str, Algorithm] = {}
@@ -104,8 +125,10 @@ def register(algo: Algorithm) -> Algorithm:
     """Add ``algo``; its name must be new and must not be ``auto``, and a setting it shares by
     name with another entry must be that entry's declaration (so a name means one thing).
     Returns it."""
-    if not isinstance(algo.name, str) or not algo.name.isidentifier():
-        raise ValueError(f"algorithm name {algo.name!r} must be an identifier-like string")
+    # '+' joins two comm types, as TE's hierarchical "a2a+p2p" does.
+    if not isinstance(algo.name, str) or not algo.name.replace("+", "_").isidentifier():
+        raise ValueError(f"algorithm name {algo.name!r} must be an identifier-like string "
+                         "(letters, digits, '_', '+')")
     if algo.name == AUTO:
         raise ValueError(f"{AUTO!r} is reserved: it names the performance model's choice")
     if algo.name in _REGISTRY:

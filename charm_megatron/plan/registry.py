@@ -30,11 +30,13 @@ from typing import Any
 import charm_megatron.plan.allgather  # noqa: F401
 import charm_megatron.plan.charm  # noqa: F401
 import charm_megatron.plan.ring  # noqa: F401
+import charm_megatron.plan.ulysses  # noqa: F401
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.entries import (
     AUTO,
     AUTO_DESCRIPTION,
     Algorithm,
+    CallTraits,
     Groups,
     PlanRule,
     PlanTimer,
@@ -62,6 +64,7 @@ __all__ = [
     "AUTO_DESCRIPTION",
     "Algorithm",
     "CHOICES",
+    "CallTraits",
     "DIRECTIONS",
     "Groups",
     "NameView",
@@ -75,6 +78,7 @@ __all__ = [
     "VariantRule",
     "all_settings",
     "build_plan",
+    "check_call",
     "choices",
     "describe_choices",
     "get",
@@ -160,6 +164,26 @@ def settings_values(**given: object) -> Values:
                          f"{', '.join(known) or 'none'}")
     return Values(tuple((name, s.parse(given[name]) if name in given else s.default)
                         for name, s in known.items()))
+
+
+def check_call(algo: str, traits: CallTraits) -> None:
+    """Raise what entry ``algo`` says of a call with ``traits`` (``ValueError``: illegal,
+    ``NotImplementedError``: not written yet); nothing for an entry without a check. The
+    groups are taken as the entry sees them (flat unless it uses the topology)."""
+    entry = get(algo)
+    if entry.check is not None:
+        from dataclasses import replace
+
+        entry.check(replace(traits, groups=_algo_groups(entry, traits.groups)))
+
+
+def refuses(algo: str, traits: CallTraits) -> bool:
+    """True if entry ``algo`` refuses a call with ``traits`` (``auto`` skips it)."""
+    try:
+        check_call(algo, traits)
+    except (ValueError, NotImplementedError):
+        return True
+    return False
 
 
 # ---------------------------------------------------------------------------------- plans

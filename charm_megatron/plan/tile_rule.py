@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from charm_megatron.plan.core import TileSpec, tile_spec
 from charm_megatron.plan.vocab import Half
 
-__all__ = ["TileRule", "WindowGeometry", "full_rule", "scaled", "window_rule"]
+__all__ = ["TileRule", "WindowGeometry", "full_rule", "lane_rule", "scaled", "window_rule"]
 
 _HALVES = (Half.FIRST, Half.SECOND)
 _INF = float("inf")
@@ -141,9 +141,11 @@ class TileRule:
     __slots__ = ("n", "causal", "windowed", "_wants", "_hash")
 
     def __init__(self, n: int, causal: bool,
-                 wants: tuple[tuple[TileSpec | None, ...], ...] | None = None) -> None:
+                 wants: tuple[tuple[TileSpec | None, ...], ...] | None = None,
+                 windowed: bool | None = None) -> None:
         self.n, self.causal = n, causal
-        self.windowed = wants is not None
+        # A table of wants is a window's unless told otherwise (a head all-to-all's lanes).
+        self.windowed = wants is not None if windowed is None else windowed
         if wants is None:
             wants = tuple(tuple(tile_spec(i, j, causal) for j in range(n)) for i in range(n))
         self._wants = wants
@@ -184,6 +186,22 @@ class TileRule:
 def full_rule(n: int, causal: bool) -> TileRule:
     """Every tile of the full attention."""
     return TileRule(n, causal)
+
+
+@functools.lru_cache(maxsize=64)
+def lane_rule(n: int, a: int, causal: bool) -> TileRule:
+    """The tiles of a plan run after a head all-to-all in consecutive groups of ``a`` ranks
+    (plan/head_stage.py): rank ``r`` then holds super-block ``r // a`` of lane ``r % a`` (that
+    lane's heads, ``a`` ranks' rows), so only ranks of one lane pair, and a pair's rows are
+    those of its super-blocks on ``n / a`` ranks."""
+    def want(i: int, j: int) -> TileSpec | None:
+        if i % a != j % a:
+            return None
+        inner = tile_spec(i // a, j // a, causal)
+        return TileSpec(i, j, inner.q_half, inner.kv_half, inner.causal)
+
+    wants = tuple(tuple(want(i, j) for j in range(n)) for i in range(n))
+    return TileRule(n, causal, wants, windowed=False)
 
 
 @functools.lru_cache(maxsize=256)

@@ -313,8 +313,8 @@ class _SymbolicRun(OpInterpreter[bool]):
         """``s`` is the tile its pair needs, or a half sub-tile of it; returns that tile."""
         want = self.rule.want(s.q_owner, s.kv_owner)
         if want is None:
-            self.fail(f"tile {_tile_name(s)} is computed but its window keeps none of its "
-                      "pairs")
+            self.fail(f"tile {_tile_name(s)} is computed but the call needs none of its pairs "
+                      "(outside the window, or across lanes of a head all-to-all)")
         if s not in _variants(want):
             self.fail(f"tile {_tile_name(s)} rows q.{s.q_half} x kv.{s.kv_half} should be "
                       f"{_rows_name(want)}")

@@ -45,6 +45,7 @@ class Kind(_Named):
     QGRAD = "qgrad"  # backward: q, dout, and the final lse with delta = rowsum(dout * out)
     DQ = "dq"  # backward partial: dq rows
     DKV = "dkv"  # backward partial: dk and dv rows
+    DOUT = "dout"  # backward: the output's gradient alone (moved by a head all-to-all only)
 
     @property
     def spec(self) -> BlockSpec:
@@ -226,6 +227,7 @@ BLOCKS: dict[Kind, BlockSpec] = {
     Kind.DQ: BlockSpec((TensorSpec("dq", "s b hq d", acc=_FP32),), Side.Q, partial=True),
     Kind.DKV: BlockSpec((TensorSpec("dk", "s b hkv d", acc=_FP32),
                          TensorSpec("dv", "s b hkv dv", acc=_FP32)), Side.KV, partial=True),
+    Kind.DOUT: BlockSpec((TensorSpec("dout", "s b hq dv"),), Side.Q),
 }
 
 
