@@ -2,7 +2,7 @@
 """The Markdown table "Against every CP a user can pick" of docs/performance.md from bench
 CSVs (one file per point, as scripts/emulate_peers.sh writes them): for every point, each
 contender's forward + backward device ms with its lower bound, the speed-up over ring, the
-fastest and auto's pick.
+fastest, auto's pick and auto's time over the fastest's (issue 24's target: within 5 %).
 
     python scripts/peers_table.py docs/performance/peers/*.csv
 """
@@ -13,7 +13,7 @@ import csv
 import sys
 from pathlib import Path
 
-ORDER = ("ring", "rmplus", "charm", "allgather", "auto")
+ORDER = ("ring", "rmplus", "charm", "allgather", "a2a", "a2a+p2p", "auto")
 
 
 def rows(path: Path) -> dict[str, dict]:
@@ -22,8 +22,9 @@ def rows(path: Path) -> dict[str, dict]:
 
 
 def main(paths: list[str]) -> int:
-    print("| point | " + " | ".join(ORDER) + " | fastest | auto picks | busiest core |")
-    print("|---|" + "---|" * (len(ORDER) + 3))
+    print("| point | " + " | ".join(ORDER)
+          + " | fastest | auto picks | auto / fastest | busiest core |")
+    print("|---|" + "---|" * (len(ORDER) + 4))
     for p in paths:
         r = rows(Path(p))
         any_row = next(iter(r.values()))
@@ -38,10 +39,12 @@ def main(paths: list[str]) -> int:
         plain = {a: float(x["median_ms"]) for a, x in r.items() if a != "auto"}
         fastest = min(plain, key=plain.get)
         pick = r.get("auto", {}).get("auto_pick", "") or "-"
+        ratio = (f"{float(r['auto']['median_ms']) / plain[fastest]:.3f}" if "auto" in r
+                 else "-")
         print(f"| {Path(p).stem} ({any_row['device_model']}, {any_row['heads']}/"
               f"{any_row['kv_heads']}x{any_row['head_dim']}, "
               f"{'causal' if any_row['causal'] == 'True' else 'full'}) | "
-              + " | ".join(cells) + f" | {fastest} | {pick} | "
+              + " | ".join(cells) + f" | {fastest} | {pick} | {ratio} | "
               f"{float(any_row['busiest_core_pct']):.0f} % |")
     return 0
 

@@ -18,6 +18,9 @@ from charm_megatron.model.testbed import UNSHAPED_GBPS, bench_cluster
 from charm_megatron.plan import registry
 from charm_megatron.plan.cost import Problem
 
+#: The algorithms these auto tests were calibrated on (CHARM_AUTO_ALGOS / auto_algos).
+ORIGINAL = ("ring", "rmplus", "charm", "allgather")
+
 # --------------------------------------------------------------------------- pure
 
 
@@ -91,7 +94,8 @@ def test_analysis_auto_versus_fastest(auto_s, check):
 # --------------------------------------------------------------------------- a real run
 
 
-def test_bench_auto_contender_runs_and_reports_the_selectors_pick(tmp_path, capsys):
+def test_bench_auto_contender_runs_and_reports_the_selectors_pick(tmp_path, capsys,
+                                                                  monkeypatch):
     """4 real gloo ranks on the software link model (runs without root); the pick in the CSV is
     the selector's on this run's links, and differs from the generic cluster's (the bench
     really passed its links to auto)."""
@@ -99,6 +103,9 @@ def test_bench_auto_contender_runs_and_reports_the_selectors_pick(tmp_path, caps
     from charm_megatron.topology.core import Topology
 
     out = str(tmp_path / "auto")
+    # auto among the algorithms this test was calibrated on (a head all-to-all would win
+    # at these 4 heads on 4 ranks).
+    monkeypatch.setenv("CHARM_AUTO_ALGOS", ",".join(ORIGINAL))
     # A point where the run's links (one shared NIC per node, 100 Mbit/s) make auto pick
     # charm, while the generic cluster would pick rmplus.
     args = ["bench", "--preset", "tiny", "--seq", "512", "--heads", "4x64", "--iters", "1",
@@ -120,8 +127,10 @@ def test_bench_auto_contender_runs_and_reports_the_selectors_pick(tmp_path, caps
     problem = Problem(1, 512, 4, 4, 64, 4)
     cluster = bench_cluster(PROFILES["cpu-testbed"].cluster, nic="node", cross_Bps=12.5e6,
                             intra_Bps=100e6, cores=_cores(4, 1), emulated=False)
-    assert pick == choose_algo(groups, problem, cluster, causal=True, roles="bytes")
-    assert pick != choose_algo(groups, problem, None, causal=True, roles="bytes")
+    assert pick == choose_algo(groups, problem, cluster, causal=True, roles="bytes",
+                               algos=ORIGINAL)
+    assert pick != choose_algo(groups, problem, None, causal=True, roles="bytes",
+                               algos=ORIGINAL)
     for r in auto:
         assert r["fastest"] in registry.names()
         assert float(r["vs_fastest"]) > 0 and r["auto_check"] in ("ok", "over")
@@ -144,7 +153,7 @@ def _auto_runs_its_pick(rank: int, world: int, profile: str | None) -> tuple[str
 
     g = torch.Generator().manual_seed(100 + rank)
     q, k, v = (torch.randn(128, 1, 4, 64, generator=g) for _ in range(3))
-    opts = CPOptions(model_profile=profile)
+    opts = CPOptions(model_profile=profile, auto_algos=ORIGINAL)
     pick = resolve_algo(q.to("meta"), k.to("meta"), algo="auto", topology="2x2", options=opts)
     out = cp_attention(q, k, v, algo="auto", topology="2x2", options=opts)
     same = {a: bool(torch.equal(out, cp_attention(q, k, v, algo=a, topology="2x2",

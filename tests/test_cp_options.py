@@ -13,12 +13,13 @@ def test_from_env_reads_every_listed_variable():
     env = {"CHARM_PASS_ORDER": "joint", "CHARM_COMM_TIMEOUT_S": "7.5",
            "CHARM_ATTN_BACKEND": "reference", "CHARM_TOPOLOGY": "2x4", "CHARM_CHECK": "off",
            "CHARM_MODEL_PROFILE": "h100", "CHARM_SPLIT_VISITING": "on",
-           "CHARM_SPLIT_COUNTERPART_Q": "off"}
+           "CHARM_SPLIT_COUNTERPART_Q": "off", "CHARM_AUTO_ALGOS": "ring, charm,a2a+p2p"}
     assert set(env) == set(ENV_VARS)
     o = CPOptions.from_env(env)
     assert (o.pass_order, o.timeout_s, o.backend, o.topology, o.check, o.model_profile,
             o.split_visiting, o.split_counterpart_q) == ("joint", 7.5, "reference", "2x4", "off",
                                                          "h100", "on", "off")
+    assert o.auto_algos == ("ring", "charm", "a2a+p2p")
     assert CPOptions.from_env({}) == CPOptions()
     assert CPOptions.from_env(env, pass_order="split").pass_order == "split"
 
@@ -30,6 +31,8 @@ def test_from_env_reads_every_listed_variable():
     ({"CHARM_CHECK": "sometimes"}, "CHARM_CHECK"),
     ({"CHARM_SPLIT_VISITING": "yes"}, "CHARM_SPLIT_VISITING"),
     ({"CHARM_SPLIT_COUNTERPART_Q": "yes"}, "CHARM_SPLIT_COUNTERPART_Q"),
+    ({"CHARM_AUTO_ALGOS": "ring,spiral"}, "CHARM_AUTO_ALGOS.*unknown 'spiral'"),
+    ({"CHARM_AUTO_ALGOS": " , "}, "CHARM_AUTO_ALGOS.*empty"),
 ])
 def test_bad_values_name_the_variable(env, match):
     with pytest.raises(ValueError, match=match):

@@ -79,6 +79,9 @@ def _rank_checks(rank: int, world: int) -> dict:
     out["allgather_algo"] = build(cp_comm_type="allgather").algo
     out["a2a_algo"] = build(cp_comm_type="a2a").algo  # TE's a2a without TE: our Ulysses
     out["a2a_p2p_algo"] = build(cp_comm_type="a2a+p2p", topology="1x2").algo
+    # --hierarchical-context-parallel-sizes A P: P groups of A consecutive ranks.
+    out["a2a_p2p_sizes"] = str(build(with_config(hierarchical_context_parallel_sizes=[1, 2]),
+                                     cp_comm_type="a2a+p2p").topology)
     out["bogus"] = _outcome(lambda: build(cp_comm_type="bogus"))
     out["none_is_charm"] = build(cp_comm_type=None).algo
     # megatron-core's rule: a window on every layer but each window_attn_skip_freq-th.
@@ -209,6 +212,7 @@ def test_startup_line_once_on_rank0(results):
 def test_comm_types(results):
     assert all(r["p2p_algo"] == "ring" and r["allgather_algo"] == "allgather" for r in results)
     assert all(r["a2a_algo"] == "a2a" and r["a2a_p2p_algo"] == "a2a+p2p" for r in results)
+    assert all(r["a2a_p2p_sizes"] == "2x1" for r in results)
     _err(results, "bogus", "ValueError", "cp_comm_type 'bogus'")
     # p2p and a2a ran on ours where the local spec's DotProductAttention would refuse CP.
     for key in ("model_p2p", "model_a2a"):

@@ -161,8 +161,12 @@ def test_auto_follows_the_profile_a_user_calibrated(tmp_path: Path) -> None:
     prob = Problem(1, 16384, 8, 8, 128, 2)
     fast = TRUTH.with_(cross_gbps=400.0, intra_gbps=400.0)
     slow = TRUTH.with_(cross_gbps=0.5, intra_gbps=50.0)
-    assert choose_algo_cached(groups, prob, auto_cluster(fast), causal=True) != "charm"
-    assert choose_algo_cached(groups, prob, auto_cluster(slow), causal=True) == "charm"
+    # Among the paper's algorithms (at this MHA shape a head all-to-all would beat both).
+    paper = ("ring", "rmplus", "charm")
+    assert choose_algo_cached(groups, prob, auto_cluster(fast), causal=True,
+                              algos=paper) != "charm"
+    assert choose_algo_cached(groups, prob, auto_cluster(slow), causal=True,
+                              algos=paper) == "charm"
 
 
 def test_environment_profile_reaches_choose_algo_and_the_cli(
@@ -178,9 +182,12 @@ def test_environment_profile_reaches_choose_algo_and_the_cli(
                  fast)
     save_profile(Profile("slow", TRUTH.with_(cross_gbps=0.5, intra_gbps=50.0), "2x4", ""), slow)
 
-    def choice() -> str:
-        return choose_algo_cached(groups, prob, auto_cluster(CPOptions.from_env().model_profile),
-                                  causal=True)
+    def choice() -> str:  # among the paper's algorithms, as CHARM_AUTO_ALGOS says
+        opts = CPOptions.from_env()
+        return choose_algo_cached(groups, prob, auto_cluster(opts.model_profile),
+                                  causal=True, algos=opts.auto_algos)
+
+    monkeypatch.setenv("CHARM_AUTO_ALGOS", "ring,rmplus,charm")
 
     monkeypatch.setenv("CHARM_MODEL_PROFILE", str(slow))
     assert choice() == "charm"

@@ -197,11 +197,13 @@ def test_auto_weighs_charm_with_the_splits_it_runs():
                      split_counterpart_q=True).forward.time_s
              + predict("charm", groups, problem, cluster, True).backward.time_s)
     assert split < ring < whole  # the premise: else the picks below could not differ
-    assert choose_algo(groups, problem, cluster, tune=False) == "ring"  # auto splits off
-    assert choose_algo(groups, problem, cluster) == "charm"
+    paper = ("ring", "rmplus", "charm")  # a head all-to-all is faster still at this shape
+    assert choose_algo(groups, problem, cluster, tune=False, algos=paper) == "ring"
+    assert choose_algo(groups, problem, cluster, algos=paper) == "charm"
     assert choose_algo(groups, problem, cluster, split_visiting="off",
-                       split_counterpart_q="off") == "ring"
-    assert choose_algo(groups, problem, cluster, tune=False, split_counterpart_q="on") == "charm"
+                       split_counterpart_q="off", algos=paper) == "ring"
+    assert choose_algo(groups, problem, cluster, tune=False, split_counterpart_q="on",
+                       algos=paper) == "charm"
     with pytest.raises(ValueError, match="split_visiting='sometimes'"):
         choose_algo(groups, problem, cluster, split_visiting="sometimes")
 
@@ -224,6 +226,9 @@ def test_call_weighs_charm_with_its_options_splits():
                                 cu_seqlens=None, cu_seqlens_padded=None)
         return resolve_call(request, None, 4, cl).algo
 
-    assert pick(CPOptions(model_profile=name), cluster) == "charm"
-    assert pick(CPOptions(model_profile=name, split_counterpart_q="off"), cluster) == "ring"
-    assert pick(CPOptions(), None) == pick(CPOptions(split_counterpart_q="off"), None)
+    paper = "ring,rmplus,charm"  # auto_algos: a head all-to-all is faster still here
+    assert pick(CPOptions(model_profile=name, auto_algos=paper), cluster) == "charm"
+    assert pick(CPOptions(model_profile=name, split_counterpart_q="off", auto_algos=paper),
+                cluster) == "ring"
+    assert pick(CPOptions(auto_algos=paper), None) == pick(
+        CPOptions(split_counterpart_q="off", auto_algos=paper), None)

@@ -232,6 +232,11 @@ class CharmDotProductAttention(MegatronModule):
             raise ValueError("CharmDotProductAttention: empty topology; use e.g. 'auto', 'flat' "
                              "or '2x4' (or None: CHARM_TOPOLOGY, else the probe)")
         self.topology_spec: str | None = None if topology is None else str(topology).strip()
+        sizes = getattr(config, "hierarchical_context_parallel_sizes", None)
+        if self.topology_spec is None and self.algo == "a2a+p2p" and sizes and len(sizes) == 2:
+            # Megatron's --hierarchical-context-parallel-sizes A P: all-to-all groups of A
+            # consecutive CP ranks, P of them; an explicit topology= still wins.
+            self.topology_spec = f"{int(sizes[1])}x{int(sizes[0])}"
         # Topologies resolved so far, per CP group (keyed by its global ranks: the topology is a
         # property of which processes take part, so a re-created group with the same ranks
         # rightly shares it; no id(), which a new object can reuse).

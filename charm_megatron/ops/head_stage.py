@@ -2,8 +2,8 @@
 moves where): :func:`to_heads` before a lifted plan, :func:`to_rows` after it.
 
 Every tensor is ``[rows, b, heads, ...]`` (blocks, lse ``[s, b, h]``); the heads are dim 2.
-All of a call's tensors travel in one batch on the kv stream's communicator, through the
-executor's :meth:`~charm_megatron.ops.executor.Executor.exchange` (its bound, its errors, the
+All of a call's tensors travel in one batch on the kv stream's communicator, one message per
+peer and dtype (q, k and v together), through the executor's :meth:`~charm_megatron.ops.executor.Executor.exchange` (its bound, its errors, the
 timed device's hooks). A rank's own slice is copied, not sent.
 """
 
@@ -30,21 +30,11 @@ def to_heads(ex: Executor, stage: HeadStage, rank: int,
     a, members = stage.a, stage.members(rank)
     rows = tensors[0].shape[0]
     outs = [t.new_empty((a * rows, t.shape[1], t.shape[2] // a, *t.shape[3:])) for t in tensors]
-    sends, recvs, landed = [], [], []
-    for j, peer in enumerate(members):
-        for t, out in zip(tensors, outs):
-            mine = t[:, :, _heads(t, j, a)]
-            if peer == rank:
-                _place(out, mine, stage.pieces(j, rows))
-                continue
-            sends.append((peer, mine.contiguous()))
-            buf = t.new_empty(mine.shape)
-            recvs.append((peer, buf))
-            landed.append((out, buf, j))
-    if sends or recvs:
-        ex.exchange(Stream.KV, sends, recvs)
-    for out, buf, j in landed:
-        _place(out, buf, stage.pieces(j, rows))
+    slices = {j: [t[:, :, _heads(t, j, a)] for t in tensors] for j in range(a)}
+    got = _swap(ex, rank, members, slices)
+    for j in range(a):
+        for out, piece in zip(outs, got[j]):
+            _place(out, piece, stage.pieces(j, rows))
     return tuple(outs)
 
 
@@ -55,23 +45,49 @@ def to_rows(ex: Executor, stage: HeadStage, rank: int,
     a, members = stage.a, stage.members(rank)
     rows = tensors[0].shape[0] // a
     outs = [t.new_empty((rows, t.shape[1], t.shape[2] * a, *t.shape[3:])) for t in tensors]
-    k = members.index(rank)
-    sends, recvs, landed = [], [], []
-    for j, peer in enumerate(members):
-        for t, out in zip(tensors, outs):
-            theirs = _gather(t, stage.pieces(j, rows))  # member j's rows of this lane's heads
-            if peer == rank:
-                out[:, :, _heads(out, k, a)] = theirs
-                continue
-            sends.append((peer, theirs))
-            buf = t.new_empty(theirs.shape)
-            recvs.append((peer, buf))
-            landed.append((out, buf, j))
-    if sends or recvs:
-        ex.exchange(Stream.KV, sends, recvs)
-    for out, buf, j in landed:
-        out[:, :, _heads(out, j, a)] = buf
+    # Member j gets its rows of this lane's heads.
+    slices = {j: [_gather(t, stage.pieces(j, rows)) for t in tensors] for j in range(a)}
+    got = _swap(ex, rank, members, slices)
+    for j in range(a):
+        for out, piece in zip(outs, got[j]):
+            out[:, :, _heads(out, j, a)] = piece
     return tuple(outs)
+
+
+def _swap(ex: Executor, rank: int, members: tuple[int, ...],
+          slices: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+    """Send member ``j`` the tensors ``slices[j]`` and receive its tensors of the same shapes
+    (a rank's own are kept): one message per peer and dtype (q, k, v travel together; out
+    and its fp32 lse in two), all in one batch."""
+    k = members.index(rank)
+    got: dict[int, list[torch.Tensor]] = {k: slices[k]}
+    sends, recvs, unpack = [], [], []
+    for j, peer in enumerate(members):
+        if peer == rank:
+            continue
+        for dtype in dict.fromkeys(t.dtype for t in slices[j]):
+            idx = [i for i, t in enumerate(slices[j]) if t.dtype == dtype]
+            flat = torch.cat([slices[j][i].reshape(-1) for i in idx])
+            sends.append((peer, flat))
+            buf = torch.empty_like(flat)
+            recvs.append((peer, buf))
+            unpack.append((j, idx, buf))
+    if sends:
+        ex.exchange(Stream.KV, sends, recvs)
+    for j, idx, buf in unpack:
+        got.setdefault(j, [None] * len(slices[j]))
+        shapes = [slices[j][i].shape for i in idx]
+        parts = torch.split(buf, [_numel(sh) for sh in shapes])
+        for i, part, sh in zip(idx, parts, shapes):
+            got[j][i] = part.view(sh)
+    return got
+
+
+def _numel(shape: torch.Size) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
 
 
 def _place(out: torch.Tensor, rows: torch.Tensor, pieces) -> None:

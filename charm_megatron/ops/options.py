@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -55,6 +55,9 @@ _OWN_VARS = {
     "CHARM_MODEL_PROFILE": ("model_profile", "performance-model profile for algo auto and the "
                             "algorithms' auto settings: a built-in name or a profile file "
                             "(default: a generic cluster, auto settings off)"),
+    "CHARM_AUTO_ALGOS": ("auto_algos", "comma-separated algorithms algo auto may pick, e.g. "
+                         "ring,rmplus,charm (default: every registered one that can run the "
+                         "call)"),
 }
 
 
@@ -118,6 +121,10 @@ class CPOptions:
             by name instead (``CPOptions(pass_order="joint", split_visiting="on")``, any
             setting of :func:`charm_megatron.plan.registry.all_settings`); the others take
             their declared defaults. Read one with ``opts.pass_order`` or :meth:`setting`.
+        auto_algos: the algorithms ``algo="auto"`` may pick (a tuple of registered names, or a
+            comma-separated string); ``None``: every registered algorithm that can run the
+            call (an entry that refuses it, e.g. ``a2a`` with heads that do not divide by the
+            CP size, never counts).
     """
 
     timeout_s: float
@@ -127,12 +134,14 @@ class CPOptions:
     ablation: Ablation
     model_profile: str | None
     settings: tuple[tuple[str, object], ...]
+    auto_algos: tuple[str, ...] | None
 
     def __init__(self, *, timeout_s: float = 600.0,
                  backend: str | AttentionBackend | None = None, topology: str | None = None,
                  check: Check | str = Check.EVERY_CALL, ablation: Ablation | str = Ablation.NONE,
                  model_profile: str | None = None,
                  settings: tuple[tuple[str, object], ...] | Mapping[str, object] = (),
+                 auto_algos: str | Sequence[str] | None = None,
                  **algorithm_settings: object) -> None:
         given = dict(settings.items() if isinstance(settings, Mapping) else settings)
         given.update(algorithm_settings)
@@ -148,7 +157,8 @@ class CPOptions:
                             ("topology", topology), ("check", _enum(Check, check, "check",
                                                                     "CHARM_CHECK")),
                             ("ablation", _enum(Ablation, ablation, "ablation", None)),
-                            ("model_profile", model_profile), ("settings", parsed)):
+                            ("model_profile", model_profile), ("settings", parsed),
+                            ("auto_algos", _auto_algos(auto_algos))):
             object.__setattr__(self, name, value)
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
                 and math.isfinite(timeout_s) and timeout_s > 0):
@@ -244,6 +254,20 @@ class CPOptions:
         if self.backend is None or isinstance(self.backend, str):
             return self.backend or "auto"
         return str(getattr(self.backend, "name", type(self.backend).__name__))
+
+
+def _auto_algos(value) -> tuple[str, ...] | None:
+    """``auto_algos`` as a tuple of registered names (``None``: all); ValueError naming them."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",")] if isinstance(value, str) else list(value)
+    names = [n for n in names if n]
+    bad = [n for n in names if n not in registry.names()]
+    if bad or not names:
+        raise ValueError(f"cp_attention: auto_algos={value!r} (CHARM_AUTO_ALGOS): "
+                         f"{'unknown ' + ', '.join(map(repr, bad)) if bad else 'empty'}; give "
+                         f"some of {', '.join(registry.names())}, comma-separated")
+    return tuple(dict.fromkeys(names))
 
 
 def _enum(kind, value, name: str, env: str | None):

@@ -160,6 +160,7 @@ class CallRequest:
             ("ablation", str(opts.ablation)),
             ("model profile (CHARM_MODEL_PROFILE)", (opts.model_profile,
                                                      cluster_digest(cluster))),
+            ("auto candidates (CHARM_AUTO_ALGOS)", opts.auto_algos),
             *((f"{name}{_env_hint(name)}", str(value)) for name, value in
               self.settings.items()),
             *self.layout.fields(),

@@ -102,10 +102,14 @@ def resolve_call(request: CallRequest, group, cp_size: int, cluster) -> Resolved
     if algo == registry.AUTO:
         from charm_megatron.model import choose_algo_cached
 
+        given = request.options.auto_algos
+        candidates = [a for a in (given or registry.names()) if not registry.refuses(a, traits)]
+        if not candidates:
+            raise ValueError(f"cp_attention(algo='auto'): none of auto_algos={list(given)} "
+                             "(CHARM_AUTO_ALGOS) can run this call; add ring, rmplus or charm")
         algo = choose_algo_cached(topo_groups, prob, cluster, causal=request.causal,
                                   tune=cluster is not None, **request.settings,
-                                  algos=[a for a in registry.names()
-                                         if not registry.refuses(a, traits)])
+                                  algos=candidates)
     # The same verdict on every rank (a function of what they agreed on), before data moves.
     registry.check_call(algo, traits)
     groups = topo_groups if registry.uses_topology(algo) else flat
