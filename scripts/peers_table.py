@@ -33,15 +33,20 @@ def main(paths: list[str]) -> int:
             if algo not in r:
                 cells.append("-")
                 continue
+            if r[algo]["status"] != "ok":  # refused here (heads that do not divide)
+                cells.append(r[algo]["status"])
+                continue
             x = r[algo]
             cells.append(f"{float(x['median_ms']):.1f} ({float(x['bound_ms']):.1f}) "
                          f"{float(x['speedup_vs_ring']):.2f}x")
-        plain = {a: float(x["median_ms"]) for a, x in r.items() if a != "auto"}
+        plain = {a: float(x["median_ms"]) for a, x in r.items()
+                 if a != "auto" and x["status"] == "ok"}
         fastest = min(plain, key=plain.get)
         pick = r.get("auto", {}).get("auto_pick", "") or "-"
         ratio = (f"{float(r['auto']['median_ms']) / plain[fastest]:.3f}" if "auto" in r
                  else "-")
-        print(f"| {Path(p).stem} ({any_row['device_model']}, {any_row['heads']}/"
+        name = Path(p).parent.name if Path(p).stem == "results" else Path(p).stem
+        print(f"| {name} ({any_row['device_model']}, {any_row['heads']}/"
               f"{any_row['kv_heads']}x{any_row['head_dim']}, "
               f"{'causal' if any_row['causal'] == 'True' else 'full'}) | "
               + " | ".join(cells) + f" | {fastest} | {pick} | {ratio} | "

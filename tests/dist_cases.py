@@ -119,8 +119,10 @@ def bad_input(rank: int, world: int, case: str):
         kwargs["algo"] = "a2a"
     elif case == "a2a_window":
         kwargs.update(algo="a2a", window_size=(2, 0))
-    elif case == "a2a_offset":
-        kwargs.update(algo="a2a+p2p", topology="1x2", softmax_offset=torch.zeros(h))
+    elif case == "a2a_packed":  # packed documents: not written for the head all-to-alls
+        cu = torch.tensor([0, 2 * s], dtype=torch.int32)  # one document of every rank's rows
+        kwargs.update(algo="a2a", cu_seqlens=cu, cu_seqlens_padded=cu)
+        q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
     elif case == "backend_flash_on_cpu":
         from charm_megatron.ops.options import CPOptions
 

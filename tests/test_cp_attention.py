@@ -109,7 +109,7 @@ BAD = {
     "window_type": "window_size must be \\(left, right\\) ints or None",
     "a2a_heads": "ValueError: .*a2a.* kv heads 1 does not divide by 2.*or choose a2a\\+p2p",
     "a2a_window": "NotImplementedError: .*'a2a'.* sliding windows",
-    "a2a_offset": "NotImplementedError: .*'a2a\\+p2p'.* softmax offsets",
+    "a2a_packed": "NotImplementedError: .*'a2a'.* packed \\(THD\\)",
 }
 
 

@@ -15,8 +15,9 @@ DOFFSET_TOL = {"bf16": 5e-2}
 
 SBHD = {
     1: [("ring", None), ("charm", None)],
-    2: [("ring", None), ("rmplus", None), ("allgather", None)],
-    4: [("ring", None), ("rmplus", None), ("charm", "2x2"), ("allgather", None)],
+    2: [("ring", None), ("rmplus", None), ("allgather", None), ("a2a", None)],
+    4: [("ring", None), ("rmplus", None), ("charm", "2x2"), ("allgather", None),
+        ("a2a+p2p", "2x2")],
 }
 
 

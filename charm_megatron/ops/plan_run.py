@@ -96,6 +96,18 @@ def _stage(call: Call, plan: Plan) -> HeadStage | None:
     return HeadStage(plan.n, plan.head_group, call.request.causal)
 
 
+def _lane_slice(offset: torch.Tensor, stage: HeadStage, rank: int) -> slice:
+    h = offset.shape[0] // stage.a
+    k = rank % stage.a
+    return slice(k * h, (k + 1) * h)
+
+
+def _lane_heads(offset: torch.Tensor, stage: HeadStage | None, rank: int) -> torch.Tensor:
+    """The offsets of the heads this rank attends: all, or its lane's after a head
+    all-to-all."""
+    return offset if stage is None else offset[_lane_slice(offset, stage, rank)]
+
+
 def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 offset: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
@@ -118,8 +130,9 @@ def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ex.set_own("own.kv", "kv", ks, vs)
         ex.run(fwd.ops[rank])
         acc_out, acc_lse = ex.result(Plan.OUT)
-        if offset is not None:
-            acc_out, acc_lse = softmax_offset.apply_forward(acc_out, acc_lse, offset)
+        if offset is not None:  # after a head all-to-all, on this lane's heads
+            acc_out, acc_lse = softmax_offset.apply_forward(acc_out, acc_lse,
+                                                            _lane_heads(offset, stage, rank))
         out = acc_out.to(q.dtype)
         held["saved"] = (qs, ks, vs, out, acc_lse)
         held["result"] = ((out, acc_lse) if stage is None
@@ -172,7 +185,14 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             grads = head_stage.to_rows(ex, stage, rank, *grads)
         held["grads"] = grads
         if offset is not None:
-            held["offset"] = (softmax_offset.offset_grad(lse_sbh, unscaled, offset),)
+            grad = softmax_offset.offset_grad(lse_sbh, unscaled, _lane_heads(offset, stage, rank))
+            if stage is not None:
+                # This rank holds every row of its group for its lane's heads: its share is
+                # those heads' (the others' are its group members'); the sum over CP is whole.
+                whole = torch.zeros_like(offset)
+                whole[_lane_slice(offset, stage, rank)] = grad
+                grad = whole
+            held["offset"] = (grad,)
 
     run_plan(call, sg, ex, work, Direction.BACKWARD)
     return (*held["grads"], *held.get("offset", ()))

@@ -13,12 +13,15 @@ from collections.abc import Collection
 
 from charm_megatron.plan.core import Plan, Tile, TileBwd
 from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args, traffic
+from charm_megatron.plan.head_stage import stage_plans
 from charm_megatron.plan.memory import max_peak
 from charm_megatron.plan.registry import (
     ALGORITHM_NAMES,
+    CallTraits,
     Values,
     all_settings,
     build_plan,
+    check_call,
     get,
     names,
     settings_values,
@@ -127,12 +130,25 @@ def run(args: argparse.Namespace) -> int:
     if args.rank is not None:
         if not 0 <= args.rank < args.cp:
             raise SystemExit(f"--rank must be in [0, {args.cp})")
+        why = _refusals(groups, problem).get(args.algo)
+        if why is not None:
+            raise SystemExit(f"charm-megatron plan: {why}")
         plan = build_plan(args.algo, args.direction, groups, args.causal, shape=shape,
                           tiles=tiles, **settings)
         validate(plan)
         print(f"# {args.algo} {args.direction}, topology {topo}, {mask}, rank {args.rank}, "
               f"roles {args.roles}")
+        stage = (stage_plans(plan.n, plan.head_group, plan.direction, plan.causal)
+                 if plan.head_group > 1 else None)
+        if stage is not None:
+            print(f"# head all-to-all before, in groups of {plan.head_group} "
+                  "(plan/head_stage.py):")
+            print(stage[0].describe(args.rank))
+            print("# then, on the super-blocks (owners are CP ranks of this lane):")
         print(plan.describe(args.rank))
+        if stage is not None:
+            print("# head all-to-all after:")
+            print(stage[1].describe(args.rank))
         if plan.decisions and plan.decisions[args.rank]:
             print(f"# rank {args.rank}'s exchanges in plan order: peer, role, MiB that the kv "
                   "and q alternatives move (both ways), blocks held (ours | peer's)")
@@ -142,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"# cp={args.cp} topology={topo} mask={mask} b={args.batch} s={args.seq} "
           f"heads={args.heads}/{problem.hkv} dim={_dims(problem)} {args.dtype} "
           f"roles={args.roles}{_settings_note(settings_values(**settings))}")
-    print("# critical path: longest chain of data-dependent messages; MiB sent per rank; "
+    print("# critical path: longest chain of data-dependent messages (a head all-to-all "
+          "counts one step, and its messages per peer and kind); MiB sent per rank; "
           "peak MiB of buffers and tile outputs per rank (plan/memory.py); roles: cross phase "
           "and RM+ pairs (all ranks); early-returns / lean: built so to stay within 1.1x ring's "
           "peak")
@@ -150,18 +167,41 @@ def run(args: argparse.Namespace) -> int:
     header = (f"{'algo':{w}} {'dir':8} {'crit.path':>9} {'msgs/rank':>9} {'intra max':>10} "
               f"{'cross max':>10} {'cross total':>11} {'peak mem':>10}  roles")
     print(header)
+    refused = _refusals(groups, problem)
     for direction in ("forward", "backward"):
         for algo in names():
+            if algo in refused:
+                continue
             plan = build_plan(algo, direction, groups, args.causal, shape=shape, tiles=tiles,
                               **settings)
             stats = validate(plan)
             t = traffic(plan, problem, groups)
-            print(f"{algo:{w}} {direction:8} {stats.critical_path:9d} {max(stats.messages):9d} "
+            depth, msgs = stats.critical_path, max(stats.messages)
+            if plan.head_group > 1:  # the two all-to-alls around the lifted plan
+                for part in stage_plans(plan.n, plan.head_group, plan.direction, plan.causal):
+                    depth += 1
+                    msgs += max(len(op.sends) for r in range(part.n) for op in part.comms(r))
+            print(f"{algo:{w}} {direction:8} {depth:9d} {msgs:9d} "
                   f"{_mb(max(t.intra))} {_mb(t.max_cross)} {_mb(t.total_cross):>11} "
                   f"{_mb(max_peak(plan, problem))}  {_role_summary(plan)}")
+    for algo, why in refused.items():
+        print(f"# {algo}: not run here: {why}")
     if tiles is not None:
         _window_savings(args, groups, problem, shape, settings, tiles, w)
     return 0
+
+
+def _refusals(groups, problem: Problem) -> dict[str, str]:
+    """Why each algorithm that refuses this problem does (its entry's check)."""
+    out = {}
+    traits = CallTraits(tuple(map(tuple, groups)), problem.hq, problem.hkv,
+                        windowed=problem.window is not None)
+    for algo in names():
+        try:
+            check_call(algo, traits)
+        except (ValueError, NotImplementedError) as exc:
+            out[algo] = str(exc)
+    return out
 
 
 def _window_savings(args, groups, problem, shape, settings, tiles, w: int) -> None:

@@ -150,7 +150,7 @@ _MOVES: dict[Direction, tuple[tuple[Kind, ...], tuple[Kind, ...]]] = {
     Direction.FORWARD: ((Kind.Q, Kind.KV), (Kind.OUT,)),
     Direction.BACKWARD: ((Kind.DOUT,), (Kind.DQ, Kind.DKV)),
 }
-_STAGE = Loc("a2a")  # the stage's buffers: what is priced is their bytes, not their names
+_STAGE = "a2a"  # the stage's buffers (a2a.q0: q from rank 0): priced by bytes, not by name
 
 
 def stage_plans(n: int, a: int, direction: Direction, causal: bool) -> tuple[Plan, Plan]:
@@ -168,9 +168,9 @@ def stage_plans(n: int, a: int, direction: Direction, causal: bool) -> tuple[Pla
         for r in range(n):
             g = stage.members(r)
             peers = [g[(g.index(r) + i) % a] for i in range(1, a)]  # nearest first
-            sends = tuple(Xfer(p, OWN.get(kind, RESULT.get(kind, _STAGE)), kind, r, Half.FULL,
-                               parts=a) for p in peers for kind in kinds)
-            recvs = tuple(Xfer(p, _STAGE.at(p), kind, p, Half.FULL, parts=a)
+            sends = tuple(Xfer(p, OWN.get(kind, RESULT.get(kind, Loc(f"{_STAGE}.{kind}"))),
+                               kind, r, Half.FULL, parts=a) for p in peers for kind in kinds)
+            recvs = tuple(Xfer(p, Loc(f"{_STAGE}.{kind}").at(p), kind, p, Half.FULL, parts=a)
                           for p in peers for kind in kinds)
             plan.ops.append([Comm(0, Stream.KV, sends, recvs), Wait(0)] if peers else [])
         out.append(plan)

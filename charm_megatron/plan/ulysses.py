@@ -12,8 +12,8 @@ lane, lifted to the CP ranks:
   groups of one rank are the ring (as TE reduces them).
 
 Neither has settings. Both need the q heads and the kv heads to divide by ``a`` (GQA's kv
-heads are split, never repeated), and refuse what is not written yet: packed THD, sliding
-windows and softmax offsets.
+heads are split, never repeated), and refuse what is not written yet: packed THD and sliding
+windows. A softmax offset (sink) is applied on each lane's heads after the ring.
 
 Plan layer: no torch.
 """
@@ -57,8 +57,7 @@ _ALTERNATIVES = {"a2a": "a2a+p2p, ring, allgather, rmplus or charm",
 def _check(name: str):
     def check(traits: CallTraits) -> None:
         unwritten = [what for what, on in (("packed (THD) sequences", traits.packed),
-                                           ("sliding windows", traits.windowed),
-                                           ("softmax offsets (sinks)", traits.offset)) if on]
+                                           ("sliding windows", traits.windowed)) if on]
         if unwritten:
             raise NotImplementedError(
                 f"cp_attention(algo={name!r}) does not support {' or '.join(unwritten)} yet; "
