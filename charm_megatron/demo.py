@@ -26,7 +26,7 @@ from charm_megatron.layout import shard, unshard
 from charm_megatron.local_ranks import run_ranks
 from charm_megatron.ops.attention import cp_attention
 from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
-from charm_megatron.plan.registry import CallTraits, check_call, uses_topology
+from charm_megatron.plan.registry import CallTraits, refusal, uses_topology
 from charm_megatron.topology import Topology
 from charm_megatron.train_demo.runner import add_arguments
 from charm_megatron.train_demo.runner import main as train_demo_main
@@ -84,15 +84,8 @@ def _runnable(cfg: dict, world: int) -> dict[str, str | None]:
     """Per algorithm, why it cannot run the demo's shape (``None``: it can): the head
     all-to-alls need the heads to divide by their group size."""
     groups = Topology.parse(cfg["topology"], world).groups
-    out: dict[str, str | None] = {}
-    for algo in ALGOS:
-        try:
-            check_call(algo, CallTraits(tuple(map(tuple, groups)), cfg["heads"],
-                                        cfg["kv_heads"]))
-            out[algo] = None
-        except (ValueError, NotImplementedError) as exc:
-            out[algo] = str(exc)
-    return out
+    traits = CallTraits(tuple(map(tuple, groups)), cfg["heads"], cfg["kv_heads"])
+    return {algo: refusal(algo, traits) for algo in ALGOS}
 
 
 def _rank_main(rank: int, world: int, cfg: dict) -> dict:

@@ -274,7 +274,12 @@ def _topology(args: argparse.Namespace, world: int, emulate) -> str:
 
 def _job(args, cfg: BenchConfig, world: int, topology: str, device: str, progress: bool):
     points, dropped = cfg.points(world)
-    env = {"CHARM_COMM_TIMEOUT_S": str(args.comm_timeout_s)}
+    from charm_megatron.ops.options import ENV_VARS
+
+    # The caller's CHARM_* settings travel with the job: a rank started by a process server
+    # that predates them (a pool started earlier in the same process) would not see them.
+    env = {var: os.environ[var] for var in ENV_VARS if var in os.environ}
+    env["CHARM_COMM_TIMEOUT_S"] = str(args.comm_timeout_s)
     return Job(cfg, points, topology, device, progress, env), dropped
 
 

@@ -295,18 +295,14 @@ def _refusal(algo: str, topology: str | None, point: Point, packed: bool,
              window) -> str | None:
     """Why ``algo`` cannot run ``point`` (its entry's check: ``a2a`` where the heads do not
     divide by the CP size), ``None`` if it can; the same on every rank."""
-    from charm_megatron.plan.registry import CallTraits, check_call
+    from charm_megatron.plan.registry import CallTraits, refusal
     from charm_megatron.topology import Topology
 
     world = dist.get_world_size()
     groups = (Topology.parse(topology, world).groups if topology and uses_topology(algo)
               and topology not in ("auto", "node", "numa") else (tuple(range(world)),))
-    try:
-        check_call(algo, CallTraits(tuple(tuple(g) for g in groups), point.heads,
+    return refusal(algo, CallTraits(tuple(tuple(g) for g in groups), point.heads,
                                     point.kv_heads, packed=packed, windowed=window is not None))
-    except (ValueError, NotImplementedError) as exc:
-        return str(exc)
-    return None
 
 
 def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,

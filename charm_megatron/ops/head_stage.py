@@ -9,6 +9,8 @@ timed device's hooks). A rank's own slice is copied, not sent.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from charm_megatron.ops.executor import Executor
@@ -77,17 +79,10 @@ def _swap(ex: Executor, rank: int, members: tuple[int, ...],
     for j, idx, buf in unpack:
         got.setdefault(j, [None] * len(slices[j]))
         shapes = [slices[j][i].shape for i in idx]
-        parts = torch.split(buf, [_numel(sh) for sh in shapes])
+        parts = torch.split(buf, [math.prod(sh) for sh in shapes])
         for i, part, sh in zip(idx, parts, shapes):
             got[j][i] = part.view(sh)
     return got
-
-
-def _numel(shape: torch.Size) -> int:
-    n = 1
-    for x in shape:
-        n *= x
-    return n
 
 
 def _place(out: torch.Tensor, rows: torch.Tensor, pieces) -> None:

@@ -21,9 +21,9 @@ from charm_megatron.plan.registry import (
     Values,
     all_settings,
     build_plan,
-    check_call,
     get,
     names,
+    refusal,
     settings_values,
 )
 from charm_megatron.plan.roles import Decision, RoleShape
@@ -193,15 +193,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _refusals(groups, problem: Problem) -> dict[str, str]:
     """Why each algorithm that refuses this problem does (its entry's check)."""
-    out = {}
     traits = CallTraits(tuple(map(tuple, groups)), problem.hq, problem.hkv,
                         windowed=problem.window is not None)
-    for algo in names():
-        try:
-            check_call(algo, traits)
-        except (ValueError, NotImplementedError) as exc:
-            out[algo] = str(exc)
-    return out
+    why = {algo: refusal(algo, traits) for algo in names()}
+    return {algo: text for algo, text in why.items() if text is not None}
 
 
 def _window_savings(args, groups, problem, shape, settings, tiles, w: int) -> None:

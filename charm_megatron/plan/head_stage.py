@@ -25,6 +25,7 @@ Plan layer: no torch.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -153,11 +154,12 @@ _MOVES: dict[Direction, tuple[tuple[Kind, ...], tuple[Kind, ...]]] = {
 _STAGE = "a2a"  # the stage's buffers (a2a.q0: q from rank 0): priced by bytes, not by name
 
 
+@functools.lru_cache(maxsize=256)  # the model and the byte counts ask per plan they price
 def stage_plans(n: int, a: int, direction: Direction, causal: bool) -> tuple[Plan, Plan]:
     """The all-to-alls before and after a lifted plan, as plans of sends and receives of head
     slices (``Xfer.parts = a``: a message carries one of ``a`` head slices of a rank's rows),
     one batch per rank on the kv stream: what the performance model times and the byte counts
-    add. One message per peer and kind (the executor packs a peer's tensors of one dtype into
+    add (memoised and shared: do not modify). One message per peer and kind (the executor packs a peer's tensors of one dtype into
     one message: the same bytes, a latency or two fewer). Not attention plans (no tiles, no results): they are never validated or executed."""
     stage = HeadStage(n, a, causal)
     direction = Direction(direction)

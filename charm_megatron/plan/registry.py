@@ -177,13 +177,19 @@ def check_call(algo: str, traits: CallTraits) -> None:
         entry.check(replace(traits, groups=_algo_groups(entry, traits.groups)))
 
 
-def refuses(algo: str, traits: CallTraits) -> bool:
-    """True if entry ``algo`` refuses a call with ``traits`` (``auto`` skips it)."""
+def refusal(algo: str, traits: CallTraits) -> str | None:
+    """Why entry ``algo`` refuses a call with ``traits`` (its check's message), ``None`` if it
+    runs it: what the bench, the demo and the plan CLI print for a skipped algorithm."""
     try:
         check_call(algo, traits)
-    except (ValueError, NotImplementedError):
-        return True
-    return False
+    except (ValueError, NotImplementedError) as exc:
+        return str(exc)
+    return None
+
+
+def refuses(algo: str, traits: CallTraits) -> bool:
+    """True if entry ``algo`` refuses a call with ``traits`` (``auto`` skips it)."""
+    return refusal(algo, traits) is not None
 
 
 # ---------------------------------------------------------------------------------- plans
