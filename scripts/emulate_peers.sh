@@ -3,7 +3,8 @@
 # user can pick") on the emulated GPU clusters (docs/emulator.md): one bench run per point,
 # ring / rmplus / charm / allgather / a2a / a2a+p2p / auto (a head all-to-all only where
 # the heads divide by its group), forward + backward in device time.
-#   OUT=runs/peers scripts/emulate_peers.sh        (ONLY=regex: a subset of the points)
+#   OUT=runs/peers scripts/emulate_peers.sh        (ONLY=regex: a subset of the points;
+#   EXTRA="--dilation 400": more bench options for every point)
 # Then: python scripts/peers_table.py $OUT/*/results.csv
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,6 @@ for point in "${POINTS[@]}"; do
   echo "== $name"
   "$BENCH" bench --emulate "$topo" --device-model "$device" --batch "$b" --seq "$s" \
     --heads "$heads" --kv-heads "$kv" "$mask" --dtype bf16 --algos "$ALGOS" \
-    --warmup "${WARMUP:-1}" --iters "${ITERS:-2}" --out "$OUT/$name" --no-plot --quiet \
+    --warmup "${WARMUP:-1}" --iters "${ITERS:-2}" --out "$OUT/$name" --no-plot --quiet ${EXTRA:-} \
     | grep -E "wrote|dilation" || true
 done
