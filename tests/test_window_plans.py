@@ -14,6 +14,7 @@ from charm_megatron.kernels.window import Window
 from charm_megatron.plan import registry
 from charm_megatron.plan.core import Half, Tile, TileSpec, tile_spec
 from charm_megatron.plan.cost import Problem, traffic
+from charm_megatron.plan.head_stage import HeadStage
 from charm_megatron.plan.tile_rule import WindowGeometry, full_rule, window_rule
 from charm_megatron.plan.validate import PlanError, validate
 
@@ -41,6 +42,34 @@ def test_kept_pairs_are_counted_exactly():
                     assert geo.kept_pairs(spec) == want, (geo, spec)
 
 
+def _flat_positions(r, n, rows, causal):
+    """Global positions of rank ``r``'s rows (Megatron's layout), written out."""
+    c = rows // 2
+    if not causal:
+        return list(range(r * rows, (r + 1) * rows))
+    return list(range(r * c, (r + 1) * c)) + list(range((2 * n - 1 - r) * c, (2 * n - r) * c))
+
+
+def test_a_lanes_window_follows_the_head_all_to_alls_row_placement():
+    # After the head all-to-all a super-block's rows come from its members (HeadStage.pieces):
+    # the lane geometry (WindowGeometry.group) must place them where those rows really are.
+    for n, a, causal, rows in ((8, 4, True, 4), (8, 2, True, 6), (6, 3, False, 5),
+                               (4, 4, True, 2), (4, 2, False, 3)):
+        stage = HeadStage(n, a, causal)
+        geo = Window(3, 0 if causal else 2, n, rows * a, causal, group=a)
+        for r in range(n):
+            placed = [None] * (rows * a)
+            for j, member in enumerate(stage.members(r)):
+                pos = _flat_positions(member, n, rows, causal)
+                for local, sup in stage.pieces(j, rows):
+                    placed[sup] = pos[local]
+            assert geo.positions(r, Half.FULL).tolist() == placed, (n, a, causal, r)
+        # Ranks of two lanes share no pair; the lane rule keeps only same-lane tiles.
+        rule = window_rule(geo)
+        assert all(w.q_owner % a == w.kv_owner % a for w in rule.pairs())
+        assert geo.kept_pairs(TileSpec(0, 1, Half.FULL, Half.FULL, False)) == 0
+
+
 def test_a_window_keeps_the_tiles_it_reaches_narrowed_to_their_halves():
     # 16 ranks, 4096 rows each (chunks of 2048), a 4096-row causal window: a rank's first
     # chunk reaches two chunks back, its second chunk the same, so 2 ranks each way.
@@ -60,7 +89,9 @@ WINDOWS = [(True, 3, 0), (True, 9, -1), (True, 40, 0), (True, 0, 0),
 TOPOLOGIES = [("ring", (1, 5), {}), ("ring", (1, 8), {}), ("rmplus", (1, 6), {}),
               ("rmplus", (1, 8), {}), ("charm", (2, 2), {}), ("charm", (2, 4), {}),
               ("charm", (4, 2), {}), ("charm", (2, 4), {"roles": "kv", "pass_order": "joint"}),
-              ("charm", (2, 4), {"split_visiting": True}), ("allgather", (1, 6), {})]
+              ("charm", (2, 4), {"split_visiting": True}), ("allgather", (1, 6), {}),
+              ("a2a", (1, 4), {}), ("a2a", (1, 6), {}), ("a2a+p2p", (2, 4), {}),
+              ("a2a+p2p", (4, 2), {}), ("a2a+p2p", (3, 2), {})]
 
 
 @pytest.mark.parametrize("algo,topo,settings", TOPOLOGIES,
@@ -73,7 +104,8 @@ def test_every_algorithm_prunes_to_a_valid_windowed_plan(algo, topo, settings):
         fwd, bwd = registry.plans(algo, _groups(g, m), causal, tiles=rule, **settings)
         for plan in (fwd, bwd):
             stats = validate(plan)  # coverage: every needed pair once, none outside
-            assert plan.tiles is rule
+            # After a head all-to-all: the window's rule on the lanes' super-blocks.
+            assert plan.tiles is rule.for_lanes(plan.head_group)
             assert sum(stats.tiles) <= len(rule.pairs())
 
 
@@ -188,3 +220,25 @@ def test_the_model_times_a_window_and_auto_picks_from_it():
     best = min(times, key=times.get)
     assert times.get(pick, predict(pick, groups, windowed, cluster, True).total_s) <= \
         1.05 * times[best]
+
+
+def test_a_window_prunes_the_lanes_ring_of_hierarchical_cp():
+    # a2a+p2p on 2x8 (heads 32/8 divide by 8): its ring crosses the two groups with super kv
+    # blocks; a 4k window at 128k reaches only the neighbouring super-block, so the second
+    # group's first ranks need nothing of the first's beyond the boundary. Its all-to-alls
+    # move everything (TE's do), so the saving is the ring's cross bytes only.
+    win, full = _bytes("a2a+p2p", 131072, 4096), _bytes("a2a+p2p", 131072, None)
+    assert win < full
+    fwd = registry.plans("a2a+p2p", _groups(2, 8), True, tiles=window_rule(
+        WindowGeometry(4096, 0, 16, 8192, True)))[0]
+    t = traffic(fwd, Problem(1, 131072, 32, 8, 128), _groups(2, 8))
+    t_full = traffic(registry.plans("a2a+p2p", _groups(2, 8), True)[0],
+                     Problem(1, 131072, 32, 8, 128), _groups(2, 8))
+    assert sum(t.intra) == pytest.approx(sum(t_full.intra))  # the all-to-alls: unchanged
+    assert sum(t.cross) < sum(t_full.cross)
+    # Ulysses has no ring: a window leaves its bytes as they are (MHA: 32 kv heads divide).
+    mha = Problem(1, 65536, 32, 32, 128)
+    rule = window_rule(WindowGeometry(4096, 0, 16, 4096, True))
+    win, full = (traffic(registry.plans("a2a", _groups(2, 8), True, tiles=t)[0], mha,
+                         _groups(2, 8)) for t in (rule, None))
+    assert win.intra == full.intra and win.cross == full.cross and sum(full.cross) > 0

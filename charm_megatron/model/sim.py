@@ -140,7 +140,7 @@ class _Engine(OpInterpreter[None]):
         self.flow_cap = 1.0 / c if c else math.inf
         # A sliding window: a tile costs the share of its pairs the window keeps (a windowed
         # kernel skips the blocks outside it; plan/tile_rule.py counts the pairs exactly).
-        self.window = problem.geometry(self.n, plan.causal)
+        self.window = problem.geometry(self.n, plan.causal, plan.head_group)
 
     # ---------------------------------------------------------------- resources
     def _capacities(self) -> dict[Hashable, float]:

@@ -24,15 +24,18 @@ from charm_megatron.plan.vocab import Direction
 
 
 def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, direction: Direction, head_group: int = 1) -> Executor:
+                  v: torch.Tensor, direction: Direction, head_group: int = 1, *,
+                  lanes_held: bool = False) -> Executor:
     """The executor of one direction of ``call`` on internal ``[s, b, h, d]`` blocks: its
     kernels behind the failure guard, its layout's tile computation. ``head_group`` ``a``:
     its blocks are super-blocks of a head all-to-all (``a`` times the rows of ``q``, ``k``,
-    ``v``, ``1/a`` of their heads)."""
+    ``v``, ``1/a`` of their heads; ``lanes_held``: ``q``, ``k``, ``v`` already are such
+    super-blocks, as the backward's saved tensors are)."""
     opts = call.options
     dv = v.shape[3]
     a = head_group
-    shape = BlockShape(q.shape[0] * a, q.shape[1], q.shape[2] // a, k.shape[2] // a,
+    grow = 1 if lanes_held else a
+    shape = BlockShape(q.shape[0] * grow, q.shape[1], q.shape[2] // grow, k.shape[2] // grow,
                        q.shape[3], q.dtype, q.device, dv)
     backend = kernel_backend(opts, q.device, q.dtype)
     if dv != q.shape[3]:
@@ -40,7 +43,7 @@ def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor
     backend = GuardedBackend(backend)
     window = call.request.window
     extra = {} if window is None else {"window": Window(
-        window[0], window[1], sg.size, q.shape[0], causal=call.request.causal)}
+        window[0], window[1], sg.size, shape.s, causal=call.request.causal, group=a)}
     return call.layout.executor(sg, backend, shape, call.scale,
                                 forced_backend=opts.backend is not None,
                                 compute=opts.compute, comm=opts.comm,
@@ -157,7 +160,7 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         agreement.open_call(sg, timeout_s, forward_call=call.seq)
         sig = agreement.Signature(call.fields(Direction.BACKWARD))
         agreement.agree(sg, sig, call.seq, True, timeout_s)
-    ex = make_executor(call, sg, q, k, v, Direction.BACKWARD)  # saved: already super-blocks
+    ex = make_executor(call, sg, q, k, v, Direction.BACKWARD, bwd.head_group, lanes_held=True)
     rank = dist.get_rank(call.group)
     held: dict[str, tuple[torch.Tensor, ...]] = {}
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 from collections.abc import Collection
+from dataclasses import replace
 
 from charm_megatron.plan.core import Plan, Tile, TileBwd
 from charm_megatron.plan.cost import Problem, add_problem_args, problem_from_args, traffic
@@ -27,7 +28,6 @@ from charm_megatron.plan.registry import (
     settings_values,
 )
 from charm_megatron.plan.roles import Decision, RoleShape
-from charm_megatron.plan.tile_rule import WindowGeometry
 from charm_megatron.plan.validate import validate
 from charm_megatron.topology import Topology
 
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     for algo, why in refused.items():
         print(f"# {algo}: not run here: {why}")
     if tiles is not None:
-        _window_savings(args, groups, problem, shape, settings, tiles, w)
+        _window_savings(args, groups, problem, shape, settings, tiles, w, refused)
     return 0
 
 
@@ -199,9 +199,11 @@ def _refusals(groups, problem: Problem) -> dict[str, str]:
     return {algo: text for algo, text in why.items() if text is not None}
 
 
-def _window_savings(args, groups, problem, shape, settings, tiles, w: int) -> None:
-    """What the window saves: per algorithm and direction, the busiest rank's MiB sent and
-    tiles, windowed against the same algorithm's full attention."""
+def _window_savings(args, groups, problem, shape, settings, tiles, w: int,
+                    refused: dict[str, str]) -> None:
+    """What the window saves: per algorithm that runs the problem (not ``refused``) and
+    direction, the busiest rank's MiB sent and tiles, windowed against the same algorithm's
+    full attention."""
     left, right = problem.window
     print()
     print(f"# window {left},{right}: {len(tiles.pairs())} of {args.cp ** 2} tiles needed; "
@@ -210,17 +212,23 @@ def _window_savings(args, groups, problem, shape, settings, tiles, w: int) -> No
     print(f"{'algo':{w}} {'dir':8} {'MiB window':>10} {'MiB full':>10} {'ratio':>6} "
           f"{'tiles':>6} {'full':>5} {'compute':>8} {'full':>6} {'ratio':>6}")
     rows = problem.s // args.cp
-    geometries = (problem.geometry(args.cp, args.causal),
-                  WindowGeometry(-1, -1, args.cp, rows, args.causal))
     for direction in ("forward", "backward"):
         for algo in names():
+            if algo in refused:
+                continue
             cut = build_plan(algo, direction, groups, args.causal, shape=shape, tiles=tiles,
                              **settings)
             full = build_plan(algo, direction, groups, args.causal, shape=shape, **settings)
             sent = [_sent(p, problem, groups) for p in (cut, full)]
             counts = [max(validate(p).tiles) for p in (cut, full)]
+            # After a head all-to-all a tile pairs super-blocks (a times the rows) on 1/a of
+            # the heads: its pairs count 1/a of a rank-block square's.
+            a = cut.head_group
+            window = problem.for_plan(cut).geometry(args.cp, args.causal, a)
+            geometries = (window, replace(window, left=-1, right=-1))
             work = [max(sum(g.kept_pairs(op.spec) for op in ops if type(op) in (Tile, TileBwd))
-                        for ops in p.ops) / rows ** 2 for p, g in zip((cut, full), geometries)]
+                        for ops in p.ops) / rows ** 2 / a
+                    for p, g in zip((cut, full), geometries)]
             print(f"{algo:{w}} {direction:8} {_mb(sent[0])} {_mb(sent[1])} "
                   f"{_ratio(sent):6.2f} {counts[0]:6g} {counts[1]:5g} {work[0]:8.2f} "
                   f"{work[1]:6.2f} {_ratio(work):6.2f}")

@@ -26,11 +26,13 @@ class Problem:
     dv: int = 0  # v / output head dim; 0: as d (MLA has its own)
     window: tuple[int, int] | None = None  # sliding window (left, right); None: full
 
-    def geometry(self, n: int, causal: bool) -> WindowGeometry | None:
-        """Where the window's rows lie on ``n`` ranks (``None``: no window)."""
+    def geometry(self, n: int, causal: bool, group: int = 1) -> WindowGeometry | None:
+        """Where the window's rows lie on ``n`` ranks (``None``: no window); ``group``: the
+        plan's head all-to-all group, with ``self`` the problem as its blocks see it
+        (:meth:`for_plan`)."""
         if self.window is None:
             return None
-        return WindowGeometry(self.window[0], self.window[1], n, self.s // n, causal)
+        return WindowGeometry(self.window[0], self.window[1], n, self.s // n, causal, group)
 
     def tiles(self, n: int, causal: bool) -> TileRule | None:
         """The tiles the window needs on ``n`` ranks (``None``: every tile)."""

@@ -280,7 +280,9 @@ def _build(entry: Algorithm, direction: Direction, ctx: VariantContext, variant:
     if entry.finish is not None:
         plan = entry.finish(plan, ctx, variant)
     if windowed:
-        plan = prune(plan, tiles, messages=entry.prunes_messages)
+        # After a head all-to-all the plan's blocks are its lanes' super-blocks: the window
+        # needs the tiles of those (plan/tile_rule.py, WindowGeometry.group).
+        plan = prune(plan, tiles.for_lanes(plan.head_group), messages=entry.prunes_messages)
     return plan
 
 

@@ -34,20 +34,32 @@ _INF = float("inf")
 @dataclass(frozen=True)
 class WindowGeometry:
     """A window on ``n`` ranks of ``rows`` rows each; ``causal`` calls are load-balanced
-    (Megatron's layout: chunks ``r`` and ``2n-1-r`` of ``rows / 2``), others contiguous."""
+    (Megatron's layout: chunks ``r`` and ``2n-1-r`` of ``rows / 2``), others contiguous.
+
+    ``group`` ``a > 1``: the plan runs after a head all-to-all in consecutive groups of ``a``
+    ranks (plan/head_stage.py), so its blocks are super-blocks: rank ``r`` holds super-block
+    ``r // a`` of ``n / a`` (``rows`` is then the super-block's rows) for lane ``r % a``, and
+    a super-block lies in global positions as block ``r // a`` of ``n / a`` ranks would (its
+    causal halves are chunks ``g`` and ``2n/a-1-g``). Ranks of two lanes share no pair."""
 
     left: int
     right: int
     n: int
     rows: int
     causal: bool
+    group: int = 1
 
     def start(self, owner: int, half: Half) -> int:
         """First global position of half ``half`` (FIRST or SECOND) of ``owner``'s block."""
         c = self.rows // 2
+        block, blocks = owner // self.group, self.n // self.group
         if self.causal:
-            return (owner if half is Half.FIRST else 2 * self.n - 1 - owner) * c
-        return owner * self.rows + (0 if half is Half.FIRST else c)
+            return (block if half is Half.FIRST else 2 * blocks - 1 - block) * c
+        return block * self.rows + (0 if half is Half.FIRST else c)
+
+    def same_lane(self, q_owner: int, kv_owner: int) -> bool:
+        """Whether the two ranks' blocks hold the same heads (always, without a group)."""
+        return (q_owner - kv_owner) % self.group == 0
 
     def size(self, half: Half) -> int:
         """Rows of half ``half`` (the executor's split: the first ``rows // 2``, the rest)."""
@@ -64,6 +76,8 @@ class WindowGeometry:
 
     def kept_pairs(self, spec: TileSpec) -> int:
         """How many (query row, key row) pairs of ``spec`` the window (and the mask) keep."""
+        if not self.same_lane(spec.q_owner, spec.kv_owner):
+            return 0
         lo, hi = self.bounds(spec.causal)
         return sum(self._quarter_pairs(spec.q_owner, a, spec.kv_owner, b, lo, hi)
                    for a in _split(spec.q_half) for b in _split(spec.kv_half))
@@ -88,6 +102,8 @@ class WindowGeometry:
 
     def needed(self, spec: TileSpec) -> TileSpec | None:
         """``spec`` narrowed to the halves of each side with any kept pair (``None``: none)."""
+        if not self.same_lane(spec.q_owner, spec.kv_owner):
+            return None
         lo, hi = self.bounds(spec.causal)
         qs, ks = set(), set()
         for a in _split(spec.q_half):
@@ -102,7 +118,7 @@ class WindowGeometry:
 
 @functools.lru_cache(maxsize=4096)
 def _fraction(geometry: WindowGeometry, spec: TileSpec) -> float:
-    full = WindowGeometry(-1, -1, geometry.n, geometry.rows, geometry.causal)
+    full = WindowGeometry(-1, -1, geometry.n, geometry.rows, geometry.causal, geometry.group)
     whole = full.kept_pairs(spec)
     return geometry.kept_pairs(spec) / whole if whole else 0.0
 
@@ -138,12 +154,16 @@ class TileRule:
     Rules compare and hash by what they require, so two windows (or sequence lengths) that
     need the same tiles share plans. Full attention is :func:`full_rule`."""
 
-    __slots__ = ("n", "causal", "windowed", "_wants", "_hash")
+    __slots__ = ("n", "causal", "windowed", "geometry", "_wants", "_hash")
 
     def __init__(self, n: int, causal: bool,
                  wants: tuple[tuple[TileSpec | None, ...], ...] | None = None,
-                 windowed: bool | None = None) -> None:
+                 windowed: bool | None = None,
+                 geometry: WindowGeometry | None = None) -> None:
         self.n, self.causal = n, causal
+        # The window that made the rule (``None``: not a window's), so the rule can be
+        # derived again for a plan's lanes (:meth:`for_lanes`).
+        self.geometry = geometry
         # A table of wants is a window's unless told otherwise (a head all-to-all's lanes).
         self.windowed = wants is not None if windowed is None else windowed
         if wants is None:
@@ -158,6 +178,17 @@ class TileRule:
     def pairs(self) -> list[TileSpec]:
         """Every needed tile."""
         return [w for row in self._wants for w in row if w is not None]
+
+    def for_lanes(self, a: int) -> TileRule:
+        """This window's rule for a plan run after a head all-to-all in groups of ``a`` ranks
+        (``self``: the rule on the call's own blocks; the super-blocks are ``a`` times as
+        long). Only a window's rule can be lifted."""
+        g = self.geometry
+        if a == 1 or not self.windowed:
+            return self
+        if g is None or g.group != 1:
+            raise ValueError(f"{self!r} is not a window's rule on the call's own blocks")
+        return window_rule(WindowGeometry(g.left, g.right, g.n, g.rows * a, g.causal, a))
 
     def reach(self) -> tuple[int, int]:
         """How far a rank's needed kv owners lie below and above it: ``(max r - j over
@@ -206,8 +237,10 @@ def lane_rule(n: int, a: int, causal: bool) -> TileRule:
 
 @functools.lru_cache(maxsize=256)
 def window_rule(geometry: WindowGeometry) -> TileRule:
-    """The tiles ``geometry``'s window needs: the full attention's, narrowed or dropped."""
-    n, causal = geometry.n, geometry.causal
-    wants = tuple(tuple(geometry.needed(tile_spec(i, j, causal)) for j in range(n))
-                  for i in range(n))
-    return TileRule(n, causal, wants)
+    """The tiles ``geometry``'s window needs: the full attention's (or, after a head
+    all-to-all, its lanes': :func:`lane_rule`), narrowed or dropped."""
+    n, causal, a = geometry.n, geometry.causal, geometry.group
+    base = full_rule(n, causal) if a == 1 else lane_rule(n, a, causal)
+    wants = tuple(tuple(None if base.want(i, j) is None else geometry.needed(base.want(i, j))
+                        for j in range(n)) for i in range(n))
+    return TileRule(n, causal, wants, geometry=geometry)

@@ -12,8 +12,10 @@ lane, lifted to the CP ranks:
   groups of one rank are the ring (as TE reduces them).
 
 Neither has settings. Both need the q heads and the kv heads to divide by ``a`` (GQA's kv
-heads are split, never repeated), and refuse what is not written yet: packed THD and sliding
-windows. A softmax offset (sink) is applied on each lane's heads after the ring.
+heads are split, never repeated), and refuse what is not written yet: packed THD. A sliding
+window prunes the lanes' ring to the super-block tiles it needs (plan/tile_rule.py,
+``WindowGeometry.group``; the all-to-alls move everything, as TE's do). A softmax offset
+(sink) is applied on each lane's heads after the ring.
 
 Plan layer: no torch.
 """
@@ -56,11 +58,9 @@ _ALTERNATIVES = {"a2a": "a2a+p2p, ring, allgather, rmplus or charm",
 
 def _check(name: str):
     def check(traits: CallTraits) -> None:
-        unwritten = [what for what, on in (("packed (THD) sequences", traits.packed),
-                                           ("sliding windows", traits.windowed)) if on]
-        if unwritten:
+        if traits.packed:
             raise NotImplementedError(
-                f"cp_attention(algo={name!r}) does not support {' or '.join(unwritten)} yet; "
+                f"cp_attention(algo={name!r}) does not support packed (THD) sequences yet; "
                 f"choose {_ALTERNATIVES[name]}")
         n = _whole(traits.groups)
         groups = traits.groups if name == "a2a+p2p" else (tuple(range(n)),)
