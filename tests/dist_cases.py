@@ -117,10 +117,6 @@ def bad_input(rank: int, world: int, case: str):
     elif case == "a2a_heads":  # kv heads 1 over 2 ranks: Ulysses cannot split them
         k, v = k[:, :, :1], v[:, :, :1]
         kwargs["algo"] = "a2a"
-    elif case == "a2a_packed":  # packed documents: not written for the head all-to-alls
-        cu = torch.tensor([0, 2 * s], dtype=torch.int32)  # one document of every rank's rows
-        kwargs.update(algo="a2a", cu_seqlens=cu, cu_seqlens_padded=cu)
-        q, k, v = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
     elif case == "backend_flash_on_cpu":
         from charm_megatron.ops.options import CPOptions
 

@@ -108,7 +108,6 @@ BAD = {
     "window_negative": "each side must be >= 0, or -1 for unbounded",
     "window_type": "window_size must be \\(left, right\\) ints or None",
     "a2a_heads": "ValueError: .*a2a.* kv heads 1 does not divide by 2.*or choose a2a\\+p2p",
-    "a2a_packed": "NotImplementedError: .*'a2a'.* packed \\(THD\\)",
 }
 
 

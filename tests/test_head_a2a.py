@@ -117,9 +117,8 @@ def test_checks_name_the_heads_the_groups_and_the_alternatives() -> None:
         check_call("a2a+p2p", CallTraits(_groups(2, 4), 6, 6))
     with pytest.raises(ValueError, match="consecutive groups of equal size"):
         check_call("a2a+p2p", CallTraits(((0, 2), (1, 3)), 8, 8))
-    with pytest.raises(NotImplementedError, match="packed"):
-        check_call("a2a", CallTraits(flat8, 8, 8, packed=True))
     check_call("a2a", CallTraits(flat8, 8, 8, windowed=True))  # windows: the lanes' tiles
+    check_call("a2a", CallTraits(flat8, 8, 8, packed=True))  # THD: the lanes' documents
     check_call("a2a", CallTraits(flat8, 8, 8, offset=True))  # sinks: on each lane's heads
     check_call("a2a+p2p", CallTraits(_groups(2, 4), 12, 4))  # 12 and 4 divide by 4
     check_call("a2a", CallTraits(flat8, None, None))  # shape-free: groups only

@@ -14,8 +14,9 @@ from dist_failure_cases import check_clean_failure
 import packed_cases
 from charm_megatron.layout import thd_index, thd_pad, thd_shard, thd_unpad, thd_unshard
 from charm_megatron.local_ranks import run_ranks
-from charm_megatron.ops.packed import THDLayout, make_layout, tile_segments
+from charm_megatron.ops.packed import THDLayout, lane_order, make_layout, tile_segments
 from charm_megatron.plan.core import Half, tile_spec
+from charm_megatron.plan.head_stage import HeadStage
 
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
 DOCS = ("one", "short", "unequal", "nopad")
@@ -41,10 +42,20 @@ GQA_ROLES = {
 }
 
 
+# The head all-to-alls (a2a, a2a+p2p): (algo, topology, kv heads, q heads) with heads that
+# divide by their all-to-all group, every mask and document mix, both dtypes.
+HEAD_A2A = {
+    2: [("a2a", None, 2, 4), ("a2a", None, 2, 2)],
+    4: [("a2a", None, 4, 8), ("a2a+p2p", "2x2", 2, 4)],
+    8: [("a2a+p2p", "2x4", 4, 8), ("a2a+p2p", "4x2", 2, 4)],
+}
+
+
 def _cases(world):
     """Every (algo, topology) x mask x document mix; dtype and GQA ratio rotate so that each
     document mix meets both dtypes and several ratios. CP size 1 also takes odd lengths. Then
-    the GQA role-mix cases (8 query heads, the ``unequal`` documents, fp32)."""
+    the GQA role-mix cases (8 query heads, the ``unequal`` documents, fp32) and the head
+    all-to-alls."""
     cases = []
     docs_here = DOCS + (("odd",) if world == 1 else ())
     for algo, topo in SETUPS[world]:
@@ -54,7 +65,32 @@ def _cases(world):
             cases.append((algo, topo, causal, dtype, hkv, docs))
     for algo, topo, roles, hkv, causal in GQA_ROLES.get(world, []):
         cases.append((algo, topo, causal, "fp32", hkv, "unequal", roles, 8))
+    for algo, topo, hkv, hq in HEAD_A2A.get(world, []):
+        for i, (causal, docs) in enumerate(itertools.product((True, False), DOCS)):
+            cases.append((algo, topo, causal, ("fp32", "bf16")[i % 2], hkv, docs, None, hq))
     return cases
+
+
+def test_lane_order_gives_each_lane_the_thd_layout_of_its_super_blocks():
+    # After the head all-to-all a super-block holds its members' internal rows member by
+    # member (HeadStage.pieces); lane_order must turn them into Megatron's THD layout of n/a
+    # ranks (thd_index, in that layout's internal order), every document and padding row.
+    for n, a, causal in ((4, 2, True), (4, 4, True), (8, 2, False), (6, 3, True), (4, 4, False)):
+        padded = (2 * n * 3, 2 * n, 2 * n * 5)
+        flat = THDLayout(n, tuple(p - 1 for p in padded), padded)
+        cu = torch.tensor([0, *itertools.accumulate(padded)])
+        stage = HeadStage(n, a, causal)
+        internal = torch.tensor(flat.permutation())
+        lanes = flat.lanes(a)
+        for r in range(n):
+            placed = torch.empty(a * flat.t_local, dtype=torch.long)
+            for j, member in enumerate(stage.members(r)):
+                ids = thd_index(member, n, cu)[internal]  # global ids in internal order
+                for local, sup in stage.pieces(j, flat.t_local):
+                    placed[sup] = ids[local]
+            want = thd_index(r // a, n // a, cu)[torch.tensor(lanes.permutation())]
+            got = placed[torch.tensor(lane_order(flat, stage, r))]
+            assert got.tolist() == want.tolist(), (n, a, causal, r)
 
 
 @pytest.mark.parametrize("world", sorted(SETUPS))

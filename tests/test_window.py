@@ -41,8 +41,8 @@ def test_sbhd_matches_float64_reference(world):
 
 # (causal, left, right) on packed documents: inside a chunk, across chunks, beyond documents.
 THD_WINDOWS = ((True, 1, 0), (True, 5, 0), (True, 100, -1), (False, 2, 3), (False, -1, 0))
-THD_SETUPS = {2: [("ring", None), ("rmplus", None), ("allgather", None)],
-              4: [("ring", None), ("charm", "2x2")]}
+THD_SETUPS = {2: [("ring", None), ("rmplus", None), ("allgather", None), ("a2a", None)],
+              4: [("ring", None), ("charm", "2x2"), ("a2a+p2p", "2x2")]}
 
 
 @pytest.mark.parametrize("world", sorted(THD_SETUPS))

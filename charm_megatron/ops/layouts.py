@@ -23,10 +23,12 @@ from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.packed import (
     PackedExecutor,
     THDLayout,
+    lane_permutation,
     layout_fields,
     make_layout,
     permutation,
 )
+from charm_megatron.plan.head_stage import HeadStage
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,14 @@ class Sbhd:
         return out, lse_sbh.permute(1, 2, 0).contiguous()  # lse [b, h, s]
 
     def executor(self, streams, backend, shape: BlockShape, scale: float, *,
-                 forced_backend: bool, **options) -> Executor:
+                 forced_backend: bool, head_group: int = 1, **options) -> Executor:
         return Executor(streams, backend, shape, scale, **options)
+
+    def lane_rows(self, stage: HeadStage, rank: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """How a head all-to-all's placed rows map to the lanes' blocks (``None``: as
+        placed; plan/head_stage.py places them in the lanes' layout already)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -109,10 +117,17 @@ class Thd:
         return out.squeeze(1).index_select(0, inv), lse
 
     def executor(self, streams, backend, shape: BlockShape, scale: float, *,
-                 forced_backend: bool, **options) -> Executor:
+                 forced_backend: bool, head_group: int = 1, **options) -> Executor:
         # A forced backend runs every document itself; else the CUDA varlen kernel may.
         return PackedExecutor(streams, backend, shape, scale, self.docs,
-                              varlen=not forced_backend, **options)
+                              varlen=not forced_backend, head_group=head_group, **options)
+
+    def lane_rows(self, stage: HeadStage, rank: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(placed -> lanes' internal, inverse) rows: the stage places each member's block
+        whole, ``[documents]`` member after member, where the lanes' layout wants each
+        document's chunks together (ops/packed.lane_order)."""
+        return lane_permutation(self.docs, stage, rank, str(device))
 
 
 Layout = Sbhd | Thd

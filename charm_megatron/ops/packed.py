@@ -37,6 +37,7 @@ from charm_megatron.kernels.varlen import (
 from charm_megatron.ops.executor import BlockShape, Executor
 from charm_megatron.ops.failsafe import GuardedBackend
 from charm_megatron.plan.core import Half, TileSpec
+from charm_megatron.plan.head_stage import HeadStage
 
 
 # --------------------------------------------------------------------------------- layout
@@ -101,6 +102,22 @@ class THDLayout:
             out.append(pos)
         return out
 
+    def lanes(self, a: int) -> THDLayout:
+        """The layout a head all-to-all's lanes see (groups of ``a`` ranks): ``cp / a`` ranks,
+        whose chunks are ``a`` of this layout's chunks in a row (plan/head_stage.py)."""
+        return self if a == 1 else THDLayout(self.cp // a, self.real, self.padded)
+
+    def where(self, owner: int) -> list[tuple[int, int]]:
+        """``(document, position in it)`` of every internal row of ``owner``'s block, padding
+        rows included (each document's padded positions are covered exactly once by the
+        ranks)."""
+        out: list[tuple[int, int]] = []
+        for h in range(self.parts):
+            chunk = owner if h == 0 else 2 * self.cp - 1 - owner
+            for i, c in enumerate(self.chunks):
+                out.extend((i, chunk * c + t) for t in range(c))
+        return out
+
     def permutation(self) -> list[int]:
         """Internal row ``j`` is THD-local row ``perm[j]`` (``[first chunks | second chunks]``;
         the same on every rank)."""
@@ -111,6 +128,34 @@ class THDLayout:
                 second.extend(range(start + c, start + 2 * c))
             start += self.parts * c
         return first + second
+
+
+@functools.lru_cache(maxsize=64)
+def lane_order(layout: THDLayout, stage: HeadStage, rank: int) -> tuple[int, ...]:
+    """Rows of ``rank``'s super-block after the head all-to-all (members' internal rows placed
+    by :meth:`HeadStage.pieces`: member by member, each ``[documents]``) in the internal order
+    of the lanes' layout (``layout.lanes(a)``: document by document within each chunk):
+    ``order[i]`` is the placed row that the lanes' internal row ``i`` holds. Found by matching
+    each row's (document, position), so it holds for every placement the stage makes."""
+    a, g = stage.a, rank // stage.a
+    rows = layout.t_local
+    placed: dict[tuple[int, int], int] = {}
+    for j, member in enumerate(stage.members(rank)):
+        where = layout.where(member)
+        for local, sup in stage.pieces(j, rows):
+            for offset, row in enumerate(range(sup.start, sup.stop)):
+                placed[where[local.start + offset]] = row
+    return tuple(placed[key] for key in layout.lanes(a).where(g))
+
+
+@functools.lru_cache(maxsize=64)
+def lane_permutation(layout: THDLayout, stage: HeadStage, rank: int,
+                     device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(placed -> lanes' internal, lanes' internal -> placed) row indices on ``device``."""
+    order = torch.tensor(lane_order(layout, stage, rank), dtype=torch.long)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel())
+    return order.to(device), inv.to(device)
 
 
 @functools.lru_cache(maxsize=512)
@@ -237,16 +282,30 @@ class PackedExecutor(Executor):
 
     With a :class:`GuardedBackend` a failing tile is recorded and returns an empty partial,
     also on the one-call CUDA varlen path that does not go through the backend, so that every
-    transfer of the plan still completes (ops/failsafe.py)."""
+    transfer of the plan still completes (ops/failsafe.py).
+
+    ``head_group`` ``a > 1``: the blocks are a head all-to-all's super-blocks in the lanes'
+    order (:func:`lane_order`); tiles name CP ranks, whose super-block is ``rank // a`` of
+    the lanes' layout (``layout.lanes(a)``)."""
 
     def __init__(self, streams, backend, shape: BlockShape, scale: float,
-                 layout: THDLayout, *, varlen: bool = True, **options) -> None:
+                 layout: THDLayout, *, varlen: bool = True, head_group: int = 1,
+                 **options) -> None:
         super().__init__(streams, backend, shape, scale, **options)
-        self.layout = layout
+        self.layout = layout.lanes(head_group)
+        self.head_group = head_group
         self.varlen = varlen  # False: a forced backend runs every document (kernels.varlen)
 
+    def _inner(self, spec: TileSpec) -> TileSpec:
+        """``spec`` on the lanes' layout (its owners' super-blocks)."""
+        a = self.head_group
+        if a == 1:
+            return spec
+        return TileSpec(spec.q_owner // a, spec.kv_owner // a, spec.q_half, spec.kv_half,
+                        spec.causal)
+
     def _segments(self, spec: TileSpec) -> Segments:
-        return tile_segments(self.layout, spec, self.shape.device)
+        return tile_segments(self.layout, self._inner(spec), self.shape.device)
 
     def _failed(self, exc: Exception | None = None) -> bool:
         guard = self.backend if isinstance(self.backend, GuardedBackend) else None
@@ -267,7 +326,7 @@ class PackedExecutor(Executor):
         w = self.window
         if w is None:
             return None
-        qp, kp = tile_positions(self.layout, spec)
+        qp, kp = tile_positions(self.layout, self._inner(spec))
         return window_masks(self._segments(spec), torch.tensor(qp, device=device),
                             torch.tensor(kp, device=device), w.causal, w.left, w.right)
 

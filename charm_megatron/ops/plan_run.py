@@ -45,7 +45,7 @@ def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor
     extra = {} if window is None else {"window": Window(
         window[0], window[1], sg.size, shape.s, causal=call.request.causal, group=a)}
     return call.layout.executor(sg, backend, shape, call.scale,
-                                forced_backend=opts.backend is not None,
+                                forced_backend=opts.backend is not None, head_group=a,
                                 compute=opts.compute, comm=opts.comm,
                                 timeout_s=opts.timeout_s, what=call.what(direction), **extra)
 
@@ -99,6 +99,24 @@ def _stage(call: Call, plan: Plan) -> HeadStage | None:
     return HeadStage(plan.n, plan.head_group, call.request.causal)
 
 
+def _into_lanes(call: Call, ex: Executor, stage: HeadStage, rank: int,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """This rank's tensors as its lane's super-block, in the rows the lanes' plan expects
+    (packed documents: reordered, ops/packed.lane_order)."""
+    placed = head_stage.to_heads(ex, stage, rank, *tensors)
+    order = call.layout.lane_rows(stage, rank, tensors[0].device)
+    return placed if order is None else tuple(t.index_select(0, order[0]) for t in placed)
+
+
+def _out_of_lanes(call: Call, ex: Executor, stage: HeadStage, rank: int,
+                  *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The inverse of :func:`_into_lanes`: super-block results home to their ranks' rows."""
+    order = call.layout.lane_rows(stage, rank, tensors[0].device)
+    if order is not None:
+        tensors = tuple(t.index_select(0, order[1]) for t in tensors)
+    return head_stage.to_rows(ex, stage, rank, *tensors)
+
+
 def _lane_slice(offset: torch.Tensor, stage: HeadStage, rank: int) -> slice:
     h = offset.shape[0] // stage.a
     k = rank % stage.a
@@ -127,8 +145,8 @@ def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     held: dict[str, tuple[torch.Tensor, ...]] = {}
 
     def work() -> None:
-        qs, ks, vs = (q, k, v) if stage is None else head_stage.to_heads(ex, stage, rank,
-                                                                         q, k, v)
+        qs, ks, vs = (q, k, v) if stage is None else _into_lanes(call, ex, stage, rank,
+                                                                 q, k, v)
         ex.set_own("own.q", "q", qs)
         ex.set_own("own.kv", "kv", ks, vs)
         ex.run(fwd.ops[rank])
@@ -139,7 +157,7 @@ def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out = acc_out.to(q.dtype)
         held["saved"] = (qs, ks, vs, out, acc_lse)
         held["result"] = ((out, acc_lse) if stage is None
-                          else head_stage.to_rows(ex, stage, rank, out, acc_lse))
+                          else _out_of_lanes(call, ex, stage, rank, out, acc_lse))
 
     run_plan(call, sg, ex, work, Direction.FORWARD)
     out, lse = held["result"]
@@ -167,7 +185,7 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     def work() -> None:
         d_out = dout.to(q.dtype)
         if stage is not None:
-            (d_out,) = head_stage.to_heads(ex, stage, rank, d_out)
+            (d_out,) = _into_lanes(call, ex, stage, rank, d_out)
         # delta = rowsum(dout * out) is all the tiles' backward needs of the output (see
         # executor._out_with_delta), so the q-side bundle carries it instead of out, scaled
         # by the row's power of two 2**-e (e from max|dout|) so that it never overflows or
@@ -185,7 +203,7 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         dk, dv = ex.result(Plan.DKV)
         grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
         if stage is not None:
-            grads = head_stage.to_rows(ex, stage, rank, *grads)
+            grads = _out_of_lanes(call, ex, stage, rank, *grads)
         held["grads"] = grads
         if offset is not None:
             grad = softmax_offset.offset_grad(lse_sbh, unscaled, _lane_heads(offset, stage, rank))

@@ -58,10 +58,6 @@ _ALTERNATIVES = {"a2a": "a2a+p2p, ring, allgather, rmplus or charm",
 
 def _check(name: str):
     def check(traits: CallTraits) -> None:
-        if traits.packed:
-            raise NotImplementedError(
-                f"cp_attention(algo={name!r}) does not support packed (THD) sequences yet; "
-                f"choose {_ALTERNATIVES[name]}")
         n = _whole(traits.groups)
         groups = traits.groups if name == "a2a+p2p" else (tuple(range(n)),)
         why = stage_refusal(groups, n, traits.hq, traits.hkv, f"cp_attention(algo={name!r})",
