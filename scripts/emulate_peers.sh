@@ -28,6 +28,7 @@ POINTS=(
   "l20-llama8b-2x4-s32768:2x4:l20-pcie:1:32768:32x128:8:--causal"
   "l20-mha-2x4-s32768:2x4:l20-pcie:1:32768:32x128:32:--causal"
 )
+mkdir -p "$OUT"
 for point in "${POINTS[@]}"; do
   IFS=: read -r name topo device b s heads kv mask <<<"$point"
   # ONLY=regex: run the points whose name matches it (e.g. ONLY='llama|l20').
@@ -36,5 +37,7 @@ for point in "${POINTS[@]}"; do
   "$BENCH" bench --emulate "$topo" --device-model "$device" --batch "$b" --seq "$s" \
     --heads "$heads" --kv-heads "$kv" "$mask" --dtype bf16 --algos "$ALGOS" \
     --warmup "${WARMUP:-1}" --iters "${ITERS:-2}" --out "$OUT/$name" --no-plot --quiet ${EXTRA:-} \
-    | grep -E "wrote|dilation" || true
+    > "$OUT/$name.log" 2>&1 \
+    || echo "!! $name: bench failed (exit $?), see $OUT/$name.log"
+  grep -E "wrote|dilation" "$OUT/$name.log" || true
 done

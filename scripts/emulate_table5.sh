@@ -10,6 +10,7 @@ ROWS_2x8="16:26880 16:13440 64:6720 128:3360"
 ROWS_4x8="16:31744 16:15872 64:7936 128:3968"
 topos=("$@")
 [ ${#topos[@]} -gt 0 ] || topos=(2x8 4x8)
+mkdir -p "$OUT"
 for topo in "${topos[@]}"; do
   rows_var="ROWS_${topo}"
   for row in ${!rows_var}; do
@@ -19,6 +20,8 @@ for topo in "${topos[@]}"; do
     "$BENCH" bench --emulate "$topo" --device-model "${DEVICE:-h100}" --batch "$b" --seq "$s" \
       --heads 12x192 --no-causal --dtype bf16 --algos "${ALGOS:-ring,rmplus,charm}" \
       --warmup "${WARMUP:-1}" --iters "${ITERS:-2}" --out "$dir" --no-plot --quiet \
-      ${EXTRA:-} | grep -E "^  (ring|rmplus|charm|auto) |wrote|dilation" || true
+      ${EXTRA:-} > "$dir.log" 2>&1 \
+      || echo "!! $topo B=$b S=$s: bench failed (exit $?), see $dir.log"
+    grep -E "^  (ring|rmplus|charm|auto) |wrote|dilation" "$dir.log" || true
   done
 done

@@ -18,6 +18,7 @@ POINTS=(
   "llama8b-2x8-s65536-full:65536::8"
   "mha-2x8-s65536-w4096:65536:4096:32"
 )
+mkdir -p "$OUT"
 for point in "${POINTS[@]}"; do
   IFS=: read -r name s w kv <<<"$point"
   if [[ -n "${ONLY:-}" && ! "$name" =~ $ONLY ]]; then continue; fi
@@ -27,5 +28,7 @@ for point in "${POINTS[@]}"; do
   "$BENCH" bench --emulate 2x8 --device-model h100 --batch 1 --seq "$s" --heads 32x128 \
     --kv-heads "$kv" --causal --dtype bf16 --algos "$ALGOS" "${window[@]}" \
     --warmup "${WARMUP:-1}" --iters "${ITERS:-2}" --out "$OUT/$name" --no-plot --quiet \
-    | grep -E "wrote|dilation" || true
+    > "$OUT/$name.log" 2>&1 \
+    || echo "!! $name: bench failed (exit $?), see $OUT/$name.log"
+  grep -E "wrote|dilation" "$OUT/$name.log" || true
 done
