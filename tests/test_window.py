@@ -8,6 +8,8 @@ import pytest
 
 import window_cases
 from charm_megatron.local_ranks import run_ranks
+from charm_megatron.plan.registry import CallTraits, refusal
+from charm_megatron.topology import Topology
 
 # (causal, left, right) at 8 rows per rank (chunks of 4 under the causal layout).
 WINDOWS = ((True, 2, 0), (True, 9, 0), (True, 100, -1), (True, 1, 0),
@@ -19,12 +21,13 @@ SETUPS = {
     4: [("ring", None), ("rmplus", None), ("charm", "2x2"), ("allgather", None),
         ("a2a", None), ("a2a+p2p", "2x2")],
 }
-HEAD_GROUP = {"a2a": lambda world, topo: world, "a2a+p2p": lambda world, topo: 2}
 
 
 def _legal(algo, topo, world, hkv):
-    """The head all-to-alls split the kv heads over their group (4 q heads always divide)."""
-    return algo not in HEAD_GROUP or hkv % HEAD_GROUP[algo](world, topo) == 0
+    """Whether the algorithm's own check takes the case (the head all-to-alls split the kv
+    heads over their group; window_cases runs 4 q heads)."""
+    groups = Topology.parse(topo, world).groups if topo else (tuple(range(world)),)
+    return refusal(algo, CallTraits(tuple(map(tuple, groups)), 4, hkv, windowed=True)) is None
 
 
 @pytest.mark.parametrize("world", sorted(SETUPS))

@@ -67,6 +67,11 @@ class THDLayout:
     def t_local(self) -> int:
         return self.parts * self.half_rows
 
+    def chunk_of(self, owner: int, part: int) -> int:
+        """Which of a document's ``2 * cp`` chunks part ``part`` (0, 1) of ``owner``'s block
+        holds (Megatron's load balance: ``owner`` and ``2*cp-1-owner``)."""
+        return owner if part == 0 else 2 * self.cp - 1 - owner
+
     def real_in_chunk(self, doc: int, chunk: int) -> int:
         """Real tokens at the start of chunk ``chunk`` of document ``doc``."""
         c = self.chunks[doc]
@@ -83,7 +88,7 @@ class THDLayout:
         for i in range(len(self.chunks)):
             doc: list[int] = []
             for h in halves:
-                chunk = owner if h == 0 else 2 * self.cp - 1 - owner
+                chunk = self.chunk_of(owner, h)
                 base = offsets[i] + (self.half_rows if (h == 1 and half is Half.FULL) else 0)
                 doc.extend(range(base, base + self.real_in_chunk(i, chunk)))
             rows.append(doc)
@@ -97,7 +102,7 @@ class THDLayout:
         for i, c in enumerate(self.chunks):
             pos: list[int] = []
             for h in halves:
-                chunk = owner if h == 0 else 2 * self.cp - 1 - owner
+                chunk = self.chunk_of(owner, h)
                 pos.extend(range(chunk * c, chunk * c + self.real_in_chunk(i, chunk)))
             out.append(pos)
         return out
@@ -113,7 +118,7 @@ class THDLayout:
         ranks)."""
         out: list[tuple[int, int]] = []
         for h in range(self.parts):
-            chunk = owner if h == 0 else 2 * self.cp - 1 - owner
+            chunk = self.chunk_of(owner, h)
             for i, c in enumerate(self.chunks):
                 out.extend((i, chunk * c + t) for t in range(c))
         return out

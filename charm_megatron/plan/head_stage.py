@@ -159,8 +159,10 @@ def stage_plans(n: int, a: int, direction: Direction, causal: bool) -> tuple[Pla
     """The all-to-alls before and after a lifted plan, as plans of sends and receives of head
     slices (``Xfer.parts = a``: a message carries one of ``a`` head slices of a rank's rows),
     one batch per rank on the kv stream: what the performance model times and the byte counts
-    add (memoised and shared: do not modify). One message per peer and kind (the executor packs a peer's tensors of one dtype into
-    one message: the same bytes, a latency or two fewer). Not attention plans (no tiles, no results): they are never validated or executed."""
+    add (memoised and shared: do not modify). One message per peer and kind (the executor
+    packs a peer's tensors of one dtype into one message: the same bytes, a latency or two
+    fewer). Not attention plans (no tiles, no results): they are never validated or
+    executed."""
     stage = HeadStage(n, a, causal)
     direction = Direction(direction)
     out = []

@@ -20,7 +20,7 @@ Plan layer: no torch.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from charm_megatron.plan.core import TileSpec, tile_spec
 from charm_megatron.plan.vocab import Half
@@ -118,7 +118,7 @@ class WindowGeometry:
 
 @functools.lru_cache(maxsize=4096)
 def _fraction(geometry: WindowGeometry, spec: TileSpec) -> float:
-    full = WindowGeometry(-1, -1, geometry.n, geometry.rows, geometry.causal, geometry.group)
+    full = replace(geometry, left=-1, right=-1)
     whole = full.kept_pairs(spec)
     return geometry.kept_pairs(spec) / whole if whole else 0.0
 
@@ -188,7 +188,7 @@ class TileRule:
             return self
         if g is None or g.group != 1:
             raise ValueError(f"{self!r} is not a window's rule on the call's own blocks")
-        return window_rule(WindowGeometry(g.left, g.right, g.n, g.rows * a, g.causal, a))
+        return window_rule(replace(g, rows=g.rows * a, group=a))
 
     def reach(self) -> tuple[int, int]:
         """How far a rank's needed kv owners lie below and above it: ``(max r - j over

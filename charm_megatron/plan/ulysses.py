@@ -12,10 +12,11 @@ lane, lifted to the CP ranks:
   groups of one rank are the ring (as TE reduces them).
 
 Neither has settings. Both need the q heads and the kv heads to divide by ``a`` (GQA's kv
-heads are split, never repeated), and refuse what is not written yet: packed THD. A sliding
-window prunes the lanes' ring to the super-block tiles it needs (plan/tile_rule.py,
-``WindowGeometry.group``; the all-to-alls move everything, as TE's do). A softmax offset
-(sink) is applied on each lane's heads after the ring.
+heads are split, never repeated). A sliding window prunes the lanes' ring to the super-block
+tiles it needs (plan/tile_rule.py, ``WindowGeometry.group``; the all-to-alls move
+everything, as TE's do); packed THD reorders each lane's super-block into the THD layout of
+``n/a`` ranks (ops/packed.lane_order). A softmax offset (sink) is applied on each lane's
+heads after the ring.
 
 Plan layer: no torch.
 """
