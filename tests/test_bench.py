@@ -91,6 +91,20 @@ def test_link_bytes_ring_vs_charm():
     assert charm_rank["fwd"] == pytest.approx(charm_node["fwd"] / 4)  # 4 NICs share the load
 
 
+def test_link_bytes_count_the_head_all_to_alls():
+    """Ulysses' bytes are its all-to-alls: on 2x4 with a NIC per rank, each rank sends 4 of
+    its 8 head slices of q, k, v across the boundary and receives as many, and the outputs
+    (with their fp32 lse) come home the same way."""
+    point = Point(0, 2, 4096, 8, 8, 64)
+    hw = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    rows = 4096 / 8
+    q = rows * 2 * 8 * 64 * 2  # one rank's q, bf16 (k and v: the same each)
+    out = q + rows * 2 * 8 * 4  # its output and lse
+    a2a = busiest_link_bytes("a2a", [list(range(8))], hw, nic="rank", causal=True,
+                             point=point, dtype="bf16")
+    assert a2a["fwd"] == pytest.approx(4 / 8 * (3 * q + out))
+
+
 def test_progress_bar_lines():
     import io
 

@@ -14,6 +14,7 @@ from charm_megatron.bench.gpu_emulation import CPU_LIMITED, DeviceSetup, choose_
 from charm_megatron.cli import main as cli_main
 from charm_megatron.emulate.device import LinkClock, TimedBackend, WireScale
 from charm_megatron.model import get_profile, simulate
+from charm_megatron.ops.executor import Executor
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.registry import build_plan
 
@@ -60,6 +61,26 @@ def test_a_merge_waits_its_virtual_bytes_at_the_merge_rate():
     dev.merged(1_000_000)
     want = 16e6 / (H100.merge_gbps * 1e9) + H100.op_overhead_us * 1e-6
     assert sleep.slept == pytest.approx([want * 10.0])
+
+
+def test_a_head_stage_copy_waits_the_models_stage_copy_time():
+    """The all-to-all's packing and placing on the wire tensors = the model's stage copies of
+    the virtual blocks (model/sim.py ``stage_copy_s``) x D, through the executor's hook."""
+    from charm_megatron.model.sim import stage_copy_s
+    from charm_megatron.plan.head_stage import copy_passes
+    from charm_megatron.plan.vocab import Kind
+
+    sleep = _Recorder()
+    scale = WireScale(batch=2, rows=8)
+    dev = TimedBackend(H100, dilation=10.0, scale=scale, sleep=sleep)
+    n, s, b, h, d = 4, 8192, 4, 8, 128
+    rows = s // n // scale.rows
+    q, k, v = (torch.zeros(rows, b // scale.batch, h, d, dtype=torch.bfloat16)
+               for _ in range(3))
+    Executor.copied(type("Ex", (), {"_copied": dev.copied})(), [q, k, v], copy_passes(4)[0])
+    want = stage_copy_s(Problem(b, s, h, h, d, 2), H100, n, (Kind.Q, Kind.KV),
+                        copy_passes(4)[0])
+    assert want > 0 and sleep.slept == pytest.approx([want * 10.0])
 
 
 def test_compute_is_slowed_only_while_this_ranks_bytes_move(monkeypatch):

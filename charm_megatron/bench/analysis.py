@@ -132,12 +132,18 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
     def owner(r: int) -> int:
         return group_of[r] if nic == "node" else r
 
+    parts = [plan]
+    if plan.head_group > 1:  # the head all-to-alls move bytes too (plan/head_stage.py)
+        from charm_megatron.plan.head_stage import stage_plans
+
+        parts += stage_plans(plan.n, plan.head_group, plan.direction, plan.causal)
     loads: dict[tuple[str, int], float] = defaultdict(float)
-    for r in range(plan.n):
-        for op in plan.comms(r):
-            for x, side in [(x, "out") for x in op.sends] + [(x, "in") for x in op.recvs]:
-                if group_of[x.peer] != group_of[r]:
-                    loads[(side, owner(r))] += problem.xfer_bytes(x, plan.n)
+    for part in parts:
+        for r in range(part.n):
+            for op in part.comms(r):
+                for x, side in [(x, "out") for x in op.sends] + [(x, "in") for x in op.recvs]:
+                    if group_of[x.peer] != group_of[r]:
+                        loads[(side, owner(r))] += problem.xfer_bytes(x, part.n)
     return dict(loads)
 
 

@@ -275,6 +275,12 @@ class TimedBackend:
                           device=q.device)
         return q.new_zeros((*q.shape[:-1], v.shape[-1])), lse
 
+    def copied(self, nbytes: float) -> None:
+        """The executor copied ``nbytes`` on the device outside a kernel (a head all-to-all
+        packing and placing head slices): the model's stage copies, the virtual bytes at the
+        merge rate (model/sim.py, ``stage_copy_s``)."""
+        self._wait(self.merge_seconds(nbytes * self.scale.bytes), False)
+
     def merged(self, wire_bytes: float) -> None:
         """The executor merged a received partial of ``wire_bytes``: its device time (the
         model's ``Merge`` op: the virtual bytes at the merge rate, plus the per-op overhead)."""

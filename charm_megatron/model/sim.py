@@ -45,6 +45,7 @@ from charm_megatron.plan.core import (
     Xfer,
 )
 from charm_megatron.plan.cost import Problem, traffic
+from charm_megatron.plan.vocab import Kind
 
 
 class ModelError(RuntimeError):
@@ -410,6 +411,28 @@ class _Engine(OpInterpreter[None]):
         return max(f for f in self.finish if f is not None)
 
 
+def stage_copy_s(problem: Problem, cluster: Cluster, n: int, kinds: Sequence[Kind],
+                 passes: float) -> float:
+    """Wall seconds of a head all-to-all's local copies on every rank at once.
+
+    ``passes`` over a rank's blocks of ``kinds`` (plan/head_stage.py, ``copy_passes``: the
+    executor packs what it sends and places what it receives). That is memory-bound work at
+    the merge rate (the timed device charges it the same way); on a shared core pool
+    all ``n`` ranks copy at once, so it takes ``n / cores`` times as long when there are
+    fewer cores than ranks. Nothing overlaps it (the stage is a barrier in the plan).
+    """
+    if not cluster.merge_gbps:
+        return 0.0
+    nbytes = passes * sum(problem.block_bytes(k, n) for k in kinds)
+    one = nbytes / (cluster.merge_gbps * 1e9)
+    return one * max(1.0, n / cluster.cores) if cluster.cores else one
+
+
+def _copy_work_s(copy_s: float, cluster: Cluster, n: int) -> float:
+    """A rank's share of the copy phase at full speed (its wall time on a shared pool is longer)."""
+    return copy_s / max(1.0, n / cluster.cores) if cluster.cores else copy_s
+
+
 def simulate(plan: Plan, problem: Problem, cluster: Cluster,
              groups: Sequence[Sequence[int]], *, compute: bool = True,
              comm: bool = True) -> SimResult:
@@ -424,19 +447,27 @@ def simulate(plan: Plan, problem: Problem, cluster: Cluster,
     (:meth:`Problem.for_plan`) between the two all-to-alls, each simulated as a plan of its
     own (plan/head_stage.py) and added: nothing overlaps them, as in TE.
     """
-    parts = [(plan, problem.for_plan(plan))]
+    parts = [(plan, problem.for_plan(plan), 0.0)]
     if plan.head_group > 1:
-        from charm_megatron.plan.head_stage import stage_plans
+        from charm_megatron.plan.head_stage import copy_passes, stage_kinds, stage_plans
 
         into, back = stage_plans(plan.n, plan.head_group, plan.direction, plan.causal)
-        parts = [(into, problem), *parts, (back, problem)]
+        kinds_in, kinds_back = stage_kinds(plan.direction)
+        passes = copy_passes(plan.head_group)
+        copies = (stage_copy_s(problem, cluster, plan.n, kinds_in, passes[0]),
+                  stage_copy_s(problem, cluster, plan.n, kinds_back, passes[1]))
+        if not compute:
+            copies = (0.0, 0.0)
+        parts = [(into, problem, copies[0]), *parts, (back, problem, copies[1])]
     time_s, ranks = 0.0, [RankStats(0.0, 0.0, 0.0)] * plan.n
     messages = 0
-    for part, prob in parts:
+    for part, prob, copy_s in parts:
         eng = _Engine(part, prob, cluster, groups, compute, comm)
-        t = eng.run()
-        ranks = [RankStats(time_s + (eng.finish[r] or 0.0), was.busy_s + eng.busy[r],
-                           was.work_s + eng.work[r]) for r, was in enumerate(ranks)]
+        t = eng.run() + copy_s
+        ranks = [RankStats(time_s + (eng.finish[r] or 0.0) + copy_s,
+                           was.busy_s + eng.busy[r] + copy_s,
+                           was.work_s + eng.work[r] + _copy_work_s(copy_s, cluster, plan.n))
+                 for r, was in enumerate(ranks)]
         time_s += t
         messages += sum(len(op.sends) for r in range(part.n) for op in part.comms(r))
     t = traffic(plan, problem, groups)

@@ -154,6 +154,7 @@ class Executor(OpInterpreter[None]):
         self._posted = getattr(backend, "posted", None)
         self._waited = getattr(backend, "waited", None)
         self._merged = getattr(backend, "merged", None)
+        self._copied = getattr(backend, "copied", None)
 
     # ---------------------------------------------------------------------------- buffers
     def _alloc(self, kind: Kind, wire: bool, rows: Half = Half.FULL) -> tuple[torch.Tensor, ...]:
@@ -433,6 +434,13 @@ class Executor(OpInterpreter[None]):
             self._posted(op.handle, [(x.peer, sum(t.numel() * t.element_size()
                                                   for t in self._view(x.loc, x.half)))
                                      for x in (*op.sends, *op.recvs)])
+
+    def copied(self, tensors: list[torch.Tensor], passes: float) -> None:
+        """The caller copied ``tensors`` ``passes`` times outside any op (a head all-to-all's
+        packing and placing): a timed device charges the bytes as the model does; real
+        devices did the work already."""
+        if self._copied is not None:
+            self._copied(passes * sum(t.numel() * t.element_size() for t in tensors))
 
     def exchange(self, stream, sends: list[tuple[int, torch.Tensor]],
                  recvs: list[tuple[int, torch.Tensor]]) -> None:

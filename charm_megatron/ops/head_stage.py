@@ -14,7 +14,7 @@ import math
 import torch
 
 from charm_megatron.ops.executor import Executor
-from charm_megatron.plan.head_stage import HeadStage
+from charm_megatron.plan.head_stage import HeadStage, copy_passes
 from charm_megatron.plan.vocab import Stream
 
 __all__ = ["to_heads", "to_rows"]
@@ -37,6 +37,7 @@ def to_heads(ex: Executor, stage: HeadStage, rank: int,
     for j in range(a):
         for out, piece in zip(outs, got[j]):
             _place(out, piece, stage.pieces(j, rows))
+    ex.copied(list(tensors), copy_passes(a)[0])
     return tuple(outs)
 
 
@@ -53,6 +54,7 @@ def to_rows(ex: Executor, stage: HeadStage, rank: int,
     for j in range(a):
         for out, piece in zip(outs, got[j]):
             out[:, :, _heads(out, j, a)] = piece
+    ex.copied(list(tensors), copy_passes(a)[1])
     return tuple(outs)
 
 

@@ -43,7 +43,7 @@ from charm_megatron.plan.core import (
 )
 from charm_megatron.plan.vocab import OWN, RESULT, Direction, Half, Kind, Loc, Stream
 
-__all__ = ["HeadStage", "lift_rank", "stage_plans", "stage_refusal"]
+__all__ = ["HeadStage", "lift_rank", "copy_passes", "stage_kinds", "stage_plans", "stage_refusal"]
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -151,6 +151,22 @@ _MOVES: dict[Direction, tuple[tuple[Kind, ...], tuple[Kind, ...]]] = {
     Direction.FORWARD: ((Kind.Q, Kind.KV), (Kind.OUT,)),
     Direction.BACKWARD: ((Kind.DOUT,), (Kind.DQ, Kind.DKV)),
 }
+
+
+def stage_kinds(direction: Direction) -> tuple[tuple[Kind, ...], tuple[Kind, ...]]:
+    """The blocks the all-to-all moves before and after the lifted plan of ``direction``
+    (forward: q and kv in, out home; backward: dout in, dq and dkv home)."""
+    return _MOVES[Direction(direction)]
+
+
+def copy_passes(a: int) -> tuple[float, float]:
+    """How many times the executor copies a rank's blocks in each all-to-all, outside any
+    kernel (ops/head_stage.py): before the plan it packs the ``(a-1)/a`` it sends and places
+    every slice (``2 - 1/a``); on the way home it first gathers each member's rows of the
+    super-block (``3 - 1/a``). The model prices these copies; a timed device charges them."""
+    return 2.0 - 1.0 / a, 3.0 - 1.0 / a
+
+
 _STAGE = "a2a"  # the stage's buffers (a2a.q0: q from rank 0): priced by bytes, not by name
 
 
