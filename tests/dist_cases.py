@@ -203,3 +203,46 @@ def run_auto(rank: int, world: int, topology: str):
     chosen = choose_algo_cached(groups, Problem(2, 8 * world, 4, 2, 16, 4), causal=True)
     err = max(rel_err(a, b) for a, b in zip(outs["auto"], outs["ring"]))
     return chosen, err
+
+
+def run_partials(rank: int, world: int, cases: list[tuple], rows_per_rank: int = 8):
+    """Each (algo, topology, causal) case in bf16 with ``CPOptions(partials=...)`` for both
+    values: the max relative errors against the float64 reference, and the bytes this rank
+    sent in each dtype (every ``dist.batch_isend_irecv`` of the call, real messages; the
+    wrapper only counts them)."""
+    from charm_megatron import CPOptions
+
+    sent: dict[str, int] = {}
+    real = dist.batch_isend_irecv
+
+    def counting(ops):
+        for op in ops:
+            if op.op is dist.isend:
+                key = str(op.tensor.dtype).removeprefix("torch.")
+                sent[key] = sent.get(key, 0) + op.tensor.numel() * op.tensor.element_size()
+        return real(ops)
+
+    dist.batch_isend_irecv = counting
+    try:
+        results = {}
+        s, b, hq, hkv, d = rows_per_rank * world, 2, 8, 4, 16
+        for algo, topology, causal in cases:
+            q, k, v, dout = (t.to(torch.bfloat16).double()
+                             for t in make_inputs(11, s, b, hq, hkv, d))
+            ref = reference(q, k, v, dout, causal, d ** -0.5)
+            want = local_reference(ref, rank, world, causal)
+            for partials in ("input", "fp32"):
+                ql, kl, vl = (local_part(t, rank, world, causal).to(torch.bfloat16)
+                              .requires_grad_() for t in (q, k, v))
+                sent.clear()
+                out, lse = cp_attention(ql, kl, vl, algo=algo, topology=topology,
+                                        causal=causal, return_lse=True,
+                                        options=CPOptions(partials=partials))
+                out.backward(local_part(dout, rank, world, causal).to(torch.bfloat16))
+                got = [out, lse, ql.grad, kl.grad, vl.grad]
+                errs = {n: rel_err(g, w)
+                        for n, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want)}
+                results[(algo, topology, causal, partials)] = (errs, dict(sent))
+        return results
+    finally:
+        dist.batch_isend_irecv = real

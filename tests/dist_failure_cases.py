@@ -167,6 +167,8 @@ def _mismatched_call(rank: int, world: int, case: str):
     elif case == "pass_order":
         kw.update(algo="charm", topology="2x2")
         kw["options"] = opts(pass_order="joint" if odd else "split")
+    elif case == "partials":
+        kw["options"] = opts(partials="fp32" if odd else "input")
     elif case == "roles":
         kw.update(algo="rmplus", roles="kv" if odd else "q")
     elif case == "bad_input_one_rank" and odd:

@@ -209,3 +209,29 @@ def test_split_counterpart_q_against_float64_reference(world, topology):
         world, topology, cases, "split_counterpart_q", {"CHARM_SPLIT_COUNTERPART_Q": "on"},
         lambda spec, causal: spec.q_half is not Half.FULL
         and (spec.kv_half is Half.FIRST or not causal))
+
+
+PARTIALS_CASES = [("ring", None, True), ("ring", None, False), ("rmplus", None, True),
+                  ("charm", "2x2", True), ("allgather", None, True), ("a2a", None, True),
+                  ("a2a+p2p", "2x2", True)]
+
+
+def test_fp32_partials_are_correct_and_travel_in_fp32():
+    """``CPOptions(partials="fp32")``: bf16 results within tolerance of float64 (and no worse
+    than with bf16 partials); bf16 messages carry only inputs then, every partial goes in fp32
+    (every partial byte that left bf16 comes back in fp32, twice as large)."""
+    res = run_ranks(dist_cases.run_partials, 4, PARTIALS_CASES, timeout_s=600)
+    for rank, per_case in enumerate(res):
+        for algo, topo, causal in PARTIALS_CASES:
+            narrow, n_sent = per_case[(algo, topo, causal, "input")]
+            wide, w_sent = per_case[(algo, topo, causal, "fp32")]
+            for name, err in wide.items():
+                assert err < TOL["bf16"], (rank, algo, causal, name, err)
+                assert err <= 1.5 * narrow[name] + 1e-3, (rank, algo, name, err, narrow[name])
+            # Every partial byte that left bf16 arrives in fp32 twice as large; nothing else
+            # changes dtype.
+            moved = n_sent.get("bfloat16", 0) - w_sent.get("bfloat16", 0)
+            grew = w_sent.get("float32", 0) - n_sent.get("float32", 0)
+            assert grew == 2 * moved, (rank, algo, n_sent, w_sent)
+            if algo in ("ring", "rmplus", "charm", "a2a+p2p"):  # partials cross ranks there
+                assert moved > 0, (rank, algo, n_sent, w_sent)

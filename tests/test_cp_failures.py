@@ -70,6 +70,7 @@ MISMATCH = {  # case -> (field named in the message, or the input error's text)
     "scale": "softmax_scale",
     "pass_order": "pass_order",
     "roles": "roles",
+    "partials": "partials on the wire",
     "bad_input_one_rank": "divisible by 2\\*cp_size",
     "backward_order": "call number",
 }

@@ -13,13 +13,15 @@ def test_from_env_reads_every_listed_variable():
     env = {"CHARM_PASS_ORDER": "joint", "CHARM_COMM_TIMEOUT_S": "7.5",
            "CHARM_ATTN_BACKEND": "reference", "CHARM_TOPOLOGY": "2x4", "CHARM_CHECK": "off",
            "CHARM_MODEL_PROFILE": "h100", "CHARM_SPLIT_VISITING": "on",
-           "CHARM_SPLIT_COUNTERPART_Q": "off", "CHARM_AUTO_ALGOS": "ring, charm,a2a+p2p"}
+           "CHARM_SPLIT_COUNTERPART_Q": "off", "CHARM_AUTO_ALGOS": "ring, charm,a2a+p2p",
+           "CHARM_PARTIALS": "fp32"}
     assert set(env) == set(ENV_VARS)
     o = CPOptions.from_env(env)
     assert (o.pass_order, o.timeout_s, o.backend, o.topology, o.check, o.model_profile,
             o.split_visiting, o.split_counterpart_q) == ("joint", 7.5, "reference", "2x4", "off",
                                                          "h100", "on", "off")
     assert o.auto_algos == ("ring", "charm", "a2a+p2p")
+    assert o.partials == "fp32" and o.wide_partials and not CPOptions().wide_partials
     assert CPOptions.from_env({}) == CPOptions()
     assert CPOptions.from_env(env, pass_order="split").pass_order == "split"
 
@@ -33,6 +35,7 @@ def test_from_env_reads_every_listed_variable():
     ({"CHARM_SPLIT_COUNTERPART_Q": "yes"}, "CHARM_SPLIT_COUNTERPART_Q"),
     ({"CHARM_AUTO_ALGOS": "ring,spiral"}, "CHARM_AUTO_ALGOS.*unknown 'spiral'"),
     ({"CHARM_AUTO_ALGOS": " , "}, "CHARM_AUTO_ALGOS.*empty"),
+    ({"CHARM_PARTIALS": "fp16"}, "partials='fp16' \\(CHARM_PARTIALS\\); choose one of input, fp32"),
 ])
 def test_bad_values_name_the_variable(env, match):
     with pytest.raises(ValueError, match=match):

@@ -332,3 +332,21 @@ def test_prediction_identical_across_processes() -> None:
                            check=True, env={"PYTHONHASHSEED": seed, "PATH": ""}).stdout
             for seed in ("1", "2", "3")}
     assert len(outs) == 1, outs
+
+
+def test_fp32_partials_make_ring_backward_move_three_kv_blocks_per_step() -> None:
+    """bf16, link-bound ring of n: backward moves kv n-1 hops and dkv n (its last hop takes
+    it home); with fp32 partials dkv is twice kv's bytes, so the communication takes
+    (n-1 + 2n) / (n-1 + n) as long (3x kv per step, the paper's ring); forward moves no
+    partial."""
+    groups = [[0, 1, 2, 3]]
+    narrow = Problem(b=1, s=4096, hq=4, hkv=4, d=64, elem=2)
+    wide = Problem(b=1, s=4096, hq=4, hkv=4, d=64, elem=2, wide_partials=True)
+    assert wide.block_bytes("dkv", 4) == 2 * narrow.block_bytes("dkv", 4)
+    assert wide.block_bytes("kv", 4) == narrow.block_bytes("kv", 4)
+    assert wide.local_bytes("dkv", 4) == narrow.block_bytes("dkv", 4)
+    cl = _cluster()
+    for direction, ratio in (("forward", 1.0), ("backward", (3 + 8) / (3 + 4))):
+        plan = build_plan("ring", direction, groups, causal=False)
+        t = [simulate(plan, p, cl, groups, compute=False).time_s for p in (narrow, wide)]
+        assert t[1] / t[0] == pytest.approx(ratio, rel=0.02), (direction, t)

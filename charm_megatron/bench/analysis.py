@@ -58,6 +58,8 @@ COLUMNS = [
     # 70 %), the performance model's prediction on the same profile and the textbook ring.
     "device_model", "dilation", "wire_scale", "busiest_core_pct", "cpu_limited",
     "model_ms", "vs_model", "analytic_ring_ms",
+    # The wire dtype of partial results (--partials): input or fp32.
+    "partials",
     "note",
 ]
 
@@ -112,7 +114,8 @@ def _pass_series(per_rank: Sequence[dict], pos: int, key: str, cpu: bool = False
 def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
                hw_groups: Sequence[Sequence[int]], causal: bool, point: Point, dtype: str,
                nic: str, roles: str = "bytes",
-               window: tuple[int, int] | None = None) -> dict[tuple[str, int], float]:
+               window: tuple[int, int] | None = None,
+               wide_partials: bool = False) -> dict[tuple[str, int], float]:
     """Bytes per direction of every cross-node link for one call of ``algo``'s plan (with the
     role mix ``roles``, for this point's head shape; under ``window``, its windowed plan).
 
@@ -122,7 +125,7 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
     :func:`charm_megatron.plan.cost.traffic` counts the sender's side, plus the receiver's.
     """
     problem = Problem(point.batch, point.seq, point.heads, point.kv_heads, point.head_dim,
-                      elem=element_size(dtype), window=window)
+                      elem=element_size(dtype), window=window, wide_partials=wide_partials)
     shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem)
     n = sum(len(g) for g in plan_groups)
     plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal, roles=roles,
@@ -150,12 +153,13 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
 def busiest_link_bytes(algo: str, plan_groups: Sequence[Sequence[int]],
                        hw_groups: Sequence[Sequence[int]], causal: bool, point: Point,
                        dtype: str, nic: str, roles: str = "bytes",
-                       window: tuple[int, int] | None = None) -> dict[str, float]:
+                       window: tuple[int, int] | None = None,
+                       wide_partials: bool = False) -> dict[str, float]:
     """Bytes over the most loaded cross-link direction, per pass (fwd, bwd, fwdbwd)."""
     fwd = link_loads(algo, "forward", plan_groups, hw_groups, causal, point, dtype, nic, roles,
-                     window)
+                     window, wide_partials)
     bwd = link_loads(algo, "backward", plan_groups, hw_groups, causal, point, dtype, nic, roles,
-                     window)
+                     window, wide_partials)
     both: dict[tuple[str, int], float] = defaultdict(float)
     for d in (fwd, bwd):
         for k, v in d.items():
@@ -191,7 +195,8 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                 "dtype": cfg.dtype, "causal": cfg.causal,
                 "window": "" if cfg.window is None else f"{cfg.window[0]},{cfg.window[1]}",
                 "world": world, "topology": topology,
-                "mode": info.mode, "nic": info.nic or "", **_link_columns(info)}
+                "mode": info.mode, "nic": info.nic or "", "partials": cfg.partials,
+                **_link_columns(info)}
         ccr: dict[str, tuple[float, float, float]] = {}
         if "ring/compute" in wall and "ring/comm" in wall:
             for p in passes:
@@ -215,7 +220,8 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                 plan_groups = charm_groups if uses_topology(plan_algo) else flat
                 bytes_by_pass = busiest_link_bytes(plan_algo, plan_groups, info.hw_groups,
                                                    cfg.causal, point, cfg.dtype, info.nic or "node",
-                                                   cfg.roles, cfg.problem_window())
+                                                   cfg.roles, cfg.problem_window(),
+                                                   cfg.wide_partials)
             for p in passes:
                 row = {**base, "algo": algo, "pass": p, "status": "ok",
                        "note": rec0["notes"].get(algo, "")}
@@ -279,7 +285,8 @@ def _model_columns(cfg: BenchConfig, point: Point, algo: str, p: str,
     cluster = cfg.device.model_cluster
     hw = info.hw_groups or [list(range(info.world))]
     problem = Problem(point.batch, point.seq, point.heads, point.kv_heads, point.head_dim,
-                      elem=element_size(cfg.dtype), window=cfg.problem_window())
+                      elem=element_size(cfg.dtype), window=cfg.problem_window(),
+                      wide_partials=cfg.wide_partials)
     settings = {**dict(cfg.settings), "roles": cfg.roles}
     own = {k: v for k, v in settings.items() if k in _settings_of(algo)}
     pred = predict(algo, hw, problem, cluster, cfg.causal, tune=True, **own)

@@ -80,6 +80,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                    help="what the rmplus / charm exchanges move: bytes (default: the cheaper "
                         "role per exchange), paper (Algorithm 1), kv or q (forced); run once "
                         "per mix to compare them")
+    a.add_argument("--partials", choices=("input", "fp32"), default="input",
+                   help="the dtype partial results (out, dq, dkv) travel in between ranks, "
+                        "for every contender (CPOptions.partials): input (default) or fp32, "
+                        "as ring-flash-attention and the paper's ring send gradient partials")
     a.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
                    help="an algorithm setting for every contender that has it (repeatable; "
                         "any of charm_megatron.plan.registry.all_settings(), e.g. "
@@ -189,6 +193,7 @@ def _config(args: argparse.Namespace, cuda: bool) -> BenchConfig:
         torch_rotate=args.torch_rotate,
         packed_mean=args.packed,
         roles=args.roles,
+        partials=args.partials,
         settings=parse_settings(args.setting),
         window=args.window,
     )
@@ -290,6 +295,7 @@ def _header(cfg: BenchConfig, world: int, topology: str, where: str, points, dro
         f"{'causal' if cfg.causal else 'full attention'}, "
         f"{'forward + backward' if cfg.backward else 'forward only'}, CHARM+ topology {topology}, "
         f"roles {cfg.roles}; "
+        + (f"partials {cfg.partials}; " if cfg.partials != "input" else "")
         + (f"window {cfg.window[0]},{cfg.window[1]}; " if cfg.window else "") +
         f"{cfg.warmup} warm-up + {cfg.iters} timed rounds per point")
     if cfg.packed_mean:

@@ -113,6 +113,7 @@ class BenchConfig:
     seed: int = 0
     packed_mean: int = 0  # > 0: packed documents (THD) of this mean length (bench/packing.py)
     roles: str = "bytes"  # role mix of rmplus / charm (charm_megatron.plan.roles.ROLE_MIXES)
+    partials: str = "input"  # the wire dtype of partial results (CPOptions.partials)
     # Algorithm settings by name (--setting NAME=VALUE), over the job's CHARM_* variables.
     settings: tuple[tuple[str, str], ...] = ()
     # An emulated GPU cluster (--device-model): every rank's device is timed, not computed,
@@ -135,6 +136,11 @@ class BenchConfig:
                              f"{bad[0]}; give a window that is a multiple of {r}, or a "
                              "--wire-scale whose rows factor divides it")
         return tuple(w // r if w > 0 else w for w in self.window)
+
+    @property
+    def wide_partials(self) -> bool:
+        """Partials travel in fp32 (``--partials fp32``): what the model's problems carry."""
+        return self.partials == "fp32"
 
     def problem_window(self) -> tuple[int, int] | None:
         """The window a :class:`~charm_megatron.plan.cost.Problem` of a point carries (none

@@ -77,7 +77,8 @@ class PlanContender(Contender):
     def __init__(self, algo: str, topology: str | None, causal: bool,
                  packed: dict | None = None, options: CPOptions | None = None,
                  roles: str = "bytes", settings: tuple[tuple[str, str], ...] = (),
-                 backend=None, window: tuple[int, int] | None = None) -> None:
+                 backend=None, window: tuple[int, int] | None = None,
+                 partials: str | None = None) -> None:
         self.name = algo
         self._args = (algo, topology, causal, packed)
         self.window = window
@@ -85,7 +86,9 @@ class PlanContender(Contender):
         # The bench's CHARM_* settings (the job's environment, set before the line-up) and its
         # --setting values over them, read once here; ablated variants differ only in
         # options.ablation. backend: an emulated GPU cluster's timed device (else the kernels).
-        extra_opts = {"backend": backend} if backend is not None else {}
+        extra_opts: dict = {"backend": backend} if backend is not None else {}
+        if partials is not None:  # --partials, over CHARM_PARTIALS
+            extra_opts["partials"] = partials
         self.options = (options if options is not None
                         else CPOptions.from_env(**dict(settings), **extra_opts))
         # packed: cu_seqlens / cu_seqlens_padded for THD inputs (the benchmark's packed mode).
@@ -121,9 +124,9 @@ class AutoContender(PlanContender):
     def __init__(self, topology: str | None, causal: bool, point: Point, dtype: torch.dtype,
                  packed: dict | None = None, roles: str = "bytes",
                  settings: tuple[tuple[str, str], ...] = (), backend=None,
-                 window: tuple[int, int] | None = None) -> None:
+                 window: tuple[int, int] | None = None, partials: str | None = None) -> None:
         super().__init__("auto", topology, causal, packed, roles=roles, settings=settings,
-                         backend=backend, window=window)
+                         backend=backend, window=window, partials=partials)
         world = dist.get_world_size()
         # The shapes cp_attention resolves with: sbhd, or THD as [t, 1, h, d] (the same
         # plans and role mix as sbhd).
@@ -316,7 +319,7 @@ def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
         if algo == "auto":
             auto = AutoContender(topology, cfg.causal, point, DTYPES[cfg.dtype], packed,
                                  roles=cfg.roles, settings=cfg.settings, backend=backend,
-                                 window=cfg.wire_window())
+                                 window=cfg.wire_window(), partials=cfg.partials)
             lineup.contenders[algo] = auto
             lineup.picks[algo] = auto.picked
             lineup.notes[algo] = f"auto picked {auto.picked} (roles {auto.picked_roles})"
@@ -328,7 +331,8 @@ def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
                 continue
             lineup.contenders[algo] = PlanContender(algo, topology, cfg.causal, packed,
                                                     roles=cfg.roles, settings=cfg.settings,
-                                                    backend=backend, window=cfg.wire_window())
+                                                    backend=backend, window=cfg.wire_window(),
+                                                    partials=cfg.partials)
             continue
         if cfg.window is not None:
             lineup.skipped[algo] = ("PyTorch's context-parallel attention takes no sliding "

@@ -35,10 +35,10 @@ def analytic_ring(cluster: Cluster, problem, n: int, causal: bool, direction: st
         flops *= cluster.bwd_factor if backward else 1.0
         eff = effects.kernel_efficiency(cluster, sq, sk, problem.d)
         if backward:
-            folded = (problem.block_bytes("dq", n) * sq / rows
-                      + problem.block_bytes("dkv", n) * sk / rows)
+            folded = (problem.local_bytes("dq", n) * sq / rows
+                      + problem.local_bytes("dkv", n) * sk / rows)
         else:
-            folded = problem.block_bytes("out", n) * sq / rows
+            folded = problem.local_bytes("out", n) * sq / rows
         return (flops / (cluster.tflops * 1e12 * eff) + merge(folded)
                 + cluster.op_overhead_us * 1e-6)
 

@@ -202,10 +202,10 @@ class _Engine(OpInterpreter[None]):
                                         p.d)
         # The executor folds each tile's result into its accumulators: that is a merge too.
         if isinstance(op, Tile):
-            folded = p.block_bytes("out", n) * s.q_half.fraction
+            folded = p.local_bytes("out", n) * s.q_half.fraction
         else:
-            folded = (p.block_bytes("dq", n) * s.q_half.fraction
-                      + p.block_bytes("dkv", n) * s.kv_half.fraction)
+            folded = (p.local_bytes("dq", n) * s.q_half.fraction
+                      + p.local_bytes("dkv", n) * s.kv_half.fraction)
         return flops / (cl.tflops * 1e12 * eff) + self._merge_s(folded) + over
 
     # ---------------------------------------------------------------- jobs and timers
@@ -423,7 +423,7 @@ def stage_copy_s(problem: Problem, cluster: Cluster, n: int, kinds: Sequence[Kin
     """
     if not cluster.merge_gbps:
         return 0.0
-    nbytes = passes * sum(problem.block_bytes(k, n) for k in kinds)
+    nbytes = passes * sum(problem.local_bytes(k, n) for k in kinds)
     one = nbytes / (cluster.merge_gbps * 1e9)
     return one * max(1.0, n / cluster.cores) if cluster.cores else one
 

@@ -131,8 +131,9 @@ class Executor(OpInterpreter[None]):
     def __init__(self, streams: StreamGroups, backend: AttentionBackend, shape: BlockShape,
                  scale: float, *, compute: bool = True, comm: bool = True,
                  timeout_s: float = 600.0, what: str = "cp_attention",
-                 window: Window | None = None) -> None:
+                 window: Window | None = None, wide_partials: bool = False) -> None:
         self.streams = streams
+        self.wide_partials = wide_partials  # partials travel in fp32 (CPOptions.partials)
         self.window = window  # a sliding window: every tile masked by kernels/window.py
         self.backend = backend
         self.shape = shape
@@ -199,19 +200,23 @@ class Executor(OpInterpreter[None]):
         if key not in self._shapes:
             sh = self.shape
             sizes = block_sizes(sh.b, sh.hq, sh.hkv, sh.d, sh.dv, s=sh.s)
-            self._shapes[key] = [(t.shape(sizes), self._torch_dtype(t.dtype(accumulator=not wire)))
-                                 for t in BLOCKS[Kind(kind)].tensors]
+            self._shapes[key] = [(t.shape(sizes), self._torch_dtype(
+                t.dtype(accumulator=not wire, wide=self.wide_partials)))
+                for t in BLOCKS[Kind(kind)].tensors]
         return self._shapes[key]
 
     def _to_wire(self, kind: Kind, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """``tensors`` of a ``kind`` block as they travel: the tensors whose wire dtype is the
         input dtype in that dtype (partials leave their fp32 accumulators; the receiver merges
-        them in fp32), fp32 ones as they are."""
-        dtype = self.shape.dtype
+        them in fp32), fp32 ones as they are; ``wide_partials``: every partial in fp32 (a
+        fresh tile's, which the kernel made in the input dtype, widened)."""
         wire = list(tensors)
         for i, spec in enumerate(BLOCKS[kind].tensors):
-            if spec.wire is Dtype.INPUT and wire[i].dtype != dtype:
-                wire[i] = wire[i].to(dtype)
+            dtype = spec.dtype(False, self.wide_partials)
+            if dtype is Dtype.INPUT or self.wide_partials:  # a fresh tile's partial: widened
+                want = self._torch_dtype(dtype)
+                if wire[i].dtype != want:
+                    wire[i] = wire[i].to(want)
         return tuple(wire)
 
     def _view(self, loc: Loc, half: Half) -> tuple[torch.Tensor, ...]:

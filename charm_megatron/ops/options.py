@@ -44,6 +44,15 @@ class Ablation(_Named):
     COMM_ONLY = "comm_only"
 
 
+class Partials(_Named):
+    """The dtype partial results (out, dq, dkv) travel in between ranks: the input dtype
+    (half the bytes for bf16; each hop rounds once, every sum is fp32) or their fp32
+    accumulators' (twice the bytes, no rounding on the wire)."""
+
+    INPUT = "input"
+    FP32 = "fp32"
+
+
 # The call's own variables: variable -> (CPOptions field, what it sets). docs/api.md lists them
 # with the algorithms' (ENV_VARS).
 _OWN_VARS = {
@@ -55,6 +64,9 @@ _OWN_VARS = {
     "CHARM_MODEL_PROFILE": ("model_profile", "performance-model profile for algo auto and the "
                             "algorithms' auto settings: a built-in name or a profile file "
                             "(default: a generic cluster, auto settings off)"),
+    "CHARM_PARTIALS": ("partials", "dtype partial results (out, dq, dkv) travel in between "
+                       "ranks: input (default; bf16 halves the bytes) or fp32 (as "
+                       "ring-flash-attention and the paper's ring send them)"),
     "CHARM_AUTO_ALGOS": ("auto_algos", "comma-separated algorithms algo auto may pick, e.g. "
                          "ring,rmplus,charm (default: every registered one that can run the "
                          "call)"),
@@ -117,6 +129,10 @@ class CPOptions:
             or a profile file written by ``charm-megatron model --calibrate``
             (:func:`charm_megatron.model.auto_cluster`); ``None``: a generic cluster for
             ``auto``, and the algorithms' ``auto`` settings off.
+        partials: :class:`Partials`: ``input`` (default) sends partial outputs and gradient
+            partials in the input dtype; ``fp32`` in their fp32 accumulators (twice the bytes
+            under bf16, one rounding less per hop; what ring-flash-attention's ring and the
+            paper's send; ``CHARM_PARTIALS``).
         settings: the algorithm settings given, as sorted ``(name, value)`` pairs; pass them
             by name instead (``CPOptions(pass_order="joint", split_visiting="on")``, any
             setting of :func:`charm_megatron.plan.registry.all_settings`); the others take
@@ -135,6 +151,7 @@ class CPOptions:
     model_profile: str | None
     settings: tuple[tuple[str, object], ...]
     auto_algos: tuple[str, ...] | None
+    partials: Partials
 
     def __init__(self, *, timeout_s: float = 600.0,
                  backend: str | AttentionBackend | None = None, topology: str | None = None,
@@ -142,6 +159,7 @@ class CPOptions:
                  model_profile: str | None = None,
                  settings: tuple[tuple[str, object], ...] | Mapping[str, object] = (),
                  auto_algos: str | Sequence[str] | None = None,
+                 partials: Partials | str = Partials.INPUT,
                  **algorithm_settings: object) -> None:
         given = dict(settings.items() if isinstance(settings, Mapping) else settings)
         given.update(algorithm_settings)
@@ -158,7 +176,9 @@ class CPOptions:
                                                                     "CHARM_CHECK")),
                             ("ablation", _enum(Ablation, ablation, "ablation", None)),
                             ("model_profile", model_profile), ("settings", parsed),
-                            ("auto_algos", _auto_algos(auto_algos))):
+                            ("auto_algos", _auto_algos(auto_algos)),
+                            ("partials", _enum(Partials, partials, "partials",
+                                               "CHARM_PARTIALS"))):
             object.__setattr__(self, name, value)
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
                 and math.isfinite(timeout_s) and timeout_s > 0):
@@ -243,6 +263,10 @@ class CPOptions:
     @property
     def comm(self) -> bool:
         return self.ablation is not Ablation.COMPUTE_ONLY
+
+    @property
+    def wide_partials(self) -> bool:
+        return self.partials is Partials.FP32
 
     @property
     def checked(self) -> bool:

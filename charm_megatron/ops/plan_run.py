@@ -47,7 +47,8 @@ def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor
     return call.layout.executor(sg, backend, shape, call.scale,
                                 forced_backend=opts.backend is not None, head_group=a,
                                 compute=opts.compute, comm=opts.comm,
-                                timeout_s=opts.timeout_s, what=call.what(direction), **extra)
+                                timeout_s=opts.timeout_s, what=call.what(direction),
+                                wide_partials=opts.wide_partials, **extra)
 
 
 def run_plan(call: Call, sg: StreamGroups, ex: Executor, work: Callable[[], None],

@@ -161,6 +161,7 @@ class CallRequest:
             ("model profile (CHARM_MODEL_PROFILE)", (opts.model_profile,
                                                      cluster_digest(cluster))),
             ("auto candidates (CHARM_AUTO_ALGOS)", opts.auto_algos),
+            ("partials on the wire (CHARM_PARTIALS)", str(opts.partials)),
             *((f"{name}{_env_hint(name)}", str(value)) for name, value in
               self.settings.items()),
             *self.layout.fields(),

@@ -68,7 +68,7 @@ def problem(request: CallRequest, cp_size: int) -> Problem:
         if window is not None:  # the window spans as many virtual rows as the rows do
             window = scaled(window, scale.rows)
     return Problem(b, s * cp_size, hq, hkv, d, request.q.element_size, _own_v_dim(request, d),
-                   window)
+                   window, request.options.wide_partials)
 
 
 def role_shape(request: CallRequest) -> RoleShape:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from charm_megatron.plan.core import Kind, Plan, Xfer
 from charm_megatron.plan.roles import ROLE_MIXES
@@ -25,6 +25,7 @@ class Problem:
     elem: int = 2  # bf16
     dv: int = 0  # v / output head dim; 0: as d (MLA has its own)
     window: tuple[int, int] | None = None  # sliding window (left, right); None: full
+    wide_partials: bool = False  # partials (out, dq, dkv) travel in fp32, not the input dtype
 
     def geometry(self, n: int, causal: bool, group: int = 1) -> WindowGeometry | None:
         """Where the window's rows lie on ``n`` ranks (``None``: no window); ``group``: the
@@ -48,6 +49,12 @@ class Problem:
         (:data:`charm_megatron.plan.vocab.BLOCKS`: partials in the input dtype, lse fp32)."""
         return _block_bytes(self, Kind(kind), n)
 
+    def local_bytes(self, kind: Kind, n: int) -> float:
+        """Bytes of a whole block of ``kind`` as a kernel makes it and the executor folds or
+        copies it: partials in the input dtype whatever ``wide_partials`` sends them in."""
+        narrow = replace(self, wide_partials=False) if self.wide_partials else self
+        return _block_bytes(narrow, Kind(kind), n)
+
     def xfer_bytes(self, x: Xfer, n: int) -> float:
         """Bytes of one message of a plan over ``n`` ranks (a head slice: its share)."""
         return self.block_bytes(x.kind, n) * x.half.fraction / x.parts
@@ -61,13 +68,13 @@ class Problem:
         if a == 1:
             return self
         return Problem(self.b, self.s * a, self.hq // a, self.hkv // a, self.d, self.elem,
-                       self.dv, self.window)
+                       self.dv, self.window, self.wide_partials)
 
 
 @functools.lru_cache(maxsize=4096)  # the simulator asks for every message it times
 def _block_bytes(problem: Problem, kind: Kind, n: int) -> float:
     sizes = block_sizes(problem.b, problem.hq, problem.hkv, problem.d, problem.dv)
-    return problem.s / n * kind.spec.row_bytes(sizes, problem.elem)
+    return problem.s / n * kind.spec.row_bytes(sizes, problem.elem, problem.wide_partials)
 
 
 ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -88,6 +95,10 @@ def add_problem_args(parser: argparse.ArgumentParser) -> None:
                         help="sliding window (flash-attn's window_size): query i sees keys "
                              "i-LEFT .. i+RIGHT (-1: unbounded; RIGHT defaults to 0); plans "
                              "then hold only the tiles and messages it needs")
+    parser.add_argument("--partials", choices=("input", "fp32"), default="input",
+                        help="the dtype partial results (out, dq, dkv) travel in: input "
+                             "(default) or fp32 (CPOptions.partials; ring-flash-attention's "
+                             "and the paper's ring send gradient partials in fp32)")
     parser.add_argument("--roles", choices=ROLE_MIXES, default="bytes",
                         help="what the rmplus / charm exchanges move: bytes (default: per "
                              "exchange the role moving fewer bytes for this shape), paper "
@@ -115,7 +126,8 @@ def problem_from_args(args: argparse.Namespace, seq: int | None = None) -> Probl
     return Problem(args.batch, args.seq if seq is None else seq, args.heads,
                    args.kv_heads or args.heads, args.head_dim, ELEM_BYTES[args.dtype],
                    0 if dv in (None, args.head_dim) else dv,
-                   None if window in (None, (-1, -1)) else tuple(window))
+                   None if window in (None, (-1, -1)) else tuple(window),
+                   getattr(args, "partials", "input") == "fp32")
 
 
 @dataclass

@@ -48,7 +48,7 @@ def _block_bytes(problem: Problem, n: int, kind: Kind, accumulator: bool, rows: 
     sizes = block_sizes(problem.b, problem.hq, problem.hkv, problem.d, problem.dv)
     per_row = 0
     for t in BLOCKS[Kind(kind)].tensors:
-        size = t.dtype(accumulator).size(problem.elem)
+        size = t.dtype(accumulator, problem.wide_partials).size(problem.elem)
         for dim in t.dims.split()[1:]:
             size *= sizes[dim] if dim.isalpha() else int(dim)
         per_row += size

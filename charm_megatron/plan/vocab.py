@@ -173,12 +173,16 @@ class TensorSpec:
     def shape(self, sizes: Mapping[str, int]) -> tuple[int, ...]:
         return tuple(sizes[t] if t.isalpha() else int(t) for t in self.dims.split())
 
-    def dtype(self, accumulator: bool) -> Dtype:
-        return (self.acc or self.wire) if accumulator else self.wire
+    def dtype(self, accumulator: bool, wide: bool = False) -> Dtype:
+        """Its dtype in an accumulator, else on the wire; ``wide``: partials travel in their
+        accumulators' dtype (fp32) instead of the input dtype (``CPOptions(partials="fp32")``)."""
+        if accumulator or (wide and self.acc is not None):
+            return self.acc or self.wire
+        return self.wire
 
-    def row_bytes(self, sizes: Mapping[str, int], input_bytes: int) -> int:
-        """Bytes of one row (one of ``s``) in a message."""
-        per_row = self.wire.size(input_bytes)
+    def row_bytes(self, sizes: Mapping[str, int], input_bytes: int, wide: bool = False) -> int:
+        """Bytes of one row (one of ``s``) in a message (``wide``: as :meth:`dtype`)."""
+        per_row = self.dtype(False, wide).size(input_bytes)
         for t in self.dims.split()[1:]:
             per_row *= sizes[t] if t.isalpha() else int(t)
         return per_row
@@ -195,8 +199,8 @@ class BlockSpec:
     partial: bool = False
     lse_merge: bool = False
 
-    def row_bytes(self, sizes: Mapping[str, int], input_bytes: int) -> int:
-        return sum(t.row_bytes(sizes, input_bytes) for t in self.tensors)
+    def row_bytes(self, sizes: Mapping[str, int], input_bytes: int, wide: bool = False) -> int:
+        return sum(t.row_bytes(sizes, input_bytes, wide) for t in self.tensors)
 
 
 def block_sizes(b: int, hq: int, hkv: int, d: int, dv: int = 0,
@@ -214,7 +218,9 @@ _FP32 = Dtype.FP32
 # The one statement of every block's layout, in the sizes of block_sizes (MLA: q / k 192,
 # v 128). The wire-dtype rule: partials (out, dq, dkv)
 # accumulate in fp32 and travel in the input dtype (half the bytes for bf16; one rounding per
-# hop, summed in fp32 on both sides); lse and the (lse, delta) statistics are fp32 everywhere.
+# hop, summed in fp32 on both sides), or in fp32 with ``wide`` (CPOptions(partials="fp32"):
+# what ring-flash-attention sends, and the paper's ring); lse and the (lse, delta)
+# statistics are fp32 everywhere.
 # Own blocks are the caller's tensors themselves, in these layouts.
 BLOCKS: dict[Kind, BlockSpec] = {
     Kind.Q: BlockSpec((TensorSpec("q", "s b hq d"),), Side.Q),
