@@ -211,3 +211,18 @@ def test_model_prefers_kv_roles_for_gqa():
     by_bytes = predict("charm", groups, problem, cluster, True, roles="bytes").total_s
     paper = predict("charm", groups, problem, cluster, True, roles="paper").total_s
     assert by_bytes < paper
+
+
+def test_the_byte_rule_counts_fp32_partials_when_they_travel_so() -> None:
+    """``RoleShape(wide=True)`` (CPOptions(partials="fp32")): partial outputs and gradient
+    partials weigh their fp32 bytes in the byte rule, inputs do not change."""
+    from charm_megatron.plan.roles import RoleShape, row_bytes
+    from charm_megatron.plan.vocab import Kind
+
+    narrow, wide = RoleShape(32, 8, 128, 2), RoleShape(32, 8, 128, 2, wide=True)
+    for kind in (Kind.Q, Kind.KV, Kind.DOUT):
+        assert row_bytes(kind, wide) == row_bytes(kind, narrow)
+    for kind in (Kind.DQ, Kind.DKV):
+        assert row_bytes(kind, wide) == 2 * row_bytes(kind, narrow)
+    lse = 32 * 4  # fp32 either way
+    assert row_bytes(Kind.OUT, wide) - lse == 2 * (row_bytes(Kind.OUT, narrow) - lse)

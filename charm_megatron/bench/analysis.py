@@ -126,7 +126,8 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
     """
     problem = Problem(point.batch, point.seq, point.heads, point.kv_heads, point.head_dim,
                       elem=element_size(dtype), window=window, wide_partials=wide_partials)
-    shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem)
+    shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem, problem.dv,
+                      problem.wide_partials)
     n = sum(len(g) for g in plan_groups)
     plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal, roles=roles,
                       shape=shape, tiles=problem.tiles(n, causal))

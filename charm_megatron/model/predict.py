@@ -52,7 +52,8 @@ def call_traits(groups: Groups, problem: Problem) -> registry.CallTraits:
 
 def role_shape(problem: Problem) -> RoleShape:
     """What the plan rules read of ``problem`` (heads, kv heads, head dim, element bytes)."""
-    return RoleShape(problem.hq, problem.hkv, problem.d, problem.elem, problem.dv)
+    return RoleShape(problem.hq, problem.hkv, problem.d, problem.elem, problem.dv,
+                     problem.wide_partials)
 
 
 @dataclass(frozen=True)

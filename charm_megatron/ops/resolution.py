@@ -74,7 +74,8 @@ def problem(request: CallRequest, cp_size: int) -> Problem:
 def role_shape(request: CallRequest) -> RoleShape:
     """What the plan rules (the byte rule, the memory bound) read of a call."""
     _, _, hq, hkv, d = _heads(request)
-    return RoleShape(hq, hkv, d, request.q.element_size, _own_v_dim(request, d))
+    return RoleShape(hq, hkv, d, request.q.element_size, _own_v_dim(request, d),
+                     request.options.wide_partials)
 
 
 def _own_v_dim(request: CallRequest, d: int) -> int:

@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     topo.check_size(args.cp)
     groups = [list(g) for g in topo.groups]
     problem = problem_from_args(args)
-    shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem, problem.dv)
+    shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem, problem.dv,
+                      problem.wide_partials)
     mask = "causal" if args.causal else "full"
     settings = settings_from_args(args)
     tiles = problem.tiles(args.cp, args.causal)

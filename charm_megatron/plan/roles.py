@@ -53,14 +53,16 @@ def check_roles(value: object, option: str = "roles") -> RoleMix:
 @dataclass(frozen=True)
 class RoleShape:
     """What the byte rule reads of an attention call: query heads, kv heads, head dim, the
-    bytes of one input element and the v head dim (``dv``, 0: as ``d``). (Batch and sequence
-    length scale both alternatives alike.)"""
+    bytes of one input element, the v head dim (``dv``, 0: as ``d``) and whether partials
+    travel in fp32 (``wide``: ``CPOptions(partials="fp32")``). (Batch and sequence length
+    scale both alternatives alike.)"""
 
     hq: int
     hkv: int
     d: int
     elem: int = 2
     dv: int = 0  # v / output head dim; 0: as d (MLA: v narrower than q and k)
+    wide: bool = False  # partials (out, dq, dkv) travel in fp32
 
     def __post_init__(self) -> None:
         for name in ("hq", "hkv", "d", "elem"):
@@ -74,7 +76,7 @@ class RoleShape:
 def row_bytes(kind: Kind, shape: RoleShape, half: Half = Half.FULL) -> float:
     """Bytes per token of a block of ``kind`` (the rows of ``half``) as it travels."""
     sizes = block_sizes(1, shape.hq, shape.hkv, shape.d, shape.dv)
-    return BLOCKS[Kind(kind)].row_bytes(sizes, shape.elem) * half.fraction
+    return BLOCKS[Kind(kind)].row_bytes(sizes, shape.elem, shape.wide) * half.fraction
 
 
 @dataclass(frozen=True)
