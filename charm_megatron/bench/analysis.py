@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from charm_megatron.bench.config import PASSES, BenchConfig, Point, element_size
 from charm_megatron.bench.gpu_emulation import CPU_LIMITED
-from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.cost import Problem, call_parts
 from charm_megatron.plan.registry import ALGORITHM_NAMES, build_plan, uses_topology
 from charm_megatron.plan.roles import RoleShape
 
@@ -136,18 +136,13 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
     def owner(r: int) -> int:
         return group_of[r] if nic == "node" else r
 
-    parts = [plan]
-    if plan.head_group > 1:  # the head all-to-alls move bytes too (plan/head_stage.py)
-        from charm_megatron.plan.head_stage import stage_plans
-
-        parts += stage_plans(plan.n, plan.head_group, plan.direction, plan.causal)
     loads: dict[tuple[str, int], float] = defaultdict(float)
-    for part in parts:
+    for part, prob in call_parts(plan, problem):  # a head all-to-all's messages too
         for r in range(part.n):
             for op in part.comms(r):
                 for x, side in [(x, "out") for x in op.sends] + [(x, "in") for x in op.recvs]:
                     if group_of[x.peer] != group_of[r]:
-                        loads[(side, owner(r))] += problem.xfer_bytes(x, part.n)
+                        loads[(side, owner(r))] += prob.xfer_bytes(x, part.n)
     return dict(loads)
 
 

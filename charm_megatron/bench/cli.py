@@ -42,6 +42,7 @@ from charm_megatron.emulate.rates import format_rate
 from charm_megatron.model.profiles import get_profile
 from charm_megatron.plan.cost import parse_window
 from charm_megatron.plan.roles import ROLE_MIXES
+from charm_megatron.plan.vocab import Dtype
 
 _DEFAULT_COMM_TIMEOUT_S = 300
 
@@ -80,7 +81,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                    help="what the rmplus / charm exchanges move: bytes (default: the cheaper "
                         "role per exchange), paper (Algorithm 1), kv or q (forced); run once "
                         "per mix to compare them")
-    a.add_argument("--partials", choices=("input", "fp32"), default="input",
+    a.add_argument("--partials", choices=[d.value for d in Dtype], default="input",
                    help="the dtype partial results (out, dq, dkv) travel in between ranks, "
                         "for every contender (CPOptions.partials): input (default) or fp32, "
                         "as ring-flash-attention and the paper's ring send gradient partials")

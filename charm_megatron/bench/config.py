@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 from charm_megatron.bench.gpu_emulation import DeviceSetup
 from charm_megatron.plan.registry import NameView, names
+from charm_megatron.plan.vocab import Dtype
 
 #: The contenders: the registered algorithms, and ``torch`` (PyTorch's own CP ring).
 ALGOS = NameView(lambda: (*names(), "torch"))
@@ -140,7 +141,7 @@ class BenchConfig:
     @property
     def wide_partials(self) -> bool:
         """Partials travel in fp32 (``--partials fp32``): what the model's problems carry."""
-        return self.partials == "fp32"
+        return Dtype(self.partials) is Dtype.FP32
 
     def problem_window(self) -> tuple[int, int] | None:
         """The window a :class:`~charm_megatron.plan.cost.Problem` of a point carries (none

@@ -206,18 +206,13 @@ class Executor(OpInterpreter[None]):
         return self._shapes[key]
 
     def _to_wire(self, kind: Kind, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """``tensors`` of a ``kind`` block as they travel: the tensors whose wire dtype is the
-        input dtype in that dtype (partials leave their fp32 accumulators; the receiver merges
-        them in fp32), fp32 ones as they are; ``wide_partials``: every partial in fp32 (a
-        fresh tile's, which the kernel made in the input dtype, widened)."""
-        wire = list(tensors)
-        for i, spec in enumerate(BLOCKS[kind].tensors):
-            dtype = spec.dtype(False, self.wide_partials)
-            if dtype is Dtype.INPUT or self.wide_partials:  # a fresh tile's partial: widened
-                want = self._torch_dtype(dtype)
-                if wire[i].dtype != want:
-                    wire[i] = wire[i].to(want)
-        return tuple(wire)
+        """``tensors`` of a ``kind`` block as they travel: in the dtypes of the receiver's
+        buffer (:meth:`_alloc_shapes` ``wire=True``), so partials leave their fp32
+        accumulators in the input dtype (the receiver merges them in fp32), or, with
+        ``wide_partials``, every partial goes in fp32 (a fresh tile's, which the kernel made
+        in the input dtype, widened)."""
+        return tuple(t if t.dtype == dtype else t.to(dtype)
+                     for t, (_, dtype) in zip(tensors, self._alloc_shapes(kind, True)))
 
     def _view(self, loc: Loc, half: Half) -> tuple[torch.Tensor, ...]:
         """Rows ``half`` of the block in ``loc`` (which may hold only some rows)."""

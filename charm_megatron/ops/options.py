@@ -26,7 +26,7 @@ import torch
 from charm_megatron.kernels.base import AttentionBackend
 from charm_megatron.plan import registry
 from charm_megatron.plan.settings import Values
-from charm_megatron.plan.vocab import _Named
+from charm_megatron.plan.vocab import Dtype, _Named
 
 
 class Check(_Named):
@@ -42,15 +42,6 @@ class Ablation(_Named):
     NONE = "none"
     COMPUTE_ONLY = "compute_only"
     COMM_ONLY = "comm_only"
-
-
-class Partials(_Named):
-    """The dtype partial results (out, dq, dkv) travel in between ranks: the input dtype
-    (half the bytes for bf16; each hop rounds once, every sum is fp32) or their fp32
-    accumulators' (twice the bytes, no rounding on the wire)."""
-
-    INPUT = "input"
-    FP32 = "fp32"
 
 
 # The call's own variables: variable -> (CPOptions field, what it sets). docs/api.md lists them
@@ -129,7 +120,8 @@ class CPOptions:
             or a profile file written by ``charm-megatron model --calibrate``
             (:func:`charm_megatron.model.auto_cluster`); ``None``: a generic cluster for
             ``auto``, and the algorithms' ``auto`` settings off.
-        partials: :class:`Partials`: ``input`` (default) sends partial outputs and gradient
+        partials: the wire dtype of partials, a :class:`~charm_megatron.plan.vocab.Dtype`:
+            ``input`` (default) sends partial outputs and gradient
             partials in the input dtype; ``fp32`` in their fp32 accumulators (twice the bytes
             under bf16, one rounding less per hop; what ring-flash-attention's ring and the
             paper's send; ``CHARM_PARTIALS``).
@@ -151,7 +143,7 @@ class CPOptions:
     model_profile: str | None
     settings: tuple[tuple[str, object], ...]
     auto_algos: tuple[str, ...] | None
-    partials: Partials
+    partials: Dtype
 
     def __init__(self, *, timeout_s: float = 600.0,
                  backend: str | AttentionBackend | None = None, topology: str | None = None,
@@ -159,7 +151,7 @@ class CPOptions:
                  model_profile: str | None = None,
                  settings: tuple[tuple[str, object], ...] | Mapping[str, object] = (),
                  auto_algos: str | Sequence[str] | None = None,
-                 partials: Partials | str = Partials.INPUT,
+                 partials: Dtype | str = Dtype.INPUT,
                  **algorithm_settings: object) -> None:
         given = dict(settings.items() if isinstance(settings, Mapping) else settings)
         given.update(algorithm_settings)
@@ -177,7 +169,7 @@ class CPOptions:
                             ("ablation", _enum(Ablation, ablation, "ablation", None)),
                             ("model_profile", model_profile), ("settings", parsed),
                             ("auto_algos", _auto_algos(auto_algos)),
-                            ("partials", _enum(Partials, partials, "partials",
+                            ("partials", _enum(Dtype, partials, "partials",
                                                "CHARM_PARTIALS"))):
             object.__setattr__(self, name, value)
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
@@ -266,7 +258,7 @@ class CPOptions:
 
     @property
     def wide_partials(self) -> bool:
-        return self.partials is Partials.FP32
+        return self.partials is Dtype.FP32
 
     @property
     def checked(self) -> bool:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from charm_megatron.plan.core import Kind, Plan, Xfer
 from charm_megatron.plan.roles import ROLE_MIXES
 from charm_megatron.plan.tile_rule import TileRule, WindowGeometry, window_rule
-from charm_megatron.plan.vocab import block_sizes
+from charm_megatron.plan.vocab import Dtype, block_sizes
 
 
 @dataclass(frozen=True)
@@ -95,7 +95,7 @@ def add_problem_args(parser: argparse.ArgumentParser) -> None:
                         help="sliding window (flash-attn's window_size): query i sees keys "
                              "i-LEFT .. i+RIGHT (-1: unbounded; RIGHT defaults to 0); plans "
                              "then hold only the tiles and messages it needs")
-    parser.add_argument("--partials", choices=("input", "fp32"), default="input",
+    parser.add_argument("--partials", choices=[d.value for d in Dtype], default="input",
                         help="the dtype partial results (out, dq, dkv) travel in: input "
                              "(default) or fp32 (CPOptions.partials; ring-flash-attention's "
                              "and the paper's ring send gradient partials in fp32)")
@@ -127,7 +127,7 @@ def problem_from_args(args: argparse.Namespace, seq: int | None = None) -> Probl
                    args.kv_heads or args.heads, args.head_dim, ELEM_BYTES[args.dtype],
                    0 if dv in (None, args.head_dim) else dv,
                    None if window in (None, (-1, -1)) else tuple(window),
-                   getattr(args, "partials", "input") == "fp32")
+                   Dtype(getattr(args, "partials", "input")) is Dtype.FP32)
 
 
 @dataclass
@@ -144,6 +144,19 @@ class Traffic:
         return sum(self.cross)
 
 
+def call_parts(plan: Plan, problem: Problem) -> list[tuple[Plan, Problem]]:
+    """The plans one call of ``plan`` runs, each with the problem its messages are sized on:
+    the plan on its blocks (:meth:`Problem.for_plan`) and, after a head all-to-all
+    (``plan.head_group > 1``), the two all-to-alls on the call's own blocks."""
+    parts = [(plan, problem.for_plan(plan))]
+    if plan.head_group > 1:
+        from charm_megatron.plan.head_stage import stage_plans
+
+        parts += [(p, problem) for p in stage_plans(plan.n, plan.head_group, plan.direction,
+                                                    plan.causal)]
+    return parts
+
+
 def traffic(plan: Plan, problem: Problem, groups: Sequence[Sequence[int]]) -> Traffic:
     """Bytes sent by each rank, split by whether the peer is in the sender's group of
     ``groups`` (the *hardware* topology, whatever groups the algorithm itself used). A plan
@@ -151,13 +164,7 @@ def traffic(plan: Plan, problem: Problem, groups: Sequence[Sequence[int]]) -> Tr
     group_of = {r: gi for gi, g in enumerate(groups) for r in g}
     intra = [0.0] * plan.n
     cross = [0.0] * plan.n
-    parts = [(plan, problem.for_plan(plan))]
-    if plan.head_group > 1:
-        from charm_megatron.plan.head_stage import stage_plans
-
-        parts += [(p, problem) for p in stage_plans(plan.n, plan.head_group, plan.direction,
-                                                    plan.causal)]
-    for part, prob in parts:
+    for part, prob in call_parts(plan, problem):
         for r in range(part.n):
             for op in part.comms(r):
                 for x in op.sends:

@@ -140,8 +140,9 @@ class Half(enum.Enum):
 
 
 # ------------------------------------------------------------------------------ block table
-class Dtype(enum.Enum):
-    """A tensor's dtype: the attention inputs' (bf16, fp16, ...) or fp32."""
+class Dtype(_Named):
+    """A tensor's dtype: the attention inputs' (bf16, fp16, ...) or fp32. Also the wire dtype
+    of partials a call chooses (``CPOptions.partials``)."""
 
     INPUT = "input"
     FP32 = "fp32"
