@@ -14,7 +14,14 @@ import pytest
 from charm_megatron.model import get_profile, load_profile
 from charm_megatron.model.docgen import regenerate
 from charm_megatron.model.measured import file_digest
-from charm_megatron.model.refit import DOCS_BENCH, kernel_terms, table5_ring_error
+from charm_megatron.model.refit import (
+    DOCS_BENCH,
+    TABLE4_FIT_FIELDS,
+    kernel_terms,
+    table4_ring_error,
+    table4_shapes,
+    table5_ring_error,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,6 +66,23 @@ def test_gpu_profiles_come_from_their_sources() -> None:
                                          cross_gbps=h100.cluster.cross_gbps * f)) > err
     assert get_profile("h20").cluster.cross_gbps == pytest.approx(
         42.6 * h100.fit["cross_fraction_of_table2"], rel=1e-3)
+
+
+def test_h20_table4_profile_is_the_optimum_of_its_ring_fit() -> None:
+    """h20-table4 was fitted on Table 4's ring column only, its shape is one of the paper's
+    grid, and each fitted field is at the fit's optimum (to its rounding)."""
+    prof = get_profile("h20-table4")
+    assert prof.fit["fit_algos"] == ["ring"] and prof.fit["inputs"] == {"paper Table 4": "ring"}
+    sh = prof.fit["shape"]
+    shape = (sh["batch"], sh["heads"], sh["head_dim"])
+    assert shape in table4_shapes()
+    clusters = {"L20": get_profile("l20-pcie").cluster, "H20": prof.cluster}
+    err = table4_ring_error(clusters, shape)
+    assert math.sqrt(err / 10) == pytest.approx(prof.fit["rms_log_error"], abs=2e-3)
+    for name in TABLE4_FIT_FIELDS:
+        for f in (0.95, 1.05):
+            moved = replace(prof.cluster, **{name: getattr(prof.cluster, name) * f})
+            assert table4_ring_error({**clusters, "H20": moved}, shape) > err, (name, f)
 
 
 def test_gpu_check_script_runs_on_cpu(tmp_path: Path) -> None:

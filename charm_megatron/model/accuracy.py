@@ -173,3 +173,58 @@ def table5_settings(profile: Profile) -> list[Setting]:
             out.append(Setting(f"paper Table 5 {row.topology}", f"B={row.b} S={row.s} {pas}",
                                {"ring": ring, "charm": charm}, pred, fitted))
     return out
+
+
+def _table4_clusters() -> tuple[dict, tuple[int, int, int]]:
+    """Table 4's clusters per GPU (L20: ``l20-pcie``; H20: ``h20-table4``) and the shape
+    ``h20-table4`` was fitted with."""
+    from charm_megatron.model.profiles import get_profile
+
+    h20 = get_profile("h20-table4")
+    sh = h20.fit["shape"]
+    return ({"L20": get_profile("l20-pcie").cluster, "H20": h20.cluster},
+            (sh["batch"], sh["heads"], sh["head_dim"]))
+
+
+def table4_predictions() -> list[tuple[object, dict[str, float]]]:
+    """Every row of the paper's Table 4 with the model's forward ms per algorithm it ran."""
+    from charm_megatron.model import paper
+    from charm_megatron.model.calibrate import _sim_ms
+    from charm_megatron.model.refit import table4_problem
+
+    clusters, shape = _table4_clusters()
+    out = []
+    for row in paper.TABLE4:
+        algos = ("ring", "rmplus") + (("charm",) if row.charm is not None else ())
+        out.append((row, {a: _sim_ms(clusters[row.gpu], row.topology, table4_problem(row, shape),
+                                     paper.TABLE4_CAUSAL, a, "fwd") for a in algos}))
+    return out
+
+
+def table4_settings() -> list[Setting]:
+    """The rows of Table 4 where the paper ran CHARM+ (ring, RM+ and CHARM+; the ring column
+    is what ``h20-table4`` was fitted on)."""
+    out = []
+    for row, pred in table4_predictions():
+        if row.charm is None:
+            continue
+        meas = {"ring": row.ring, "rmplus": row.rmplus, "charm": row.charm}
+        out.append(Setting(f"paper Table 4 {row.gpu} {row.topology}", f"S={row.s} fwd", meas,
+                           pred, frozenset({"ring"})))
+    return out
+
+
+def table4_detail() -> str:
+    """Markdown: every row of Table 4, the paper's ms / the model's."""
+    lines = ["| GPUs | S | ring ms paper / model* | RM+ ms paper / model | CHARM+ ms paper / "
+             "model | RM+ speed-up paper / model | CHARM+ speed-up paper / model |",
+             "|---|---|---|---|---|---|---|"]
+    for row, p in table4_predictions():
+        gpus = f"{row.topology} {row.gpu}"
+        charm = (f"{row.charm:.2f} / {p['charm']:.2f}" if row.charm is not None else "-")
+        ch_sp = (f"{row.ring / row.charm:.2f} / {p['ring'] / p['charm']:.2f}"
+                 if row.charm is not None else "-")
+        lines.append(f"| {gpus} | {row.s} | {row.ring:.2f} / {p['ring']:.2f} | "
+                     f"{row.rmplus:.2f} / {p['rmplus']:.2f} | {charm} | "
+                     f"{row.ring / row.rmplus:.2f} / {p['ring'] / p['rmplus']:.2f} | {ch_sp} |")
+    return "\n".join(lines)

@@ -9,7 +9,8 @@ Blocks between markers are rewritten::
 
     <!-- gen:headline -->         the aims, met or not (top of the page)
     <!-- gen:accuracy-cpu -->     the CPU testbed profile against docs/performance/*.csv
-    <!-- gen:accuracy-paper -->   the h100 profile against the paper's Table 5
+    <!-- gen:accuracy-paper [PROFILE] -->  a profile (h100) against the paper's Table 5
+    <!-- gen:accuracy-table4 -->  l20-pcie / h20-table4 against the paper's Table 4
     <!-- gen:holdout -->          (slow) fit on the 2x2 runs only, judged on the 2x4 runs
     <!-- gen:diagnostic -->       (slow) the intra rate that would reproduce Table 5's CHARM+
 
@@ -32,7 +33,7 @@ from pathlib import Path
 
 BENCH_GLOB = "docs/performance/*.csv"
 SLOW = ("holdout", "diagnostic")
-_BLOCK = re.compile(r"(<!-- gen:(?P<what>[a-z-]+)(?P<arg>[^>]*?)\s*-->\n)(?P<body>.*?)"
+_BLOCK = re.compile(r"(<!-- gen:(?P<what>[a-z0-9-]+)(?P<arg>[^>]*?)\s*-->\n)(?P<body>.*?)"
                     r"(<!-- gen:end -->)", re.S)
 
 
@@ -68,11 +69,26 @@ def accuracy_cpu(_: str = "") -> str:
             "</summary>\n\n" + accuracy.detail_table(st) + "\n\n</details>\n")
 
 
-def accuracy_paper(_: str = "") -> str:
+def accuracy_paper(arg: str = "") -> str:
+    """Table 5 against the profile named by the block's argument (default h100)."""
     from charm_megatron.model import accuracy, get_profile
 
-    st = accuracy.table5_settings(get_profile("h100"))
+    st = accuracy.table5_settings(get_profile(arg.strip() or "h100"))
     return accuracy.summary_table(_grouped(st)) + "\n\n" + accuracy.detail_table(st) + "\n"
+
+
+def accuracy_table4(_: str = "") -> str:
+    from charm_megatron.model import accuracy, get_profile
+
+    prof = get_profile("h20-table4")
+    sh = prof.fit["shape"]
+    st = accuracy.table4_settings()
+    return (f"Shape fitted on the ring column: B={sh['batch']}, {sh['heads']} heads x "
+            f"{sh['head_dim']}, full attention, bf16; H20 device `{prof.cluster.describe()}` "
+            f"(rms log error over the 10 ring numbers {prof.fit['rms_log_error']:.3f}). "
+            "`*`: calibrated on.\n\n" + accuracy.summary_table(_grouped(st)) + "\n\n"
+            + accuracy.table4_detail() + f"\n\nOn the {len(st)} rows with CHARM+: "
+            + _aims(st) + ".\n")
 
 
 def _aims(settings) -> str:
@@ -100,12 +116,27 @@ def headline(_: str = "") -> str:
     cpu = accuracy.bench_settings(load_points(sorted(glob.glob(BENCH_GLOB))),
                                   get_profile("cpu-testbed"))
     t5 = accuracy.table5_settings(get_profile("h100"))
-    charm = sorted(abs(e) for e in accuracy.summarize(t5).charm_new)
+    t5p = accuracy.table5_settings(get_profile("h100-paper"))
+    t4 = accuracy.table4_settings()
+
+    def charm(st) -> str:
+        errs = accuracy.summarize(st).charm_new
+        a = sorted(abs(e) for e in errs)
+        med = a[len(a) // 2] if len(a) % 2 else 0.5 * (a[len(a) // 2 - 1] + a[len(a) // 2])
+        fast = sum(e < 0 for e in errs)
+        side = ("predicted too fast" if fast > len(errs) / 2 else
+                "predicted too slow" if fast < len(errs) / 2 else "either side")
+        return f"CHARM+ time error median {med:.0%}, {side}"
+
     return (f"- CPU testbed (profile calibrated on the ring rows only), over the {len(cpu)} "
             f"measured points: {_aims(cpu)}.\n"
             f"- Paper Table 5 (h100 profile calibrated on ring forward only), {len(t5)} points: "
-            f"{_aims(t5)}; CHARM+ time error median {charm[len(charm) // 2]:.0%}, "
-            f"predicted too fast.\n")
+            f"{_aims(t5)}; {charm(t5)}.\n"
+            f"- Paper Table 5 with the paper's per-op cost (h100-paper: h100 plus the cost per "
+            f"compute op read off Table 4's ring column), {len(t5p)} points: {_aims(t5p)}; "
+            f"{charm(t5p)}.\n"
+            f"- Paper Table 4, its {len(t4)} rows with CHARM+ (l20-pcie; h20-table4, shape and "
+            f"device fitted on its ring column): {_aims(t4)}; {charm(t4)}.\n")
 
 
 def holdout(_: str = "") -> str:
@@ -160,6 +191,7 @@ def diagnostic(_: str = "") -> str:
 
 GENERATORS: dict[str, Callable[[str], str]] = {
     "cmd": _cmd, "headline": headline, "accuracy-cpu": accuracy_cpu, "accuracy-paper": accuracy_paper,
+    "accuracy-table4": accuracy_table4,
     "holdout": holdout, "diagnostic": diagnostic,
 }
 

@@ -6,6 +6,9 @@ Nothing here is fitted; :mod:`charm_megatron.model.refit` fits the profiles from
   tests, GB/s) and the bf16 dense peak it lists;
 * :data:`TABLE5` - the paper's Table 5 (H100, 12 heads x 192, bf16; ring and CHARM+ forward and
   backward, ms). The GPU profiles are fitted on its *ring* columns only;
+* :data:`TABLE4` - the paper's Table 4 (its ablation: ring, RM+ and CHARM+ forward on L20 and
+  H20 at two sequence lengths, ms; batch and heads not stated, so :mod:`.refit` fits one shape
+  from the paper's grid on the *ring* column, with the ``h20-table4`` profile);
 * :data:`FA2_H100_FWD` - FlashAttention-2's forward rate on one H100 SXM5 against sequence
   length and head dim, as printed on the bars of the FlashAttention-3 paper's forward-speed
   figures (Shah et al., 2024, arXiv:2407.08608; bf16, non-causal, batch x seqlen = 16k,
@@ -71,4 +74,36 @@ TABLE5: tuple[Table5Row, ...] = (
     Table5Row("4x8", 16, 15872, 89.27, 34.64, 279.85, 70.62),
     Table5Row("4x8", 64, 7936, 179.13, 66.48, 556.25, 134.48),
     Table5Row("4x8", 128, 3968, 178.51, 66.43, 560.63, 133.05),
+)
+
+
+@dataclass(frozen=True)
+class Table4Row:
+    """One row of Table 4: ``gpu`` (``"L20"`` / ``"H20"``) on ``topology`` (``1xN``: one NUMA
+    domain or node, no slow link; ``2xN``: across NUMA domains or nodes), sequence ``s``;
+    forward ms. ``charm`` is ``None`` where the paper runs no CHARM+ (no slow link)."""
+
+    gpu: str
+    topology: str
+    s: int
+    ring: float
+    rmplus: float
+    charm: float | None
+
+
+# Table 4 states only the sequence length. The paper's grid (Section 4.1): 12 or 20 heads of 128
+# or 192, B x S <= 500K; forward only; bf16 and full attention taken as for Table 5.
+TABLE4_HEADS, TABLE4_HEAD_DIMS, TABLE4_MAX_TOKENS = (12, 20), (128, 192), 500_000
+TABLE4_ELEM, TABLE4_CAUSAL = 2, False
+TABLE4: tuple[Table4Row, ...] = (
+    Table4Row("L20", "1x4", 1792, 9.35, 10.29, None),
+    Table4Row("L20", "1x4", 7168, 36.86, 39.66, None),
+    Table4Row("L20", "2x4", 1792, 17.61, 25.91, 14.81),
+    Table4Row("L20", "2x4", 7168, 69.85, 98.49, 52.40),
+    Table4Row("H20", "1x4", 1792, 5.38, 4.76, None),
+    Table4Row("H20", "1x4", 7168, 38.62, 33.20, None),
+    Table4Row("H20", "1x8", 1792, 5.51, 3.65, None),
+    Table4Row("H20", "1x8", 7168, 26.79, 13.84, None),
+    Table4Row("H20", "2x8", 1792, 32.17, 39.04, 12.16),
+    Table4Row("H20", "2x8", 7168, 84.58, 98.98, 28.91),
 )
