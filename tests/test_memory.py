@@ -169,3 +169,18 @@ def test_measured_peak_within_bound_of_ring():
                                 f"{ratio:.2f}x ring ({got[ph] / 1e6:.2f} vs "
                                 f"{ring[ph] / 1e6:.2f} MB)")
     assert not failures, "\n".join(failures)
+
+
+def test_memory_bound_sizes_partials_at_their_wire_dtype():
+    """Under fp32 partials (``RoleShape.wide``) the bound is judged on the buffers the
+    executor allocates then (fp32 returns and dK, dV in flight, for ring as for CHARM+): on
+    4x8 with Table 5's heads the backward keeps its blocks prefetched and completes returns
+    early, within the bound; sized as if partials were bf16 it was built lean."""
+    groups = _groups("4x8")
+    flat = (tuple(range(32)),)
+    wide = RoleShape(12, 12, 192, 2, wide=True)
+    plan = build_plan("charm", "backward", groups, False, shape=wide)
+    problem = Problem(b=1, s=2 * 32, hq=12, hkv=12, d=192, elem=2, wide_partials=True)
+    ring = max(p.bytes for p in plan_peak(build_plan("ring", "backward", flat, False), problem))
+    assert max(p.bytes for p in plan_peak(plan, problem)) <= BOUND * ring
+    assert plan.early_returns and not plan.lean

@@ -158,7 +158,8 @@ def within_memory_bound(plan: Plan, ctx: VariantContext, variant: CharmVariant) 
     if shape is None:
         return plan
     n = plan.n
-    problem = Problem(1, 2 * n, shape.hq, shape.hkv, shape.d, shape.elem, shape.dv)
+    problem = Problem(1, 2 * n, shape.hq, shape.hkv, shape.d, shape.elem, shape.dv,
+                      wide_partials=shape.wide)
     bound = BOUND * _ring_peak(n, plan.direction, plan.causal, problem)
 
     def fits(ops: list[Op]) -> bool:
