@@ -174,8 +174,9 @@ def test_measured_peak_within_bound_of_ring():
 def test_memory_bound_sizes_partials_at_their_wire_dtype():
     """Under fp32 partials (``RoleShape.wide``) the bound is judged on the buffers the
     executor allocates then (fp32 returns and dK, dV in flight, for ring as for CHARM+): on
-    4x8 with Table 5's heads the backward keeps its blocks prefetched and completes returns
-    early, within the bound; sized as if partials were bf16 it was built lean."""
+    4x8 with Table 5's heads the plain backward holds more than the bound, so it completes
+    returns early and stays within it (sized as if partials were bf16 it was built lean
+    here, and with the model's split choices left plain, over the bound)."""
     groups = _groups("4x8")
     flat = (tuple(range(32)),)
     wide = RoleShape(12, 12, 192, 2, wide=True)
@@ -184,3 +185,6 @@ def test_memory_bound_sizes_partials_at_their_wire_dtype():
     ring = max(p.bytes for p in plan_peak(build_plan("ring", "backward", flat, False), problem))
     assert max(p.bytes for p in plan_peak(plan, problem)) <= BOUND * ring
     assert plan.early_returns and not plan.lean
+    plain = assemble("charm", get("charm").build_rank, "backward", groups, False,
+                     CharmVariant(roles=RoleChoice("bytes", wide)))
+    assert max(p.bytes for p in plan_peak(plain, problem)) > BOUND * ring
