@@ -165,13 +165,19 @@ def _guarded(check, case, device: str, gen) -> dict:
     try:
         return check(case, device, gen)
     except Exception as exc:  # noqa: BLE001 - recorded and reported as FAIL
-        names = ("backend", "dtype", "sq", "sk", "b", "hq", "hkv", "d", "causal") \
-            if check is check_kernel else ("algo", "dtype", "s", "b", "hq", "hkv", "d", "causal")
-        info = dict(zip(names, case))
+        if check is check_merge:
+            dt, r, b, h, d = case
+            info = {"check": "merge", "backend": "merge", "sq": r, "sk": r, "dtype": dt,
+                    "heads": f"{h}/{h}", "d": d, "causal": False}
+        else:
+            names = ("backend", "dtype", "sq", "sk", "b", "hq", "hkv", "d", "causal") \
+                if check is check_kernel else ("algo", "dtype", "s", "b", "hq", "hkv", "d",
+                                               "causal")
+            info = dict(zip(names, case))
+            info["heads"] = f"{info.pop('hq')}/{info.pop('hkv')}"
+            info["check"] = "kernel" if check is check_kernel else "cp_attention"
         info["dtype"] = str(info["dtype"]).split(".")[-1]
-        info["heads"] = f"{info.pop('hq')}/{info.pop('hkv')}"
-        return {"check": "kernel" if check is check_kernel else "cp_attention", **info,
-                "errors": {}, "ok": False, "exception": f"{type(exc).__name__}: {exc}"}
+        return {**info, "errors": {}, "ok": False, "exception": f"{type(exc).__name__}: {exc}"}
 
 
 # ------------------------------------------------------------------------------ measurement
@@ -220,41 +226,116 @@ def kernel_table(device: str, tiny: bool, gen) -> list[dict]:
         h = max(1, hidden // d)
         for L in seqs:
             b = max(1, tokens // L)
-            q = _rand((L, b, h, d), dt, device, gen)
-            k = _rand((L, b, h, d), dt, device, gen)
-            v = _rand((L, b, h, d), dt, device, gen)
-            scale = 1.0 / math.sqrt(d)
-            out, lse = be.forward(q, k, v, False, scale)
-            dout = torch.randn_like(out)
-            args = (q, k, v, False, scale)
-            bargs = (dout, q, k, v, out, lse, False, scale)
-            t_f = timed(lambda a=args: be.forward(*a), reps)
-            t_b = timed(lambda a=bargs: be.backward(*a), reps)
-            flops = 4.0 * b * h * d * L * L
-            rows.append({"seq": L, "d": d, "batch": b, "heads": h, "fwd_ms": t_f * 1e3,
-                         "bwd_ms": t_b * 1e3, "fwd_tflops": flops / t_f / 1e12,
-                         "bwd_tflops": 2.5 * flops / t_b / 1e12})
+            try:
+                rows.append(_kernel_row(be, timed, device, dt, gen, L, b, h, d, reps))
+            except Exception as exc:  # noqa: BLE001 - one failed size must not lose the rest
+                print(f"FAIL kernel timing seq={L} d={d}: {type(exc).__name__}: {exc}")
     return rows
 
 
+def _kernel_row(be, timed, device, dt, gen, L, b, h, d, reps) -> dict:
+    """Forward / backward time of one square tile, full and causal (the causal tile's own
+    rate, counted on its unmasked half, says how well the kernel skips the masked half)."""
+    q = _rand((L, b, h, d), dt, device, gen)
+    k = _rand((L, b, h, d), dt, device, gen)
+    v = _rand((L, b, h, d), dt, device, gen)
+    scale = 1.0 / math.sqrt(d)
+    row = {"seq": L, "d": d, "batch": b, "heads": h}
+    flops = 4.0 * b * h * d * L * L
+    for causal, tag in ((False, ""), (True, "causal_")):
+        out, lse = be.forward(q, k, v, causal, scale)
+        dout = torch.randn_like(out)
+        args = (q, k, v, causal, scale)
+        bargs = (dout, q, k, v, out, lse, causal, scale)
+        t_f = timed(lambda a=args: be.forward(*a), reps)
+        t_b = timed(lambda a=bargs: be.backward(*a), reps)
+        work = flops / 2 if causal else flops
+        row.update({f"{tag}fwd_ms": t_f * 1e3, f"{tag}bwd_ms": t_b * 1e3,
+                    f"{tag}fwd_tflops": work / t_f / 1e12,
+                    f"{tag}bwd_tflops": 2.5 * work / t_b / 1e12})
+    return row
+
+
 def overheads(device: str, tiny: bool, gen) -> dict:
-    """Per-op executor overhead (a tiny cp_attention forward at CP size 1: one tile) and the
-    merge rate (bytes of partial merged per second)."""
+    """Costs besides the attention kernel. ``call_overhead_us``: a whole tiny ``cp_attention``
+    forward at CP size 1 (one tile; the device idles, so this is the host's cost per call).
+    ``op_overhead_us``: a tiny tile issued back to back through the backend, per tile (the
+    cost of one compute op when the host, not the device, is the bottleneck; the profile's
+    per-op term). ``merge_gbps``: bytes of partial merged per second by ``merge_into`` on a
+    kernel-shaped (permuted) partial, fused on CUDA with Triton; ``merge_unfused_gbps``: the
+    PyTorch-ops path on the same tensors."""
     from charm_megatron import cp_attention
-    from charm_megatron.ops.merge import merge_into
+    from charm_megatron.kernels import get_backend
+    from charm_megatron.ops import merge_fused
+    from charm_megatron.ops.merge import merge_into, merge_into_unfused
 
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     timed = _timer(device)
     q = _rand((16, 1, 1, 32), dt, device, gen)
-    op_s = timed(lambda: cp_attention(q, q, q, algo="ring", causal=False), 20)
+    call_s = timed(lambda: cp_attention(q, q, q, algo="ring", causal=False), 20)
+    be = get_backend(device, dt)
+    tile = _rand((64, 1, 2, 64), dt, device, gen)
+    n_tiles = 20 if tiny else 400
+    be.forward(tile, tile, tile, False, 0.125)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n_tiles):
+        be.forward(tile, tile, tile, False, 0.125)
+    _sync(device)
+    op_s = (time.perf_counter() - t0) / n_tiles
     L, b, h, d = (256, 1, 4, 64) if tiny else (4096, 4, 16, 128)
     acc = torch.zeros((L, b, h, d), dtype=torch.float32, device=device)
     acc_lse = torch.full((L, b, h), -1.0, dtype=torch.float32, device=device)
-    part = _rand((L, b, h, d), dt, device, gen)
-    plse = torch.zeros((L, b, h), dtype=torch.float32, device=device)
+    # As the kernels return them: [b, h, s, d] storage seen as [s, b, h, d].
+    part = _rand((b, h, L, d), dt, device, gen).permute(2, 0, 1, 3)
+    plse = torch.zeros((b, h, L), dtype=torch.float32, device=device).permute(2, 0, 1)
     merge_s = timed(lambda: merge_into(acc, acc_lse, part, plse), 5)
+    unfused_s = timed(lambda: merge_into_unfused(acc, acc_lse, part, plse), 5)
     partial_bytes = L * b * h * (d * part.element_size() + 4)
-    return {"op_overhead_us": op_s * 1e6, "merge_gbps": partial_bytes / merge_s / 1e9}
+    return {"call_overhead_us": call_s * 1e6, "op_overhead_us": op_s * 1e6,
+            "merge_gbps": partial_bytes / merge_s / 1e9,
+            "merge_unfused_gbps": partial_bytes / unfused_s / 1e9,
+            "merge_path": "fused" if merge_fused.usable(acc, acc_lse, part) else "torch"}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def merge_cases(device: str, tiny: bool):
+    """(dtype of the partial, rows, batch, heads, head dim) for the merge check."""
+    dts = [torch.bfloat16, torch.float16, torch.float32] if device == "cuda" \
+        else [torch.bfloat16, torch.float32]
+    dims = (40, 64) if tiny else (40, 64, 128, 192)
+    return [(dt, 33, 2, 3, d) for dt in dts for d in dims]
+
+
+def check_merge(case, device: str, gen) -> dict:
+    """``merge_into`` on the device (fused where it can be) against a float64 merge of the
+    same numbers, with rows no key reached yet on either side or both."""
+    from charm_megatron.ops.merge import merge_into, merge_into_unfused
+
+    dt, r, b, h, d = case
+    acc = _rand((r, b, h, d), torch.float32, device, gen)
+    acc_lse = _rand((r, b, h), torch.float32, device, gen)
+    acc[0], acc_lse[0] = 0.0, float("-inf")
+    part = _rand((b, h, r, d), dt, device, gen).permute(2, 0, 1, 3)
+    plse = _rand((b, h, r), torch.float32, device, gen)
+    plse[:, :, 0:2] = float("-inf")
+    plse = plse.permute(2, 0, 1)
+    ref_o, ref_l = acc.double().cpu(), acc_lse.double().cpu()
+    merge_into_unfused(ref_o, ref_l, part.double().cpu(), plse.double().cpu())
+    merge_into(acc, acc_lse, part, plse)
+    out_err = _rel(acc.cpu(), ref_o)
+    finite = ref_l.isfinite()
+    lse_err = float((acc_lse.cpu().double() - ref_l)[finite].abs().max())
+    same_inf = bool(torch.equal(acc_lse.cpu().isinf(), ref_l.isinf()))
+    ok = out_err <= 1e-5 and lse_err <= 1e-5 and same_inf and not acc.isnan().any()
+    return {"check": "merge", "dtype": str(dt).split(".")[-1], "sq": r, "sk": r,
+            "heads": f"{h}/{h}", "d": d, "causal": False, "backend": "merge",
+            "errors": {"out": float(f"{out_err:.3g}"), "lse": float(f"{lse_err:.3g}")},
+            "ok": ok}
 
 
 def fit_profile(table: list[dict], over: dict, base_name: str, device_name: str):
@@ -307,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     _init_single_process(args.device)
     results += [_guarded(check_cp, case, args.device, gen)
                 for case in cp_cases(args.device, args.tiny)]
+    results += [_guarded(check_merge, case, args.device, gen)
+                for case in merge_cases(args.device, args.tiny)]
     for r in results:
         what = r.get("backend") or r.get("algo")
         shape = (f"sq={r['sq']} sk={r['sk']}" if "sq" in r else f"s={r['s']}")
@@ -322,9 +405,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in table:
         print(f"kernel seq={r['seq']:<6} d={r['d']:<3} b={r['batch']:<3} h={r['heads']:<3} "
               f"fwd {r['fwd_ms']:8.3f} ms {r['fwd_tflops']:8.3f} TFLOP/s   bwd "
-              f"{r['bwd_ms']:8.3f} ms {r['bwd_tflops']:8.3f} TFLOP/s")
+              f"{r['bwd_ms']:8.3f} ms {r['bwd_tflops']:8.3f} TFLOP/s   causal fwd "
+              f"{r['causal_fwd_tflops']:8.3f} bwd {r['causal_bwd_tflops']:8.3f} TFLOP/s")
+    if not table:
+        print("# no kernel timing succeeded: no profile written")
+        return 1
     over = overheads(args.device, args.tiny, gen)
-    print(f"# per-op overhead {over['op_overhead_us']:.1f} us, merge {over['merge_gbps']:.2f} GB/s")
+    print(f"# per call {over['call_overhead_us']:.1f} us, per op {over['op_overhead_us']:.1f} us, "
+          f"merge {over['merge_gbps']:.2f} GB/s ({over['merge_path']}; PyTorch ops "
+          f"{over['merge_unfused_gbps']:.2f} GB/s)")
     base_name = args.base or ("h100" if args.device == "cuda" else "cpu-testbed")
     base, cl, fit = fit_profile(table, over, base_name, dev_name)
     from charm_megatron.model.cluster import Profile

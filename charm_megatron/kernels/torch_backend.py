@@ -76,7 +76,10 @@ class TorchBackend:
         return causal_split.forward_pieces(q.shape[0])
 
     def _use_flash(self, q: torch.Tensor) -> bool:
-        return q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+        # aten's flash kernels take fp16 / bf16 with a head dim that is a multiple of 8, at
+        # most 256; anything else goes to the memory-efficient kernel.
+        d = q.shape[-1]
+        return q.dtype in (torch.float16, torch.bfloat16) and d <= 256 and d % 8 == 0
 
     def _forward_cuda(self, q, k, v, causal, scale):
         if q.dtype == torch.float64:  # no fused CUDA kernel takes float64: exact plain math
@@ -128,11 +131,13 @@ class TorchBackend:
         ob = _bhsd(out).to(q.dtype)
         lse = lse.float().contiguous()
         if self._use_flash(q):
-            cum_q = torch.tensor([0, sq], device=q.device, dtype=torch.int32)
-            cum_k = torch.tensor([0, sk], device=q.device, dtype=torch.int32)
+            # No cumulative sequence lengths (None, as the dense forward returns them): given
+            # any, the kernel takes the varlen path and reads [b, h, s, d] as [total, h, d]
+            # (seen on an H200 with torch 2.11, docs/gpu-check.md). Without dropout the
+            # philox seed and offset are never read.
             empty = torch.empty((), dtype=torch.int64, device=q.device)
             dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                dob, qb, kb, vb, ob, lse, cum_q, cum_k, sq, sk, 0.0, causal, empty, empty,
+                dob, qb, kb, vb, ob, lse, None, None, sq, sk, 0.0, causal, empty, empty,
                 scale=scale,
             )
         else:
