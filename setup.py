@@ -10,7 +10,8 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["charm_megatron", "charm_megatron.*"]),
-    package_data={"charm_megatron": ["configs/*.yaml", "model/profile_data/*.json"]},
+    package_data={"charm_megatron": ["configs/*.yaml", "model/profile_data/*.json",
+                                    "model/measurements/*.json"]},
     # torch: lower bound only; CI pins the CPU build torch==2.13.0 in the Makefile.
     install_requires=["torch>=2.3", "numpy", "pyyaml", "pydantic>=2"],
     extras_require={
@@ -21,7 +22,10 @@ setup(
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
         # pytest-xdist: `make test` runs two workers (the suite waits on timeouts and on
         # single-process plan checks that the other core can serve meanwhile).
-        "dev": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff>=0.4", "matplotlib"],
+        # triton: its interpreter runs the CUDA merge kernel (ops/merge_fused.py) on CPU in
+        # the tests; the package imports it only for CUDA tensors.
+        "dev": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff>=0.4", "matplotlib",
+                "triton"],
     },
     entry_points={"console_scripts": ["charm-megatron=charm_megatron.cli:main"]},
 )

@@ -9,6 +9,9 @@ disjoint one, combine into the result over the union::
 sums; measured ~3× cheaper than the naive form). Rows that saw no key have ``L = −inf``; the
 weight is computed against a clamped ``L`` so such rows give weight 0, never NaN.
 
+On CUDA with Triton the merge is one fused kernel (:mod:`charm_megatron.ops.merge_fused`, the
+same formulas); elsewhere these PyTorch ops.
+
 Layouts: accumulator ``out`` is ``[s, b, h, d]`` fp32 and ``lse`` ``[s, b, h]`` fp32, so that a
 contiguous row range (e.g. the second half under causal masking) is a contiguous slice.
 """
@@ -34,6 +37,18 @@ def merge_into(
     """
     if rows is not None:
         acc_out, acc_lse = acc_out[rows], acc_lse[rows]
+    if acc_out.is_cuda:
+        from charm_megatron.ops import merge_fused  # lazy: Triton only where CUDA is
+
+        if merge_fused.usable(acc_out, acc_lse, out):
+            merge_fused.merge_into(acc_out, acc_lse, out, lse)
+            return
+    merge_into_unfused(acc_out, acc_lse, out, lse)
+
+
+def merge_into_unfused(acc_out: torch.Tensor, acc_lse: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor) -> None:
+    """:func:`merge_into` in PyTorch elementwise ops (CPU, and CUDA without Triton)."""
     lse = lse.to(acc_lse.dtype)
     new_lse = torch.logaddexp(acc_lse, lse)
     weight = torch.exp(lse - new_lse.clamp(min=_FLOOR)).unsqueeze(-1)
