@@ -85,6 +85,11 @@ class _EnvVars(Mapping[str, tuple[str, str]]):
     def __len__(self) -> int:
         return len(self._table())
 
+    def items(self):  # type: ignore[override]
+        # One table for the walk (Mapping's items() would rebuild it per variable): from_env
+        # runs on every cp_attention call without options.
+        return self._table().items()
+
 
 #: variable -> (CPOptions field or setting name, what it sets).
 ENV_VARS: Mapping[str, tuple[str, str]] = _EnvVars()
