@@ -117,6 +117,7 @@ def headline(_: str = "") -> str:
                                   get_profile("cpu-testbed"))
     t5 = accuracy.table5_settings(get_profile("h100"))
     t5p = accuracy.table5_settings(get_profile("h100-paper"))
+    t5m = accuracy.table5_settings(get_profile("h100-paper-measured"))
     t4 = accuracy.table4_settings()
 
     def charm(st) -> str:
@@ -135,6 +136,8 @@ def headline(_: str = "") -> str:
             f"- Paper Table 5 with the paper's per-op cost (h100-paper: h100 plus the cost per "
             f"compute op read off Table 4's ring column), {len(t5p)} points: {_aims(t5p)}; "
             f"{charm(t5p)}.\n"
+            f"- Paper Table 5 with that per-op cost and the kernel and merge rates measured on "
+            f"one H200 (h100-paper-measured), {len(t5m)} points: {_aims(t5m)}; {charm(t5m)}.\n"
             f"- Paper Table 4, its {len(t4)} rows with CHARM+ (l20-pcie; h20-table4, shape and "
             f"device fitted on its ring column): {_aims(t4)}; {charm(t4)}.\n")
 

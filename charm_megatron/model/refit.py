@@ -11,6 +11,14 @@
 * ``h20-table4``: H20 as the paper's Table 4 ring ran on it: one problem shape from the paper's
   grid and the H20 device's rate, cross rate and per-op cost fitted on *the ring column* of
   Table 4 (``l20-pcie`` unchanged on its L20 rows; RM+ and CHARM+ columns never used);
+* ``h200``: this package on H200 nodes: the compute terms ``scripts/gpu_check.py`` measured
+  on one H200 (``measurements/h200-gpu-check.json``: kernel curve, head dims, backward
+  factor, per-op cost, the fused merge's rate) on the ``h100`` profile's links (HGX H200
+  nodes have the H100's NVLink 4 and NICs);
+* ``h100-paper-measured``: ``h100-paper`` with that measured kernel (the paper's runs used
+  FlashAttention-2 on the same SMs) and the merge rate of PyTorch elementwise ops measured
+  there (what a merge written in PyTorch, as ring-flash-attention's and presumably the
+  paper's, runs at); its per-op cost stays Table 4's;
 * ``cpu-testbed``: ``charm-megatron model --calibrate`` on ``docs/performance/*.csv`` (the
   quiet-machine bench runs; ring rows only).
 
@@ -68,6 +76,66 @@ def kernel_terms() -> dict[str, object]:
     return {"kernel_q_rows": _r(rows128), "kernel_k_rows": _r(rows128),
             "head_dim_factors": ((128.0, 1.0), (256.0, _r(r256 / r128))),
             "bwd_factor": _r(2.5 * fwd / bwd), "long_tile_tflops_h100": _r(r128)}
+
+
+# One H200's measurement by scripts/gpu_check.py (2026-12-04, torch 2.11.0+cu130; the run's
+# logs: docs/performance/gpu-check/). A profile file whose fit holds the kernel table and the
+# overheads it measured.
+H200_MEASUREMENT = Path(__file__).resolve().parent / "measurements" / "h200-gpu-check.json"
+
+# The compute terms a gpu_check run measures (everything else of its profile is its base's).
+MEASURED_FIELDS = ("tflops", "kernel_q_rows", "kernel_k_rows", "head_dim_factors", "bwd_factor",
+                   "op_overhead_us", "merge_gbps")
+
+
+def measured_terms(path: Path = H200_MEASUREMENT) -> tuple[dict[str, object], dict]:
+    """(cluster fields of :data:`MEASURED_FIELDS`, the run's fit record) of a gpu_check
+    profile file."""
+    from charm_megatron.model.profile_io import load_profile
+
+    prof = load_profile(path)
+    if not prof.fit.get("checks_ok"):
+        raise ValueError(f"{path}: its correctness checks failed; a measured profile needs a "
+                         "run whose kernels were right")
+    return {f: getattr(prof.cluster, f) for f in MEASURED_FIELDS}, prof.fit
+
+
+def measured_profiles(h100: Cluster, h100p: Cluster, fit_h100: dict) -> dict[str, Profile]:
+    """``h200`` and ``h100-paper-measured`` (module docstring) from :data:`H200_MEASUREMENT`."""
+    terms, fit = measured_terms()
+    over = fit["overheads"]
+    unfused = _r(over["merge_unfused_gbps"])
+    rel = str(H200_MEASUREMENT.relative_to(H200_MEASUREMENT.parents[2]))
+    kernel = (f"FlashAttention-2 (aten) measured on one {fit['device']}: {terms['tflops']:g} "
+              f"TFLOP/s long-tile forward at head dim 128, {terms['kernel_q_rows']:g} rows of "
+              f"fixed cost per tile side, backward x{terms['bwd_factor']:g}")
+    h200 = replace(h100, **terms)
+    out = {"h200": Profile(
+        "h200", h200, "2x8",
+        f"this package on H200 nodes of 8: the h100 profile's links (NVLink 4, one RDMA NIC per "
+        f"GPU, cross rate fitted on Table 5's ring forward) with compute measured by "
+        f"scripts/gpu_check.py: {kernel}; {terms['op_overhead_us']:g} us per compute op (a tiny "
+        f"tile issued back to back); merges fused ({over['merge_path']}) at "
+        f"{terms['merge_gbps']:g} GB/s of partial",
+        {**fit_h100, "method": fit_h100["method"] + f"; compute terms measured ({rel})",
+         "measured": {"file": rel, "device": fit["device"], "fields": list(MEASURED_FIELDS)}})}
+    paper_terms = {f: terms[f] for f in MEASURED_FIELDS if f not in ("op_overhead_us",
+                                                                       "merge_gbps")}
+    hpm = replace(h100p, merge_gbps=unfused, **paper_terms)
+    out["h100-paper-measured"] = Profile(
+        "h100-paper-measured", hpm, "2x8",
+        f"the h100-paper profile (the paper's implementation: {h100p.op_overhead_us:g} us per "
+        f"compute op from Table 4's ring column) with the kernel measured on one "
+        f"{fit['device']} ({kernel}) and merges at {unfused:g} GB/s, the rate of PyTorch "
+        "elementwise ops measured there (assumed the paper's merge; an H100 has 0.7x the "
+        "H200's memory bandwidth); no CHARM+ column used",
+        {**fit_h100, "method": fit_h100["method"] + "; op_overhead_us from h20-table4 (Table 4 "
+                                                    f"ring column); kernel and merge measured "
+                                                    f"({rel})",
+         "inputs": {"paper Table 5": "ring", "paper Table 4": "ring"},
+         "measured": {"file": rel, "device": fit["device"],
+                      "fields": [*paper_terms, "merge_gbps (PyTorch ops)"]}})
+    return out
 
 
 def table5_problem(row: paper.Table5Row) -> Problem:
@@ -223,6 +291,7 @@ def gpu_profiles() -> dict[str, Profile]:
         {**fit_h100, "method": fit_h100["method"] + "; op_overhead_us from h20-table4 (Table 4 "
                                                     "ring column)",
          "inputs": {"paper Table 5": "ring", "paper Table 4": "ring"}})
+    out.update(measured_profiles(h100, h100p, fit_h100))
     return out
 
 
