@@ -8,11 +8,11 @@
 1. **Host cost of a call**: ``cp_attention`` at CP size 1 on a tiny problem (the device idles,
    so the time is the host's: plan, executor, agreement check), forward and forward +
    backward, with ``check="every_call"`` and ``check="off"``.
-2. **Per-op floor**: a tiny kernel tile issued back to back (launch-bound), host time per
-   issue and device time per tile.
-3. **Executor efficiency at CP 1**: ``cp_attention`` on a real-sized causal problem against
+   (The per-op floor, a tiny tile issued back to back, is ``gpu_check.py``'s
+   ``op_overhead_us``.)
+2. **Executor efficiency at CP 1**: ``cp_attention`` on a real-sized causal problem against
    the bare kernel on the same tensors (the executor's own cost on real work).
-4. **SM contention** (CUDA with Triton only): attention forward and backward timed alone and
+3. **SM contention** (CUDA with Triton only): attention forward and backward timed alone and
    while a persistent copy kernel of ``k`` thread blocks runs on another stream, for several
    ``k``. The copy kernel stands in for NCCL's point-to-point kernels, which move data with a
    few SMs (one block per channel); it reads and writes local memory (NVLink traffic reads
@@ -77,24 +77,6 @@ def host_costs(device: str, tiny: bool) -> dict:
         out[f"call_fwd_us[{check}]"] = wall_per_call(fwd, device, reps) * 1e6
         out[f"call_fwd_bwd_us[{check}]"] = wall_per_call(fwd_bwd, device, reps) * 1e6
     return out
-
-
-def op_floor(device: str, tiny: bool) -> dict:
-    from charm_megatron.kernels import get_backend
-
-    dt = torch.bfloat16 if device == "cuda" else torch.float32
-    be = get_backend(device, dt)
-    q = torch.randn(64, 1, 2, 64, device=device, dtype=dt)
-    n = 20 if tiny else 400
-    be.forward(q, q, q, False, 0.125)
-    _sync(device)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        be.forward(q, q, q, False, 0.125)
-    t_issue = time.perf_counter() - t0
-    _sync(device)
-    t_all = time.perf_counter() - t0
-    return {"tile_issue_us": t_issue / n * 1e6, "tile_throughput_us": t_all / n * 1e6}
 
 
 def executor_efficiency(device: str, tiny: bool) -> dict:
@@ -286,8 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                             world_size=1)
     res: dict = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
                  "torch": torch.__version__}
-    for name, fn in (("host", host_costs), ("op_floor", op_floor),
-                     ("executor", executor_efficiency)):
+    for name, fn in (("host", host_costs), ("executor", executor_efficiency)):
         try:
             res[name] = fn(args.device, args.tiny)
         except Exception as exc:  # noqa: BLE001 - report and go on: one lease, every number

@@ -97,6 +97,21 @@ def test_gpu_check_script_runs_on_cpu(tmp_path: Path) -> None:
     assert prof.cluster.tflops > 0 and prof.cluster.op_overhead_us > 0
 
 
+def test_gpu_overheads_script_runs_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "o.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_overheads.py"), "--device",
+                           "cpu", "--tiny", "--out", str(out)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    import json
+
+    res = json.loads(out.read_text())
+    assert "error" not in res["host"] and "error" not in res["executor"], res
+    assert res["host"]["call_fwd_bwd_us[every_call]"] > 0
+    assert res["executor"]["call_over_kernel"] > 0
+    assert "cp_attention" in out.with_suffix(".prof.txt").read_text()
+
+
 def test_gpu_check_reports_a_raising_path_as_failed() -> None:
     import importlib.util
 
