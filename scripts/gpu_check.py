@@ -166,9 +166,7 @@ def _guarded(check, case, device: str, gen) -> dict:
         return check(case, device, gen)
     except Exception as exc:  # noqa: BLE001 - recorded and reported as FAIL
         if check is check_merge:
-            dt, r, b, h, d = case
-            info = {"check": "merge", "backend": "merge", "sq": r, "sk": r, "dtype": dt,
-                    "heads": f"{h}/{h}", "d": d, "causal": False}
+            info = _merge_info(case)
         else:
             names = ("backend", "dtype", "sq", "sk", "b", "hq", "hkv", "d", "causal") \
                 if check is check_kernel else ("algo", "dtype", "s", "b", "hq", "hkv", "d",
@@ -176,7 +174,7 @@ def _guarded(check, case, device: str, gen) -> dict:
             info = dict(zip(names, case))
             info["heads"] = f"{info.pop('hq')}/{info.pop('hkv')}"
             info["check"] = "kernel" if check is check_kernel else "cp_attention"
-        info["dtype"] = str(info["dtype"]).split(".")[-1]
+            info["dtype"] = str(info["dtype"]).split(".")[-1]
         return {**info, "errors": {}, "ok": False, "exception": f"{type(exc).__name__}: {exc}"}
 
 
@@ -311,6 +309,13 @@ def merge_cases(device: str, tiny: bool):
     return [(dt, 33, 2, 3, d) for dt in dts for d in dims]
 
 
+def _merge_info(case) -> dict:
+    """What a merge check's report says of its case."""
+    dt, r, b, h, d = case
+    return {"check": "merge", "backend": "merge", "dtype": str(dt).split(".")[-1], "sq": r,
+            "sk": r, "heads": f"{h}/{h}", "d": d, "causal": False}
+
+
 def check_merge(case, device: str, gen) -> dict:
     """``merge_into`` on the device (fused where it can be) against a float64 merge of the
     same numbers, with rows no key reached yet on either side or both."""
@@ -332,8 +337,7 @@ def check_merge(case, device: str, gen) -> dict:
     lse_err = float((acc_lse.cpu().double() - ref_l)[finite].abs().max())
     same_inf = bool(torch.equal(acc_lse.cpu().isinf(), ref_l.isinf()))
     ok = out_err <= 1e-5 and lse_err <= 1e-5 and same_inf and not acc.isnan().any()
-    return {"check": "merge", "dtype": str(dt).split(".")[-1], "sq": r, "sk": r,
-            "heads": f"{h}/{h}", "d": d, "causal": False, "backend": "merge",
+    return {**_merge_info(case),
             "errors": {"out": float(f"{out_err:.3g}"), "lse": float(f"{lse_err:.3g}")},
             "ok": ok}
 

@@ -85,12 +85,18 @@ def test_h20_table4_profile_is_the_optimum_of_its_ring_fit() -> None:
             assert table4_ring_error({**clusters, "H20": moved}, shape) > err, (name, f)
 
 
-def test_gpu_check_script_runs_on_cpu(tmp_path: Path) -> None:
-    out = tmp_path / "p.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--device",
-                           "cpu", "--tiny", "--out", str(out)], capture_output=True, text=True,
+def _run_on_cpu(script: str, out: Path) -> subprocess.CompletedProcess:
+    """A device script's CPU smoke run (``--device cpu --tiny``), asserted to succeed."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), "--device", "cpu",
+                           "--tiny", "--out", str(out)], capture_output=True, text=True,
                           timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_gpu_check_script_runs_on_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    proc = _run_on_cpu("gpu_check.py", out)
     assert "FAIL" not in proc.stdout and "correctness:" in proc.stdout
     prof = load_profile(out)
     assert prof.fit["checks_ok"] is True and prof.fit["kernel_table"]
@@ -99,10 +105,7 @@ def test_gpu_check_script_runs_on_cpu(tmp_path: Path) -> None:
 
 def test_gpu_overheads_script_runs_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "o.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_overheads.py"), "--device",
-                           "cpu", "--tiny", "--out", str(out)], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _run_on_cpu("gpu_overheads.py", out)
     import json
 
     res = json.loads(out.read_text())
