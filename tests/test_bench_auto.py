@@ -239,3 +239,33 @@ def test_summary_ceiling_is_ring_over_the_bound(tmp_path):
                      (c.strip() for c in line.strip("|").split("|"))))
     assert cells["charm ceiling"] == "2.17x"  # 450 / 207
     assert cells["rmplus ceiling"] == "-"
+
+
+def test_bench_measured_auto_runs_what_it_measured(tmp_path, monkeypatch):
+    """``--auto-tune all``: the auto contender's warm-up call measures every candidate on the
+    run's real links (4 gloo ranks, software link model) and the CSV reports the pick it
+    measured, its margin and its notes."""
+    out = str(tmp_path / "tuned")
+    monkeypatch.setenv("CHARM_AUTO_ALGOS", "ring,rmplus,charm")
+    args = ["bench", "--preset", "tiny", "--seq", "512", "--heads", "4x64", "--iters", "1",
+            "--warmup", "1", "--quiet", "--no-plot", "--no-memory",
+            "--algos", "ring,charm,auto", "--emulate", "2x2", "--emulate-backend", "software",
+            "--cross-rate", "100mbit", "--intra-rate", "800mbit", "--nic", "node",
+            "--timeout-s", "240", "--comm-timeout-s", "120", "--auto-tune", "all",
+            "--out", out]
+    assert cli_main(args) == 0
+    with open(os.path.join(out, "results.csv")) as f:
+        auto = [r for r in csv.DictReader(f) if r["algo"] == "auto"]
+    assert len(auto) == 3 and all(r["status"] == "ok" for r in auto)
+    assert {r["auto_tune"] for r in auto} == {"all"}
+    assert len({r["auto_pick"] for r in auto}) == 1
+    assert auto[0]["auto_pick"] in ("ring", "rmplus", "charm")
+    with open(os.path.join(out, "results.json")) as f:
+        text = f.read()
+    assert "auto (auto_tune all) ran " + auto[0]["auto_pick"] in text
+
+
+def test_bad_auto_tune_flag_is_named(capsys):
+    assert cli_main(["bench", "--preset", "tiny", "--auto-tune", "0.5", "--no-plot"]) == 2
+    err = capsys.readouterr().err
+    assert "--auto-tune '0.5'" in err and "CHARM_AUTO_TUNE" in err

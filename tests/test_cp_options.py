@@ -14,7 +14,7 @@ def test_from_env_reads_every_listed_variable():
            "CHARM_ATTN_BACKEND": "reference", "CHARM_TOPOLOGY": "2x4", "CHARM_CHECK": "off",
            "CHARM_MODEL_PROFILE": "h100", "CHARM_SPLIT_VISITING": "on",
            "CHARM_SPLIT_COUNTERPART_Q": "off", "CHARM_AUTO_ALGOS": "ring, charm,a2a+p2p",
-           "CHARM_PARTIALS": "fp32"}
+           "CHARM_PARTIALS": "fp32", "CHARM_AUTO_TUNE": "1.25"}
     assert set(env) == set(ENV_VARS)
     o = CPOptions.from_env(env)
     assert (o.pass_order, o.timeout_s, o.backend, o.topology, o.check, o.model_profile,
@@ -22,6 +22,7 @@ def test_from_env_reads_every_listed_variable():
                                                          "h100", "on", "off")
     assert o.auto_algos == ("ring", "charm", "a2a+p2p")
     assert o.partials == "fp32" and o.wide_partials and not CPOptions().wide_partials
+    assert o.auto_tune == 1.25 and CPOptions().auto_tune is None
     assert CPOptions.from_env({}) == CPOptions()
     assert CPOptions.from_env(env, pass_order="split").pass_order == "split"
 

@@ -60,6 +60,8 @@ COLUMNS = [
     "model_ms", "vs_model", "analytic_ring_ms",
     # The wire dtype of partial results (--partials): input or fp32.
     "partials",
+    # The auto contender's measured shortlist margin (--auto-tune; empty: the model's pick).
+    "auto_tune",
     "note",
 ]
 
@@ -192,6 +194,7 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                 "window": "" if cfg.window is None else f"{cfg.window[0]},{cfg.window[1]}",
                 "world": world, "topology": topology,
                 "mode": info.mode, "nic": info.nic or "", "partials": cfg.partials,
+                "auto_tune": cfg.auto_tune or "",
                 **_link_columns(info)}
         ccr: dict[str, tuple[float, float, float]] = {}
         if "ring/compute" in wall and "ring/comm" in wall:

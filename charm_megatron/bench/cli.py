@@ -85,6 +85,11 @@ def register(parser: argparse.ArgumentParser) -> None:
                    help="the dtype partial results (out, dq, dkv) travel in between ranks, "
                         "for every contender (CPOptions.partials): input (default) or fp32, "
                         "as ring-flash-attention and the paper's ring send gradient partials")
+    a.add_argument("--auto-tune", metavar="MARGIN",
+                   help="the auto contender measures the model's shortlist at the point's "
+                        "first (warm-up) call and runs the measured fastest "
+                        "(CPOptions.auto_tune): on (margin 1.5), a margin >= 1, or all; "
+                        "default: CHARM_AUTO_TUNE, else the model's pick")
     a.add_argument("--setting", action="append", default=[], metavar="NAME=VALUE",
                    help="an algorithm setting for every contender that has it (repeatable; "
                         "any of charm_megatron.plan.registry.all_settings(), e.g. "
@@ -195,6 +200,7 @@ def _config(args: argparse.Namespace, cuda: bool) -> BenchConfig:
         packed_mean=args.packed,
         roles=args.roles,
         partials=args.partials,
+        auto_tune=_auto_tune(args.auto_tune),
         settings=parse_settings(args.setting),
         window=args.window,
     )
@@ -297,6 +303,7 @@ def _header(cfg: BenchConfig, world: int, topology: str, where: str, points, dro
         f"{'forward + backward' if cfg.backward else 'forward only'}, CHARM+ topology {topology}, "
         f"roles {cfg.roles}; "
         + (f"partials {cfg.partials}; " if cfg.partials != "input" else "")
+        + (f"auto measured (auto_tune {cfg.auto_tune}); " if cfg.auto_tune else "")
         + (f"window {cfg.window[0]},{cfg.window[1]}; " if cfg.window else "") +
         f"{cfg.warmup} warm-up + {cfg.iters} timed rounds per point")
     if cfg.packed_mean:
@@ -545,4 +552,14 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+def _auto_tune(value: str | None) -> str | None:
+    """``--auto-tune`` checked now (ValueError naming it), kept as given for the ranks."""
+    if value is None:
+        return None
+    from charm_megatron.ops.options import CPOptions
 
+    try:
+        CPOptions(auto_tune=value)
+    except ValueError as exc:
+        raise ValueError(f"--auto-tune {value!r}: {exc}") from None
+    return value

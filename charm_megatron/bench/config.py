@@ -115,6 +115,8 @@ class BenchConfig:
     packed_mean: int = 0  # > 0: packed documents (THD) of this mean length (bench/packing.py)
     roles: str = "bytes"  # role mix of rmplus / charm (charm_megatron.plan.roles.ROLE_MIXES)
     partials: str = "input"  # the wire dtype of partial results (CPOptions.partials)
+    # The auto contender's CPOptions.auto_tune (--auto-tune): None, the model's pick.
+    auto_tune: str | None = None
     # Algorithm settings by name (--setting NAME=VALUE), over the job's CHARM_* variables.
     settings: tuple[tuple[str, str], ...] = ()
     # An emulated GPU cluster (--device-model): every rank's device is timed, not computed,

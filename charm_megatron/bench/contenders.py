@@ -78,7 +78,7 @@ class PlanContender(Contender):
                  packed: dict | None = None, options: CPOptions | None = None,
                  roles: str = "bytes", settings: tuple[tuple[str, str], ...] = (),
                  backend=None, window: tuple[int, int] | None = None,
-                 partials: str | None = None) -> None:
+                 partials: str | None = None, auto_tune: str | None = None) -> None:
         self.name = algo
         self._args = (algo, topology, causal, packed)
         self.window = window
@@ -89,6 +89,8 @@ class PlanContender(Contender):
         extra_opts: dict = {"backend": backend} if backend is not None else {}
         if partials is not None:  # --partials, over CHARM_PARTIALS
             extra_opts["partials"] = partials
+        if auto_tune is not None:  # --auto-tune, over CHARM_AUTO_TUNE
+            extra_opts["auto_tune"] = auto_tune
         self.options = (options if options is not None
                         else CPOptions.from_env(**dict(settings), **extra_opts))
         # packed: cu_seqlens / cu_seqlens_padded for THD inputs (the benchmark's packed mode).
@@ -112,8 +114,10 @@ class AutoContender(PlanContender):
     """``cp_attention(..., algo="auto")``: the performance model's pick, by the user's code path.
 
     ``picked`` is what that call runs here (:func:`charm_megatron.ops.attention.resolve_algo`:
-    the same profile, topology, problem and role mix), resolved once per grid point from the
-    point's shapes; a pure function of them, so the same on every rank. The profile is the
+    the same profile, topology, problem and role mix), resolved from the point's shapes; a
+    pure function of them, so the same on every rank. With ``auto_tune`` (``--auto-tune``,
+    ``CHARM_AUTO_TUNE``) the first (warm-up) call measures the model's shortlist:
+    :meth:`resolve_pick` after the rounds reports what it measured. The profile is the
     ranks' ``CHARM_MODEL_PROFILE``, which the emulated launchers point at this run's links
     (:mod:`charm_megatron.bench.autoprofile`). Not ablatable: its compute-only run would be
     its pick's, which the bench times already when the pick is a contender too.
@@ -124,9 +128,11 @@ class AutoContender(PlanContender):
     def __init__(self, topology: str | None, causal: bool, point: Point, dtype: torch.dtype,
                  packed: dict | None = None, roles: str = "bytes",
                  settings: tuple[tuple[str, str], ...] = (), backend=None,
-                 window: tuple[int, int] | None = None, partials: str | None = None) -> None:
+                 window: tuple[int, int] | None = None, partials: str | None = None,
+                 auto_tune: str | None = None) -> None:
         super().__init__("auto", topology, causal, packed, roles=roles, settings=settings,
-                         backend=backend, window=window, partials=partials)
+                         backend=backend, window=window, partials=partials,
+                         auto_tune=auto_tune)
         world = dist.get_world_size()
         # The shapes cp_attention resolves with: sbhd, or THD as [t, 1, h, d] (the same
         # plans and role mix as sbhd).
@@ -135,12 +141,18 @@ class AutoContender(PlanContender):
         scale = getattr(backend, "problem_scale", None)
         if scale is not None:  # the wire copy: the timed device's scale makes it the point
             rows, batch = rows // scale.rows, batch // scale.batch
-        q, k = (torch.empty(rows, batch, h, point.head_dim, dtype=dtype, device="meta")
-                for h in (point.heads, point.kv_heads))
+        self._meta = tuple(torch.empty(rows, batch, h, point.head_dim, dtype=dtype,
+                                       device="meta") for h in (point.heads, point.kv_heads))
+        self._where = (topology, causal, window)
         self.picked_roles = roles
-        self.picked = resolve_algo(q, k, algo="auto", topology=topology, causal=causal,
-                                   options=self.options, roles=self.picked_roles,
-                                   window_size=window)
+        self.picked = self.resolve_pick()
+
+    def resolve_pick(self) -> str:
+        """What ``auto`` runs at this point now: the model's pick, or once a call measured
+        the shortlist (``auto_tune``), the measured one."""
+        topology, causal, window = self._where
+        return resolve_algo(*self._meta, algo="auto", topology=topology, causal=causal,
+                            options=self.options, roles=self.picked_roles, window_size=window)
 
     def ablated(self, ablation: str) -> Contender:
         return Contender.ablated(self, ablation)
@@ -319,7 +331,8 @@ def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
         if algo == "auto":
             auto = AutoContender(topology, cfg.causal, point, DTYPES[cfg.dtype], packed,
                                  roles=cfg.roles, settings=cfg.settings, backend=backend,
-                                 window=cfg.wire_window(), partials=cfg.partials)
+                                 window=cfg.wire_window(), partials=cfg.partials,
+                                 auto_tune=cfg.auto_tune)
             lineup.contenders[algo] = auto
             lineup.picks[algo] = auto.picked
             lineup.notes[algo] = f"auto picked {auto.picked} (roles {auto.picked_roles})"

@@ -193,6 +193,13 @@ def _measure_point(job: Job, point: Point, lineup: Lineup, rank: int, world: int
                     times[variant_key(algo, mode)][name].append(seconds)
         progress.update(1, f"{point.label}  round {it + 1}/{rounds}"
                         + (" (warm-up)" if it < cfg.warmup else ""))
+    for algo, c in lineup.contenders.items():  # a measured auto decided in its warm-up
+        if hasattr(c, "resolve_pick") and c.options.auto_tune is not None:
+            lineup.picks[algo] = c.resolve_pick()
+            margin = c.options.auto_tune
+            lineup.notes[algo] = (f"auto (auto_tune {'all' if margin == float('inf') else margin}) ran "
+                                  f"{lineup.picks[algo]}, the model's pick {c.picked} (roles "
+                                  f"{c.picked_roles})")
     memory = ({algo: _memory(c, inputs, cfg.backward, device)
                for algo, c in lineup.contenders.items()} if cfg.memory else {})
     return {"point": point.index, "times": times, "memory": memory,

@@ -33,6 +33,8 @@ from charm_megatron.model.predict import (
     choose_algo_cached,
     predict,
     predict_all,
+    rank_algos,
+    rank_algos_cached,
     ring_ccr,
     variants,
 )
@@ -61,6 +63,8 @@ __all__ = [
     "load_profile",
     "predict",
     "predict_all",
+    "rank_algos",
+    "rank_algos_cached",
     "ring_ccr",
     "save_profile",
     "simulate",

@@ -137,6 +137,25 @@ def variants(algo: str, groups: Sequence[Sequence[int]], problem: Problem,
                              timer=ClusterTimer(cl, problem, g), **settings)
 
 
+def rank_algos(groups: Sequence[Sequence[int]], problem: Problem,
+               cluster: Cluster | None = None, *, causal: bool = True,
+               algos: Sequence[str] = ALGOS, tune: bool = True,
+               **settings: object) -> tuple[tuple[float, str], ...]:
+    """Every algorithm of ``algos`` that can run the problem with its predicted forward +
+    backward seconds, fastest first (ties in the order of ``algos``): what
+    :func:`choose_algo` picks from, and what a measured ``auto`` (``CPOptions.auto_tune``,
+    ops/auto_tune.py) shortlists. Arguments as :func:`choose_algo`'s."""
+    g = _groups(groups)
+    algos = [a for a in algos if not registry.refuses(a, call_traits(g, problem))]
+    if not algos:
+        raise ValueError("choose_algo needs at least one algorithm that can run the problem")
+    timer = ClusterTimer(cluster if cluster is not None else default_cluster_for(g), problem, g)
+    times = sorted((sum(map(timer.seconds, _plans(a, g, problem, causal, timer if tune else None,
+                                                  settings))), i, a)
+                   for i, a in enumerate(algos))
+    return tuple((t, a) for t, _, a in times)
+
+
 def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
                 cluster: Cluster | None = None, *, causal: bool = True,
                 algos: Sequence[str] = ALGOS, tune: bool = True,
@@ -155,22 +174,24 @@ def choose_algo(groups: Sequence[Sequence[int]], problem: Problem,
     to True (GPT training). An algorithm that refuses the problem (``a2a`` where the heads do
     not divide by the CP size; the entry's ``check``) is never chosen.
     """
-    g = _groups(groups)
-    algos = [a for a in algos if not registry.refuses(a, call_traits(g, problem))]
-    if not algos:
-        raise ValueError("choose_algo needs at least one algorithm that can run the problem")
-    timer = ClusterTimer(cluster if cluster is not None else default_cluster_for(g), problem, g)
-    times = [(sum(map(timer.seconds, _plans(a, g, problem, causal, timer if tune else None,
-                                            settings))), i, a)
-             for i, a in enumerate(algos)]
-    return min(times)[2]
+    return rank_algos(groups, problem, cluster, causal=causal, algos=algos, tune=tune,
+                      **settings)[0][1]
 
 
 @lru_cache(maxsize=256)
-def _choose_cached(groups: Groups, problem: Problem, cluster: Cluster | None, causal: bool,
-                   algos: tuple[str, ...], tune: bool, values: registry.Values) -> str:
-    return choose_algo(groups, problem, cluster, causal=causal, algos=algos, tune=tune,
-                       **values)
+def _rank_cached(groups: Groups, problem: Problem, cluster: Cluster | None, causal: bool,
+                 algos: tuple[str, ...], tune: bool, values: registry.Values
+                 ) -> tuple[tuple[float, str], ...]:
+    return rank_algos(groups, problem, cluster, causal=causal, algos=algos, tune=tune, **values)
+
+
+def rank_algos_cached(groups: Sequence[Sequence[int]], problem: Problem,
+                      cluster: Cluster | None = None, *, causal: bool = True,
+                      algos: Sequence[str] = ALGOS, tune: bool = True,
+                      **settings: object) -> tuple[tuple[float, str], ...]:
+    """:func:`rank_algos` memoised on its (hashable) arguments."""
+    return _rank_cached(_groups(groups), problem, cluster, causal, tuple(algos), tune,
+                        registry.settings_values(**settings))
 
 
 def choose_algo_cached(groups: Sequence[Sequence[int]], problem: Problem,
@@ -180,5 +201,5 @@ def choose_algo_cached(groups: Sequence[Sequence[int]], problem: Problem,
     """:func:`choose_algo` memoised on its (hashable) arguments: cheap to call every step.
     ``cluster=None`` is the generic one; :func:`~charm_megatron.model.auto.auto_cluster`
     re-reads a recalibrated profile file, so the cache follows it."""
-    return _choose_cached(_groups(groups), problem, cluster, causal, tuple(algos), tune,
-                          registry.settings_values(**settings))
+    return rank_algos_cached(groups, problem, cluster, causal=causal, algos=algos, tune=tune,
+                             **settings)[0][1]

@@ -13,6 +13,9 @@ Each call direction makes three exchanges on the CP group's control channel
 Every rank reads the same table of every exchange, so every rank reaches the same verdict and
 raises the same error, naming the field and the ranks.
 
+One more exchange stands alone: :func:`share` (a measured ``auto`` sharing its times,
+ops/auto_tune.py), under a call number of its own.
+
 Out of step. A rank that missed a call, or reached it after its peers gave up waiting
 (``timeout_s``), meets messages of another round or call number. Its peers kept the exchange
 they gave up on (``ControlChannel.pending``); their next call first settles it and, when the
@@ -168,7 +171,7 @@ def settle(sg, timeout_s: float) -> None:
     _realign(sg, table)
     if p.mirror:
         return  # the late rank has now finished the call it was in: nothing more owed
-    if _in_step(table, p.sent) and p.sent.round is not Round.STATUS:
+    if _in_step(table, p.sent) and p.sent.round in (Round.AGREE, Round.VERDICT):
         # The late rank continues that call: owe it the call's remaining rounds.
         nxt = Round.VERDICT if p.sent.round is Round.AGREE else Round.STATUS
         mirror = Message(nxt, p.sent.call, p.sent.backward, sg.calls, Flag.ABANDONED,
@@ -240,6 +243,19 @@ def agree(sg, sig: Signature, call: int, backward: bool, timeout_s: float,
         from charm_megatron.ops.streams import rebuild
 
         rebuild(sg, max(m.generation for m in table) + 1)
+
+
+def share(sg, codes: Sequence[int], timeout_s: float, what: str) -> list[tuple[int, ...]]:
+    """Every rank's ``codes`` (at most ``MAX_CODES`` int64s), in one exchange with a call
+    number of its own (ops/auto_tune.py shares its measured times so). Bounded by
+    ``timeout_s``; a rank out of step raises :class:`CPMismatchError` on every rank."""
+    call = open_call(sg, timeout_s)
+    mine = Message(Round.TUNE, call, False, sg.calls, Flag.NONE, codes=tuple(codes),
+                   generation=sg.generation)
+    table = _exchange(sg, mine, timeout_s, what)
+    if not _in_step(table, mine):
+        raise _out_of_step(sg, table, mine)
+    return [m.codes for m in table]
 
 
 def report_status(sg, call: int, backward: bool, code: int, message: str,

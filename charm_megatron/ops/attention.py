@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from charm_megatron.ops.options import CPOptions
 from charm_megatron.ops.plan_run import run_backward, run_forward
-from charm_megatron.ops.prepare import Call, build_request, prepare
+from charm_megatron.ops.prepare import Call, build_request, prepare, tune_call
 from charm_megatron.ops.resolution import model_cluster, resolve_call
 from charm_megatron.plan.registry import CHOICES
 
@@ -105,6 +105,15 @@ def cp_attention(
                    softmax_scale=softmax_scale, options=options, roles=roles,
                    cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, tag=tag,
                    softmax_offset=softmax_offset, window_size=window_size)
+    if call.resolved.tune is not None:  # auto_tune: this shape's first auto call measures
+        def candidate(name: str, *tensors: torch.Tensor | None) -> torch.Tensor:
+            return cp_attention(*tensors[:3], group=group, algo=name, topology=topology,
+                                causal=causal, softmax_scale=softmax_scale,
+                                options=call.options.with_(auto_tune=None), roles=roles,
+                                tag=f"{tag or 'auto'}: auto-tune {name}",
+                                softmax_offset=tensors[3], window_size=window_size)
+
+        call = tune_call(call, candidate, q, k, v, softmax_offset)
     qi, ki, vi = call.layout.to_internal(q, k, v)
     out, lse_sbh = _CPAttention.apply(qi, ki, vi, softmax_offset, call)
     out, lse = call.layout.out_from_internal(out, lse_sbh)
@@ -117,7 +126,8 @@ def resolve_algo(q: torch.Tensor, k: torch.Tensor, *, group: dist.ProcessGroup |
                  window_size: tuple[int, int] | None = None) -> str:
     """The algorithm ``cp_attention(q, k, v, algo=algo, ...)`` runs with these arguments (sbhd
     ``q``, ``k``; tensors on the ``meta`` device do): for ``"auto"`` the performance model's pick,
-    made by the same code as the call's; any other name unchanged. No communication unless the
+    made by the same code as the call's (with ``auto_tune``, the pick measured for this shape
+    if it has been, else the model's); any other name unchanged. No communication unless the
     topology is ``"auto"`` (a probe, then a collective). For reporting what ``auto`` chose (the
     benchmark's ``auto`` contender); raises what the call would raise for a bad profile or name."""
     cp_size = dist.get_world_size(group)

@@ -44,6 +44,7 @@ class Round(enum.IntEnum):
     AGREE = 1  # signature codes (or this rank's input error)
     VERDICT = 2  # go, or the values of the fields that differ
     STATUS = 3  # how the plan went on this rank
+    TUNE = 4  # a measured auto's times, one exchange of a call number of its own
 
 
 class Flag(enum.IntFlag):

@@ -61,7 +61,16 @@ _OWN_VARS = {
     "CHARM_AUTO_ALGOS": ("auto_algos", "comma-separated algorithms algo auto may pick, e.g. "
                          "ring,rmplus,charm (default: every registered one that can run the "
                          "call)"),
+    "CHARM_AUTO_TUNE": ("auto_tune", "algo auto measures its shortlist once per shape: off "
+                        "(default: the model's pick), on (margin 1.5), a margin >= 1 (time "
+                        "every algorithm the model predicts within that factor of its "
+                        "fastest) or all"),
 }
+
+#: The margin ``CHARM_AUTO_TUNE=on`` stands for: the model's speed-up errors on its measured
+#: rows reach 1.3x (the CPU testbed's a2a / CHARM+ miss, docs/performance.md), so a shortlist
+#: of predictions within 1.5x of the fastest holds the measured fastest there.
+DEFAULT_TUNE_MARGIN = 1.5
 
 
 class _EnvVars(Mapping[str, tuple[str, str]]):
@@ -138,6 +147,12 @@ class CPOptions:
             comma-separated string); ``None``: every registered algorithm that can run the
             call (an entry that refuses it, e.g. ``a2a`` with heads that do not divide by the
             CP size, never counts).
+        auto_tune: ``None`` (default): ``algo="auto"`` runs the model's pick. A margin
+            ``>= 1`` (``inf``: every candidate): the first ``auto`` call of each shape times
+            every algorithm the model predicts within that factor of its fastest, forward and
+            backward on the call's own inputs, the ranks share their times, and all run the
+            one whose slowest rank was fastest from then on (ops/auto_tune.py). Dense (sbhd)
+            calls only; packed ones take the model's pick.
     """
 
     timeout_s: float
@@ -149,6 +164,7 @@ class CPOptions:
     settings: tuple[tuple[str, object], ...]
     auto_algos: tuple[str, ...] | None
     partials: Dtype
+    auto_tune: float | None
 
     def __init__(self, *, timeout_s: float = 600.0,
                  backend: str | AttentionBackend | None = None, topology: str | None = None,
@@ -157,6 +173,7 @@ class CPOptions:
                  settings: tuple[tuple[str, object], ...] | Mapping[str, object] = (),
                  auto_algos: str | Sequence[str] | None = None,
                  partials: Dtype | str = Dtype.INPUT,
+                 auto_tune: float | str | None = None,
                  **algorithm_settings: object) -> None:
         given = dict(settings.items() if isinstance(settings, Mapping) else settings)
         given.update(algorithm_settings)
@@ -175,7 +192,8 @@ class CPOptions:
                             ("model_profile", model_profile), ("settings", parsed),
                             ("auto_algos", _auto_algos(auto_algos)),
                             ("partials", _enum(Dtype, partials, "partials",
-                                               "CHARM_PARTIALS"))):
+                                               "CHARM_PARTIALS")),
+                            ("auto_tune", _auto_tune(auto_tune))):
             object.__setattr__(self, name, value)
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
                 and math.isfinite(timeout_s) and timeout_s > 0):
@@ -289,6 +307,30 @@ def _auto_algos(value) -> tuple[str, ...] | None:
                          f"{'unknown ' + ', '.join(map(repr, bad)) if bad else 'empty'}; give "
                          f"some of {', '.join(registry.names())}, comma-separated")
     return tuple(dict.fromkeys(names))
+
+
+def _auto_tune(value) -> float | None:
+    """``auto_tune`` as a margin >= 1 (``inf``: all), or ``None`` (off); ValueError naming it."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return DEFAULT_TUNE_MARGIN
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in ("", "off", "0", "false", "no"):
+            return None
+        if word in ("on", "1", "true", "yes"):
+            return DEFAULT_TUNE_MARGIN
+        if word == "all":
+            return math.inf
+        try:
+            value = float(word)
+        except ValueError:
+            value = math.nan
+    if isinstance(value, (int, float)) and not math.isnan(value) and value >= 1:
+        return float(value)
+    raise ValueError(f"cp_attention: auto_tune={value!r} (CHARM_AUTO_TUNE): give off, on "
+                     f"(margin {DEFAULT_TUNE_MARGIN}), a margin >= 1 such as 1.3, or all")
 
 
 def _enum(kind, value, name: str, env: str | None):

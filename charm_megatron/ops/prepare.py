@@ -12,16 +12,20 @@ layouts (the layout is a strategy it is given, :mod:`charm_megatron.ops.layouts`
    the topology, the algorithm (``auto``: the performance model's pick), the algorithm's own
    variants and its validated plans (ops/resolution.py).
 4. The :class:`Call`, which the autograd function keeps for the backward.
+
+With ``auto_tune``, the first ``auto`` call of a shape measures its shortlist between 3 and
+the plan (:func:`tune_call`: whole calls of each candidate, then one exchange of the times)
+and runs the measured pick.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
-from charm_megatron.ops import agreement
+from charm_megatron.ops import agreement, auto_tune
 from charm_megatron.ops.layouts import Layout, Sbhd, Thd
 from charm_megatron.ops.options import CPOptions, resolve
 from charm_megatron.ops.request import (
@@ -129,6 +133,17 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, **argum
     assert request is not None
     resolved = resolve_call(request, group, cp_size, cluster)
     return Call(group, request, resolved, seq, cluster)
+
+
+def tune_call(call: Call, run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              offset: torch.Tensor | None) -> Call:
+    """``call`` after its ``auto`` measured its shortlist (ops/auto_tune.py), resolved again
+    to run the measured pick: ``run(algo, q, k, v, offset)`` is one call of a candidate."""
+    assert call.resolved.tune is not None
+    sg = stream_groups(call.group, call.options.timeout_s)
+    auto_tune.tune(call.resolved.tune, run, q, k, v, offset, sg, call.options.timeout_s)
+    cp_size = dist.get_world_size(call.group)
+    return replace(call, resolved=resolve_call(call.request, call.group, cp_size, call.cluster))
 
 
 def _count(sg: StreamGroups) -> int:

@@ -161,11 +161,21 @@ class CallRequest:
             ("model profile (CHARM_MODEL_PROFILE)", (opts.model_profile,
                                                      cluster_digest(cluster))),
             ("auto candidates (CHARM_AUTO_ALGOS)", opts.auto_algos),
+            ("auto tuning (CHARM_AUTO_TUNE)", opts.auto_tune),
+            # The measured picks this rank holds: a rank that lost them (restarted) would run
+            # another plan than its peers; this names it instead (ops/auto_tune.py).
+            ("auto-tune picks held", _picks_digest() if opts.auto_tune is not None else None),
             ("partials on the wire (CHARM_PARTIALS)", str(opts.partials)),
             *((f"{name}{_env_hint(name)}", str(value)) for name, value in
               self.settings.items()),
             *self.layout.fields(),
         )
+
+
+def _picks_digest() -> str | None:
+    from charm_megatron.ops.auto_tune import picks_digest
+
+    return picks_digest()
 
 
 def _env_hint(name: str) -> str:

@@ -4,14 +4,16 @@ Every function here is a pure function of the request the ranks agreed on (and o
 all-gathered result), so every rank resolves a call alike without communicating. Nothing here
 names an algorithm or its settings: the registry entries own them (plan/registry.py), and
 ``auto`` is the performance model's pick among the entries, each weighed with the variants it
-would run.
+would run, or with ``auto_tune`` the pick measured earlier for the same shape (a lookup; the
+measurement itself is ops/auto_tune.py's, made between the agreement and the plan).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from charm_megatron.ops.request import CallRequest
+from charm_megatron.ops import auto_tune
+from charm_megatron.ops.request import CallRequest, cluster_digest
 from charm_megatron.plan import registry
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
@@ -33,6 +35,7 @@ class Resolved:
     groups: Groups
     variants: tuple[object, object]
     plans: tuple[Plan, Plan]
+    tune: auto_tune.Pending | None = None  # auto_tune: measure this shortlist first
 
 
 def model_cluster(opts):
@@ -100,17 +103,9 @@ def resolve_call(request: CallRequest, group, cp_size: int, cluster) -> Resolved
     algo = request.algo
     prob = problem(request, cp_size)
     traits = call_traits(request, topo_groups)
+    pending = None
     if algo == registry.AUTO:
-        from charm_megatron.model import choose_algo_cached
-
-        given = request.options.auto_algos
-        candidates = [a for a in (given or registry.names()) if not registry.refuses(a, traits)]
-        if not candidates:
-            raise ValueError(f"cp_attention(algo='auto'): none of auto_algos={list(given)} "
-                             "(CHARM_AUTO_ALGOS) can run this call; add ring, rmplus or charm")
-        algo = choose_algo_cached(topo_groups, prob, cluster, causal=request.causal,
-                                  tune=cluster is not None, **request.settings,
-                                  algos=candidates)
+        algo, pending = _auto(request, topo_groups, prob, cluster, traits, cp_size)
     # The same verdict on every rank (a function of what they agreed on), before data moves.
     registry.check_call(algo, traits)
     groups = topo_groups if registry.uses_topology(algo) else flat
@@ -124,7 +119,35 @@ def resolve_call(request: CallRequest, group, cp_size: int, cluster) -> Resolved
                                  **request.settings)
     plans = _validated(algo, groups, request.causal, shape, timer, request.settings,
                        tile_rule(request, cp_size))
-    return Resolved(algo, groups, variants, plans)
+    return Resolved(algo, groups, variants, plans, pending)
+
+
+def _auto(request: CallRequest, groups: Groups, prob: Problem, cluster,
+          traits: registry.CallTraits, cp_size: int) -> tuple[str, auto_tune.Pending | None]:
+    """What ``auto`` runs: the model's pick, or with ``auto_tune`` the pick measured for this
+    shape; and the shortlist still to measure, if any (dense calls on more than one rank)."""
+    from charm_megatron.model import rank_algos_cached
+
+    given = request.options.auto_algos
+    candidates = [a for a in (given or registry.names()) if not registry.refuses(a, traits)]
+    if not candidates:
+        raise ValueError(f"cp_attention(algo='auto'): none of auto_algos={list(given)} "
+                         "(CHARM_AUTO_ALGOS) can run this call; add ring, rmplus or charm")
+    ranked = rank_algos_cached(groups, prob, cluster, causal=request.causal,
+                               tune=cluster is not None, **request.settings, algos=candidates)
+    margin = request.options.auto_tune
+    if margin is None or cp_size == 1 or request.layout.name != "sbhd":
+        return ranked[0][1], None
+    short = auto_tune.shortlist(ranked, margin)
+    if len(short) == 1:
+        return short[0], None
+    # Everything the times depend on, nothing that names the call site (tag, call number):
+    # one measurement serves every layer of a model.
+    key = (groups, prob, cluster_digest(cluster), request.causal, request.scale,
+           request.window, request.softmax_offset is not None, request.options.backend_name,
+           request.q.dtype, tuple(request.settings.items()), short)
+    held = auto_tune.lookup(key)
+    return (held, None) if held is not None else (short[0], auto_tune.Pending(key, short))
 
 
 def call_traits(request: CallRequest, groups: Groups) -> registry.CallTraits:
