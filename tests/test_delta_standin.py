@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from charm_megatron.kernels import get_backend
-from charm_megatron.ops.executor import _out_with_delta, delta_exponent
+from charm_megatron.ops.executor import _out_with_delta, delta_exponent, scaled_delta
 
 
 def _rel(a, b):
@@ -14,7 +14,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("scale", [1e30, 1.0, 1e-30, 1e-40])
+@pytest.mark.parametrize("scale", [1e37, 1e30, 1.0, 1e-30, 1e-40])
 def test_stand_in_matches_the_real_output(dtype, scale):
     if dtype == torch.bfloat16 and scale == 1e-40:
         pytest.skip("bf16 has almost no mantissa left at 1e-40; the fused kernel itself fails")
@@ -26,7 +26,11 @@ def test_stand_in_matches_the_real_output(dtype, scale):
     out, lse = be.forward(q, k, v, True, 0.35)
     want = be.backward(dout, q, k, v, out, lse, True, 0.35)
     e = delta_exponent(dout)
-    delta = torch.ldexp((dout.double() * out.double()).sum(-1), -e.double())
+    exact = torch.ldexp((dout.double() * out.double()).sum(-1), -e.double())
+    delta = scaled_delta(dout, out, e)  # what the backward sends: fp32 for fp32 / bf16
+    assert delta.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert torch.isfinite(delta).all()
+    assert _rel(delta, exact) < (1e-14 if dtype == torch.float64 else 1e-6)
     standin = _out_with_delta(dout, delta.to(lse.dtype))
     assert torch.isfinite(standin).all()
     got = be.backward(dout, q, k, v, standin, lse, True, 0.35)

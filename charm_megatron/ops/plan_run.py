@@ -13,7 +13,7 @@ from charm_megatron.kernels.head_dims import HeadDimPadding
 from charm_megatron.kernels.window import Window
 from charm_megatron.ops import agreement, head_stage, softmax_offset
 from charm_megatron.ops.agreement import CPAttentionError
-from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent
+from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent, scaled_delta
 from charm_megatron.ops.failsafe import GuardedBackend
 from charm_megatron.ops.options import kernel_backend
 from charm_megatron.ops.prepare import Call
@@ -191,10 +191,8 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         # executor._out_with_delta), so the q-side bundle carries it instead of out, scaled
         # by the row's power of two 2**-e (e from max|dout|) so that it never overflows or
         # underflows; the receiver recomputes e from the dout it receives.
-        wide = torch.float64
         e = delta_exponent(d_out)
-        unscaled = (d_out.to(wide) * out.to(wide)).sum(-1)
-        delta = torch.ldexp(unscaled, -e.to(wide))
+        delta = scaled_delta(d_out, out, e)
         ex.set_own("own.qgrad", "qgrad", q, d_out,
                    torch.stack([lse_sbh, delta.to(lse_sbh.dtype)], -1))
         ex.set_own_output("own.qgrad", out.to(q.dtype))
@@ -207,6 +205,7 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             grads = _out_of_lanes(call, ex, stage, rank, *grads)
         held["grads"] = grads
         if offset is not None:
+            unscaled = torch.ldexp(delta.double(), e.double())  # [s, b, h]: cheap in float64
             grad = softmax_offset.offset_grad(lse_sbh, unscaled, _lane_heads(offset, stage, rank))
             if stage is not None:
                 # This rank holds every row of its group for its lane's heads: its share is
