@@ -330,7 +330,10 @@ def _device_setup(args, cfg: BenchConfig, points) -> DeviceSetup:
                      cross_Bps=parse_rate(args.cross_rate) if args.cross_rate else None,
                      intra_Bps=parse_rate(args.intra_rate) if args.intra_rate else None,
                      sm_contention=not args.no_sm_contention, nic=args.nic,
-                     divides=[w for w in (cfg.window or ()) if w > 0])
+                     divides=[w for w in (cfg.window or ()) if w > 0],
+                     # The software link model books each transfer when it is posted: first
+                     # come, first served, which the model is told (docs/emulator.md).
+                     link_order="fifo" if args.emulate_backend in ("auto", "software") else None)
 
 
 def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:

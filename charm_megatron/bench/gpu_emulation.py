@@ -59,6 +59,9 @@ class DeviceSetup:
     sm_contention: bool = True
     hw_groups: tuple[tuple[int, ...], ...] = ()  # the emulated nodes (CP-local ranks)
     nic: str | None = None  # "rank" / "node": the cross links' sharing; None: the profile's
+    # How the emulated links serve concurrent transfers: "fifo" on the software link model
+    # (it books each transfer when posted); None: the profile's (tc's queues share fairly).
+    link_order: str | None = None
 
     def __post_init__(self) -> None:
         if not self.dilation > 0:
@@ -92,7 +95,8 @@ class DeviceSetup:
         (the model's prediction of a run, and what its calls' ``auto`` settings time with)."""
         return self.cluster.with_(cross_gbps=self.device_cross_Bps / 1e9,
                                   intra_gbps=self.device_intra_Bps / 1e9,
-                                  nic=self.nic or self.cluster.nic)
+                                  nic=self.nic or self.cluster.nic,
+                                  link_order=self.link_order)
 
     def wire_rate(self, device_Bps: float) -> float:
         """The emulated link's rate (bytes/s of wire data) for a real link of ``device_Bps``:
@@ -170,7 +174,7 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
               wire_bytes: int = DEFAULT_WIRE_BYTES, dilation: float | None = None,
               cross_Bps: float | None = None, intra_Bps: float | None = None,
               sm_contention: bool = True, nic: str | None = None,
-              divides: Sequence[int] = ()) -> DeviceSetup:
+              divides: Sequence[int] = (), link_order: str | None = None) -> DeviceSetup:
     """The emulated cluster of a bench run on a ``grid`` of (nodes, GPUs per node): the wire
     scale given (checked against every point) or chosen (:func:`choose_scale`), the dilation
     given or ``auto`` (``None``: :func:`auto_dilation` on the run's real links)."""
@@ -183,10 +187,11 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
                              "even number of wire rows")
     groups = tuple(tuple(range(i * grid[1], (i + 1) * grid[1])) for i in range(grid[0]))
     if dilation is None:
-        links = DeviceSetup(profile, cross_Bps=cross_Bps, intra_Bps=intra_Bps, nic=nic)
+        links = DeviceSetup(profile, cross_Bps=cross_Bps, intra_Bps=intra_Bps, nic=nic,
+                            link_order=link_order)
         dilation = auto_dilation(links.model_cluster, points, groups, causal, elem)
     return DeviceSetup(profile, dilation, batch, rows, cross_Bps, intra_Bps, sm_contention,
-                       groups, nic)
+                       groups, nic, link_order)
 
 
 class CoreMeter:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 
 from charm_megatron.model.auto import ENV
-from charm_megatron.model.cluster import Cluster, default_cluster_for
+from charm_megatron.model.cluster import LINK_ORDERS, Cluster, default_cluster_for
 from charm_megatron.model.predict import Prediction, predict, predict_all, ring_ccr
 from charm_megatron.model.profiles import PROFILES, get_profile
 from charm_megatron.plan.cli import add_split_args, settings_from_args
@@ -63,6 +64,11 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="hardware groups, e.g. 2x8, 4x8, 0-3,4-7 (default: the profile's)")
     parser.add_argument("--nic", choices=("rank", "node"), default=None,
                         help="rank: a cross link per rank; node: one shared per group")
+    parser.add_argument("--link-order", choices=LINK_ORDERS, default=None,
+                        help="how a link serves transfers at once: fair shares, or fifo (in "
+                             "the order they started: one NCCL communicator, e.g. "
+                             "TransformerEngine's ring; the emulator's software links); "
+                             "default: the profile's")
     parser.add_argument("--cross-via-intra", action=argparse.BooleanOptionalAction,
                         default=None,
                         help="cross messages also use the intra ports (one PCIe link per GPU)")
@@ -125,6 +131,7 @@ def resolve(args: argparse.Namespace) -> tuple[str, list[list[int]], Cluster, st
     overrides: dict[str, object] = {field: getattr(args, flag[2:].replace("-", "_"))
                                     for flag, field, _, _ in _CLUSTER_FLAGS}
     overrides["nic"] = args.nic
+    overrides["link_order"] = args.link_order
     overrides["cross_via_intra"] = args.cross_via_intra
     name, origin = args.profile, ""
     if not name and os.environ.get(ENV):
@@ -205,6 +212,8 @@ def _accuracy(args: argparse.Namespace) -> int:
     name = args.profile or ("cpu-testbed" if args.accuracy else "h100")
     try:
         prof = get_profile(name)
+        if args.link_order:
+            prof = replace(prof, cluster=prof.cluster.with_(link_order=args.link_order))
         if args.accuracy:
             settings = accuracy.bench_settings(load_points(args.accuracy), prof)
         else:

@@ -16,6 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
 NICS = ("rank", "node")
+#: How a link serves the messages on it at once: ``fair`` (max-min fair shares, as a NIC
+#: arbitrates among flows of separate communicators) or ``fifo`` (in the order they started:
+#: one NCCL communicator runs its operations in issue order, as TransformerEngine's ring sends
+#: kv and dkv on one group; the emulator's software links book transfers so).
+LINK_ORDERS = ("fair", "fifo")
 
 
 @dataclass(frozen=True)
@@ -39,7 +44,9 @@ class Cluster:
       root complex or switch uplink); ``None`` is a non-blocking fabric (NVSwitch).
 
     Concurrent messages on a link share it max-min fairly (recomputed whenever one starts or
-    ends). Each message first waits ``latency_us`` without using bandwidth.
+    ends); with ``link_order="fifo"`` the one that started first takes what it can use and the
+    later ones the rest, in start order (:data:`LINK_ORDERS`; GPU profiles only: a shared core
+    pool stays fair). Each message first waits ``latency_us`` without using bandwidth.
 
     Compute: a tile of ``F`` FLOPs takes ``F / (tflops * 1e12)`` seconds (backward tiles have
     ``bwd_factor`` times the forward FLOPs). ``cores`` switches on a *shared* compute pool: all
@@ -91,10 +98,16 @@ class Cluster:
     concurrency_penalty: float = 0.0
     cross_burst_kb: float = 0.0
     intra_burst_kb: float = 0.0
+    link_order: str = "fair"
 
     def __post_init__(self) -> None:
         if self.nic not in NICS:
             raise ValueError(f"nic must be one of {NICS}, got {self.nic!r}")
+        if self.link_order not in LINK_ORDERS:
+            raise ValueError(f"link_order must be one of {LINK_ORDERS}, got {self.link_order!r}")
+        if self.link_order == "fifo" and self.cores is not None:
+            raise ValueError("link_order='fifo' describes GPU links; a shared core pool "
+                             "(cores) is shared fairly: use link_order='fair'")
         for name in ("intra_gbps", "cross_gbps", "tflops", "bwd_factor"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
@@ -154,6 +167,8 @@ class Cluster:
             parts.append(f"concurrency penalty {self.concurrency_penalty:g}")
         if self.cross_burst_kb or self.intra_burst_kb:
             parts.append(f"burst cross {self.cross_burst_kb:g} / intra {self.intra_burst_kb:g} KiB")
+        if self.link_order != "fair":
+            parts.append("links in start order (fifo)")
         return ", ".join(parts)
 
 

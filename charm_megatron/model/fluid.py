@@ -32,6 +32,24 @@ class Job:
     tag: tuple = ()
 
 
+def allocate_in_order(jobs: Sequence[Job], capacity: Mapping[Hashable, float]) -> None:
+    """Set every job's ``rate`` first come, first served: in ``jobs`` order (the order they
+    started), each takes all its resources have left, up to its cap. How one NCCL
+    communicator runs the operations issued to it, and how the emulator's software links book
+    transfers ("busy until"); the same as :func:`allocate` for jobs that share nothing."""
+    used: dict[Hashable, float] = {}
+    for j in jobs:
+        rate = j.cap
+        for res, a in j.uses:
+            if a > 0:
+                rate = min(rate, max(capacity[res] - used.get(res, 0.0), 0.0) / a)
+        if rate == math.inf:
+            raise ValueError("a job is bounded by neither a resource nor a cap")
+        j.rate = rate
+        for res, a in j.uses:
+            used[res] = used.get(res, 0.0) + a * rate
+
+
 def allocate(jobs: Sequence[Job], capacity: Mapping[Hashable, float]) -> None:
     """Set every job's ``rate`` to the max-min fair share (weighted by ``weight``)."""
     # Which jobs share each resource: a job alone on all its resources is not contended.

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from charm_megatron.model import effects
 from charm_megatron.model.cluster import Cluster
-from charm_megatron.model.fluid import Job, allocate
+from charm_megatron.model.fluid import Job, allocate, allocate_in_order
 from charm_megatron.plan.batches import BatchMismatch, StreamQueues, messages_between
 from charm_megatron.plan.core import (
     Comm,
@@ -376,7 +376,8 @@ class _Engine(OpInterpreter[None]):
             if self.jobs:
                 jobs = [j for j, _, _ in self.jobs]
                 effects.compute_caps(self.cl, jobs)
-                allocate(jobs, effects.link_capacity(self.cl, self.capacity, jobs))
+                share = allocate_in_order if self.cl.link_order == "fifo" else allocate
+                share(jobs, effects.link_capacity(self.cl, self.capacity, jobs))
                 for j, _, _ in self.jobs:
                     if j.rate > 0:
                         dt = min(dt, j.remaining / j.rate)
