@@ -79,3 +79,37 @@ def lost_picks(rank: int, world: int):
     auto_tune.forget()
     err = _step(rank, world, opts)
     return outcome, err, auto_tune.last_report() is not None
+
+
+def peer_stalls_while_measuring(rank: int, world: int):
+    """Rank 1 stops responding after measuring its candidates (before the times are shared):
+    the others must get an error within their bound (timeout_s), not hang."""
+    import time
+
+    from dist_failure_cases import stay_absent_until_the_others_are_done, the_others_are_done
+
+    real = auto_tune.measure
+    seen: list[str] = []
+
+    def measure(run, algo, *args):
+        seconds = real(run, algo, *args)
+        seen.append(algo)
+        if rank == 1 and len(seen) == len(ALGOS):
+            stay_absent_until_the_others_are_done(30)  # alive, silent: the worst case
+            raise SystemExit(0)
+        return seconds
+
+    auto_tune.measure = measure
+    t0 = time.monotonic()
+    try:
+        _step(rank, world, CPOptions(auto_tune="all", auto_algos=ALGOS, timeout_s=3.0))
+        outcome = "no error"
+    except SystemExit:
+        return None
+    except Exception as exc:  # noqa: BLE001 - the type is checked by the test
+        outcome = type(exc).__name__
+    finally:
+        auto_tune.measure = real
+        if rank != 1:
+            the_others_are_done()
+    return outcome, time.monotonic() - t0

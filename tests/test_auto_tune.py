@@ -67,3 +67,13 @@ def test_a_rank_that_lost_its_picks_is_named_not_run():
     for outcome, err, measured in res:
         assert "auto-tune picks held" in outcome, outcome
         assert err < 1e-5 and measured
+
+
+def test_a_peer_silent_before_the_times_are_shared_gives_an_error_not_a_hang():
+    res = run_ranks(cases.peer_stalls_while_measuring, 4, timeout_s=180)
+    for rank, r in enumerate(res):
+        if rank == 1:
+            continue
+        outcome, seconds = r
+        assert outcome == "CPAttentionError", r
+        assert seconds < 60, r
