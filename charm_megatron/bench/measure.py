@@ -196,10 +196,9 @@ def _measure_point(job: Job, point: Point, lineup: Lineup, rank: int, world: int
     for algo, c in lineup.contenders.items():  # a measured auto decided in its warm-up
         if hasattr(c, "resolve_pick") and c.options.auto_tune is not None:
             lineup.picks[algo] = c.resolve_pick()
-            margin = c.options.auto_tune
-            lineup.notes[algo] = (f"auto (auto_tune {'all' if margin == float('inf') else margin}) ran "
-                                  f"{lineup.picks[algo]}, the model's pick {c.picked} (roles "
-                                  f"{c.picked_roles})")
+            margin = "all" if c.options.auto_tune == float("inf") else c.options.auto_tune
+            lineup.notes[algo] = (f"auto (auto_tune {margin}) ran {lineup.picks[algo]}, the "
+                                  f"model's pick {c.picked} (roles {c.picked_roles})")
     memory = ({algo: _memory(c, inputs, cfg.backward, device)
                for algo, c in lineup.contenders.items()} if cfg.memory else {})
     return {"point": point.index, "times": times, "memory": memory,
