@@ -17,10 +17,9 @@ from __future__ import annotations
 import csv
 import sys
 
+from charm_megatron.bench.config import element_size
 from charm_megatron.model import get_profile, predict
 from charm_megatron.plan.cost import Problem
-
-ELEM = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 
 def _prediction(row: dict, order: str) -> float:
@@ -29,7 +28,7 @@ def _prediction(row: dict, order: str) -> float:
     nodes, per = (int(x) for x in row["topology"].split("x"))
     groups = [list(range(i * per, (i + 1) * per)) for i in range(nodes)]
     problem = Problem(int(row["batch"]), int(row["seq"]), int(row["heads"]),
-                      int(row["kv_heads"]), int(row["head_dim"]), ELEM[row["dtype"]],
+                      int(row["kv_heads"]), int(row["head_dim"]), element_size(row["dtype"]),
                       wide_partials=row.get("partials") == "fp32")
     causal = row["causal"] == "True"
     pred = predict(row["algo"], groups, problem, cluster, causal, tune=True)

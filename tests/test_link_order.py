@@ -64,14 +64,10 @@ def test_the_emulated_ring_backward_matches_the_in_order_model(capsys):
     """The measured finding, kept: on the paper-implementation device the emulated ring's
     backward (a CSV of docs/performance/emulated-t5/paper-measured) is within 1 % of the
     in-order model and about 9 % below the fair one."""
-    import importlib.util
-    from pathlib import Path
+    from script_loader import SCRIPTS, load_script
 
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location("loc", root / "scripts" / "link_order_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    csv_path = root / "docs/performance/emulated-t5/paper-measured/2x8-b16-s13440.csv"
+    mod = load_script("link_order_check")
+    csv_path = SCRIPTS.parent / "docs/performance/emulated-t5/paper-measured/2x8-b16-s13440.csv"
     assert mod.main([str(csv_path)]) == 0
     ring_bwd = next(line for line in capsys.readouterr().out.splitlines()
                     if "| ring | bwd |" in line)

@@ -116,13 +116,10 @@ def test_gpu_overheads_script_runs_on_cpu(tmp_path: Path) -> None:
 
 
 def test_gpu_check_reports_a_raising_path_as_failed() -> None:
-    import importlib.util
-
     import torch
+    from script_loader import load_script
 
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    mod = load_script("gpu_check")
     gen = torch.Generator().manual_seed(0)
     bad = mod._guarded(mod.check_kernel, ("torch", torch.float32, 8, 16, 1, 2, 2, 8, True),
                        "cpu", gen)

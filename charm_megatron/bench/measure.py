@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from charm_megatron.bench import links
 from charm_megatron.bench.config import BenchConfig, Point
-from charm_megatron.bench.contenders import DTYPES, Contender, Lineup, line_up
+from charm_megatron.bench.contenders import DTYPES, AutoContender, Contender, Lineup, line_up
 from charm_megatron.bench.gpu_emulation import CoreMeter
 from charm_megatron.bench.memory import PeakMeter
 from charm_megatron.bench.packing import cumulative, doc_lengths
@@ -194,7 +194,7 @@ def _measure_point(job: Job, point: Point, lineup: Lineup, rank: int, world: int
         progress.update(1, f"{point.label}  round {it + 1}/{rounds}"
                         + (" (warm-up)" if it < cfg.warmup else ""))
     for algo, c in lineup.contenders.items():  # a measured auto decided in its warm-up
-        if hasattr(c, "resolve_pick") and c.options.auto_tune is not None:
+        if isinstance(c, AutoContender) and c.options.auto_tune is not None:
             lineup.picks[algo] = c.resolve_pick()
             margin = "all" if c.options.auto_tune == float("inf") else c.options.auto_tune
             lineup.notes[algo] = (f"auto (auto_tune {margin}) ran {lineup.picks[algo]}, the "

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 import charm_megatron
+from charm_megatron.ops.auto_tune import picks_digest
 from charm_megatron.ops.layouts import Layout
 from charm_megatron.ops.options import CPOptions
 from charm_megatron.plan.settings import Values
@@ -164,18 +165,12 @@ class CallRequest:
             ("auto tuning (CHARM_AUTO_TUNE)", opts.auto_tune),
             # The measured picks this rank holds: a rank that lost them (restarted) would run
             # another plan than its peers; this names it instead (ops/auto_tune.py).
-            ("auto-tune picks held", _picks_digest() if opts.auto_tune is not None else None),
+            ("auto-tune picks held", picks_digest() if opts.auto_tune is not None else None),
             ("partials on the wire (CHARM_PARTIALS)", str(opts.partials)),
             *((f"{name}{_env_hint(name)}", str(value)) for name, value in
               self.settings.items()),
             *self.layout.fields(),
         )
-
-
-def _picks_digest() -> str | None:
-    from charm_megatron.ops.auto_tune import picks_digest
-
-    return picks_digest()
 
 
 def _env_hint(name: str) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from charm_megatron.ops import auto_tune
-from charm_megatron.ops.request import CallRequest, cluster_digest
+from charm_megatron.ops.request import CallRequest
 from charm_megatron.plan import registry
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
@@ -143,9 +143,9 @@ def _auto(request: CallRequest, groups: Groups, prob: Problem, cluster,
         return short[0], None
     # Everything the times depend on, nothing that names the call site (tag, call number):
     # one measurement serves every layer of a model.
-    key = (groups, prob, cluster_digest(cluster), request.causal, request.scale,
-           request.window, request.softmax_offset is not None, request.options.backend_name,
-           request.q.dtype, tuple(request.settings.items()), short)
+    key = (groups, prob, cluster, request.causal, request.scale, request.window,
+           request.softmax_offset is not None, request.options.backend_name, request.q.dtype,
+           request.settings, short)
     held = auto_tune.lookup(key)
     return (held, None) if held is not None else (short[0], auto_tune.Pending(key, short))
 
