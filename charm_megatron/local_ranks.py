@@ -12,7 +12,9 @@ test-suite run their ranks with :func:`run_ranks`. Design choices, each for a me
   never fight over a TCP port;
 * every child runs with one intra-op thread (``n`` ranks share 2 cores) and a short process-group
   timeout, so a broken collective fails in seconds, not after the 30-minute default;
-* failures come back with the child's traceback; stragglers are killed.
+* failures come back with the child's traceback; stragglers are killed;
+* each rank's result is a file renamed into place (never a shared pipe a dying rank can leave
+  half-written), so a rank that gloo aborts is reported by its exit code, never waited on.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import datetime
 import multiprocessing as mp
 import os
 import pickle
-import queue
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -57,7 +58,7 @@ def _child(
     env: dict[str, str],
     threads: int,
     pg_timeout_s: float,
-    results: Any,
+    result_dir: str,
     setup: Callable[[int, int], None] | None = None,
 ) -> None:
     os.environ.update(env)
@@ -87,11 +88,34 @@ def _child(
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
-        # Plain pickle copies tensor data into the message; the queue's own pickler would
-        # share storage through file descriptors that vanish when this process exits.
-        results.put((rank, True, pickle.dumps(out)))
+        # Plain pickle copies tensor data into the file (no storage shared through file
+        # descriptors that vanish when this process exits).
+        _write_result(result_dir, rank, (True, pickle.dumps(out)))
     except BaseException as exc:  # noqa: BLE001 - report every failure to the parent
-        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        _write_result(result_dir, rank,
+                      (False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+
+
+def _write_result(result_dir: str, rank: int, value: tuple[bool, Any]) -> None:
+    """Write this rank's result whole or not at all: to a private file, then renamed.
+
+    Why files, not a shared queue or pipe: a rank that gloo aborts (SIGABRT) or the kernel
+    kills part-way through writing a message leaves a shared pipe holding half a message (the
+    reader then blocks on the rest, past every timeout) or a queue's shared lock taken. A
+    rename is atomic: the parent sees a complete result or none, and a dead rank is told by
+    its exit code."""
+    part = os.path.join(result_dir, f"rank{rank}.part")
+    with open(part, "wb") as f:
+        pickle.dump(value, f)
+    os.replace(part, os.path.join(result_dir, f"rank{rank}.result"))
+
+
+def _read_result(result_dir: str, rank: int) -> tuple[bool, Any] | None:
+    path = os.path.join(result_dir, f"rank{rank}.result")
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        return pickle.load(f)
 
 
 def run_ranks(
@@ -109,17 +133,18 @@ def run_ranks(
     ``fn`` must be a module-level (picklable) function; its return value must be picklable.
     ``setup(rank, world_size)``, if given (picklable too), runs in each child first, before the
     process group exists.
-    Raises :class:`RankFailure` with every failing rank's traceback, or on timeout.
+    Raises :class:`RankFailure` with every failing rank's traceback, when a rank dies without
+    a result (its exit code, e.g. ``-6`` for a gloo abort), or on timeout; it never waits
+    past ``timeout_s`` (plus a few seconds to stop the ranks), whatever the ranks do.
     """
     ctx = _context()
-    results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="charm-ranks-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
                 target=_child,
                 args=(r, world_size, store_path, fn, args, dict(env or {}), threads,
-                      pg_timeout_s, results, setup),
+                      pg_timeout_s, tmp, setup),
                 daemon=True,
             )
             for r in range(world_size)
@@ -130,35 +155,30 @@ def run_ranks(
         deadline = _now() + timeout_s
         try:
             while len(got) < world_size:
-                remaining = deadline - _now()
-                if remaining <= 0:
+                _collect(tmp, procs, got)
+                if any(not ok for ok, _ in got.values()):
+                    # One failure usually leaves the others blocked in a collective until the
+                    # process-group timeout; collect briefly, then stop them.
+                    _drain(tmp, procs, got, 5.0)
+                    raise RankFailure(_dead_text(procs, got) + _failures_text(got))
+                if len(got) == world_size:
+                    break
+                dead = [r for r, p in enumerate(procs) if r not in got and not p.is_alive()]
+                if dead:
+                    _collect(tmp, procs, got)  # a result renamed just before the exit
+                    dead = [r for r in dead if r not in got]
+                    if dead:
+                        raise RankFailure(
+                            f"ranks {dead} exited without a result (exit codes "
+                            f"{[procs[r].exitcode for r in dead]})" + _failures_text(got))
+                    continue
+                if _now() >= deadline:
                     missing = sorted(set(range(world_size)) - set(got))
                     raise RankFailure(
                         f"ranks {missing} did not finish within {timeout_s:.0f} s"
                         + _failures_text(got)
                     )
-                try:
-                    rank, ok, value = results.get(timeout=min(remaining, 1.0))
-                except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in got]
-                    if dead and all(not procs[r].is_alive() for r in dead):
-                        # A rank that died without reporting (segfault, os._exit): give the
-                        # queue a moment to drain, then fail.
-                        try:
-                            rank, ok, value = results.get(timeout=2.0)
-                        except queue.Empty:
-                            raise RankFailure(
-                                f"ranks {dead} exited without a result (exit codes "
-                                f"{[procs[r].exitcode for r in dead]})" + _failures_text(got)
-                            ) from None
-                    else:
-                        continue
-                got[rank] = (ok, value)
-                if not ok:
-                    # One failure usually leaves the others blocked in a collective until the
-                    # process-group timeout; collect briefly, then stop them.
-                    _drain(results, got, world_size, 5.0)
-                    raise RankFailure(_failures_text(got))
+                _sleep(0.05)
         finally:
             for p in procs:
                 if p.is_alive():
@@ -168,14 +188,31 @@ def run_ranks(
     return [pickle.loads(got[r][1]) for r in range(world_size)]
 
 
-def _drain(results: Any, got: dict, world_size: int, seconds: float) -> None:
+def _collect(result_dir: str, procs: list, got: dict[int, tuple[bool, Any]]) -> None:
+    for r in range(len(procs)):
+        if r not in got:
+            value = _read_result(result_dir, r)
+            if value is not None:
+                got[r] = value
+
+
+def _drain(result_dir: str, procs: list, got: dict, seconds: float) -> None:
     deadline = _now() + seconds
-    while len(got) < world_size and _now() < deadline:
-        try:
-            rank, ok, value = results.get(timeout=0.2)
-            got[rank] = (ok, value)
-        except queue.Empty:
-            pass
+    while len(got) < len(procs) and _now() < deadline:
+        _collect(result_dir, procs, got)
+        if all(r in got or not p.is_alive() for r, p in enumerate(procs)):
+            _collect(result_dir, procs, got)
+            return
+        _sleep(0.1)
+
+
+def _dead_text(procs: list, got: dict) -> str:
+    """Ranks that exited without a result (a gloo abort is exit code -6), if any."""
+    dead = [r for r, p in enumerate(procs) if r not in got and not p.is_alive()]
+    if not dead:
+        return ""
+    return (f"ranks {dead} exited without a result (exit codes "
+            f"{[procs[r].exitcode for r in dead]})")
 
 
 def _failures_text(got: dict[int, tuple[bool, Any]]) -> str:
@@ -187,3 +224,9 @@ def _now() -> float:
     import time
 
     return time.monotonic()
+
+
+def _sleep(seconds: float) -> None:
+    import time
+
+    time.sleep(seconds)

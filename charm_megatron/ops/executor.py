@@ -68,13 +68,17 @@ class _Buf:
 
 
 def _rows(half: Half, s: int) -> slice:
+    """Where rows ``half`` of an ``s``-row block are: the first ``s // 2``, then the rest
+    (an odd block's SECOND half is one row longer; ``plan/tile_rule.py`` splits alike)."""
     if half is Half.FULL:
         return slice(0, s)
     return slice(0, s // 2) if half is Half.FIRST else slice(s // 2, s)
 
 
 def _n_rows(half: Half, s: int) -> int:
-    return s if half is Half.FULL else s // 2
+    """How many rows ``half`` of an ``s``-row block has (a buffer holding only that half)."""
+    sl = _rows(half, s)
+    return sl.stop - sl.start
 
 
 # Lifetimes per op list, computed once: the plans are cached (ops/attention.py), so the same
@@ -201,7 +205,7 @@ class Executor(OpInterpreter[None]):
         if half is not buf.held:
             raise RuntimeError(f"{self.what}: a buffer holding rows {buf.held} is asked for rows "
                                f"{half} (the plan's lifetimes are wrong)")
-        return slice(0, s // 2)
+        return slice(0, _n_rows(half, s))
 
     def _torch_dtype(self, dtype: Dtype) -> torch.dtype:
         # Accumulators and stats: fp32, or float64 for float64 inputs (float64 end to end).
