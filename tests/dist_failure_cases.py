@@ -122,7 +122,7 @@ def destroy_and_reinit(rank: int, world: int, store_dir: str, rounds: int):
     """cp_attention, destroy_process_group, a new init on a new store, again ``rounds`` times."""
     from charm_megatron.ops import streams
 
-    errs, uids, cached = [], [], []
+    errs, fresh, cached = [], [], []
     for i in range(rounds):
         if i:
             dist.destroy_process_group()
@@ -130,12 +130,14 @@ def destroy_and_reinit(rank: int, world: int, store_dir: str, rounds: int):
             dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=30))
         errs.append(one_call(rank, world, "charm", "2x2", seed=i))
-        uids.append(streams.stream_groups(None).uid)
+        sg = streams.stream_groups(None)
+        fresh.append(not getattr(sg, "seen_by_the_test", False))  # a new entry
+        sg.seen_by_the_test = True
         cp = dist.new_group([0, 1]) if i % 2 else None  # also a fresh non-default group
         if cp is not None and rank < 2:
             errs.append(one_call(rank, world, "rmplus", None, group=cp, cp_size=2))
         cached.append(len(streams._CACHE))  # entries of destroyed groups are gone
-    return max(errs), uids, cached
+    return max(errs), fresh, cached
 
 
 def _mismatched_call(rank: int, world: int, case: str):

@@ -15,6 +15,7 @@ import packed_cases
 from charm_megatron import cp_attention
 from charm_megatron.ops.agreement import CPAttentionError
 from charm_megatron.ops.options import CPOptions
+from dist_cases import local_part, local_reference, make_inputs, reference, rel_err
 
 TIMEOUT_S = 3.0
 
@@ -70,23 +71,40 @@ def local_error_on_one_rank(rank: int, world: int, algo: str, topology, packed: 
     return [first, *rest]
 
 
-def skipped_call(rank: int, world: int, algo: str, topology, packed: bool, pause_s: float,
-                 calls: int, same_inputs: bool = False):
-    """Every rank makes a call; then rank 1 sleeps ``pause_s`` instead of making the next one,
-    which the others make (it times out); then every rank makes ``calls`` more (each with its
-    own inputs, or all with the same ones). Returns the others' timed-out outcome (None on
-    rank 1) and the outcomes of the calls after."""
-    first = _call(rank, world, algo, topology, packed, 20)
-    assert first < 1e-5, first
-    if rank == 1:
-        time.sleep(pause_s)
-        skipped = None
-    else:
-        skipped = _outcome(lambda: _call(rank, world, algo, topology, packed, 30))
-    seeds = [31] * calls if same_inputs else range(31, 31 + calls)
-    after = [_outcome(lambda seed=seed: _call(rank, world, algo, topology, packed, seed))
-             for seed in seeds]
-    return skipped, after
+def _step(rank: int, world: int, algo: str, topology, seed: int, tag: str | None,
+          backward: bool = True) -> float:
+    """One call on inputs drawn from ``seed`` (the same full sequence on every rank, each rank
+    its own rows): the largest relative error of out, lse, dq, dk, dv against float64 (of out
+    and lse only without the backward)."""
+    s, b, hq, hkv, d = 4 * world, 1, 4, 2, 8
+    q, k, v, dout = make_inputs(seed, s, b, hq, hkv, d)
+    ref = reference(q, k, v, dout, True, d ** -0.5)
+    ql, kl, vl = (local_part(t, rank, world, True).float().requires_grad_() for t in (q, k, v))
+    out, lse = cp_attention(ql, kl, vl, algo=algo, topology=topology, return_lse=True,
+                            tag=tag, options=_opts())
+    got = [out, lse]
+    if backward:
+        out.backward(local_part(dout, rank, world, True).float())
+        got += [ql.grad, kl.grad, vl.grad]
+    want = local_reference(ref, rank, world, True)
+    return max(rel_err(g, w) for g, w in zip(got, want))
+
+
+def script(rank: int, world: int, algo: str, topology, steps: list[tuple], odd: int,
+           odd_steps: list[tuple], tagged: bool):
+    """Rank ``odd`` runs ``odd_steps``, every other rank ``steps``: ``("call", seed)`` a
+    forward and backward, ``("forward", seed)`` a forward alone, ``("sleep", seconds)``.
+    With ``tagged`` every call's tag names its seed (the step of a training loop). Returns
+    each call's outcome ``(kind, text, seconds)``, kind ``"ok"`` with the error vs float64."""
+    outcomes = []
+    for what, value in (odd_steps if rank == odd else steps):
+        if what == "sleep":
+            time.sleep(value)
+            continue
+        tag = f"step {value}" if tagged else None
+        outcomes.append(_outcome(lambda value=value, what=what, tag=tag: _step(
+            rank, world, algo, topology, value, tag, backward=what == "call")))
+    return outcomes
 
 
 def float64_both_layouts(rank: int, world: int, algo: str, topology):
@@ -100,5 +118,4 @@ def float64_both_layouts(rank: int, world: int, algo: str, topology):
     return packed_err, sbhd_err, str(got[1].dtype)
 
 
-__all__ = ["CPAttentionError", "float64_both_layouts", "local_error_on_one_rank",
-           "skipped_call"]
+__all__ = ["CPAttentionError", "float64_both_layouts", "local_error_on_one_rank", "script"]

@@ -16,14 +16,15 @@ raises the same error, naming the field and the ranks.
 One more exchange stands alone: :func:`share` (a measured ``auto`` sharing its times,
 ops/auto_tune.py), under a call number of its own.
 
-Out of step. A rank that missed a call, or reached it after its peers gave up waiting
-(``timeout_s``), meets messages of another round or call number. Its peers kept the exchange
-they gave up on (``ControlChannel.pending``); their next call first settles it and, when the
-late rank completed it, sends the late rank the rest of that call marked *abandoned*, so the
-late rank never runs a plan alone. Both sides raise a :class:`CPMismatchError` naming each
-rank's call number, and both set their call counters to the largest one seen, so the call after
-pairs by order again. (A rank that was merely slow cannot be told from one that skipped a call:
-the calls after pair as if it had skipped one.)
+Out of step. Calls pair by number (a rank's count of its forwards on the CP group; a backward
+takes its forward's). A rank that reached a call after its peers gave up waiting
+(``timeout_s``) meets an exchange they kept (``ControlChannel.pending``); their next call first
+settles it and sends the late rank the rest of that call marked *abandoned*, so the late rank
+never runs a plan alone, then goes on. A rank that meets a peer behind it posts its message
+again and waits for the peer's next exchange (:func:`_exchange_in_step`); the peer raises. So a
+rank that makes every call, even late, pairs right again from its next call; one that skips a
+whole call cannot be told from a late one (docs/api.md) and pairs one call behind, which only a
+tag naming the step catches.
 
 Failed transfers mark the stream communicators for rebuilding; the next call's agreement
 carries the mark, and every rank rebuilds them together before any data moves.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import struct
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -109,8 +111,7 @@ def _exchange(sg, msg: Message, timeout_s: float, what: str) -> list[Message | N
             f"cp_attention: the {what} exchange of the CP group ({msg.where()}) did not "
             f"complete within {timeout_s:.0f} s ({exc}). Likely causes: a rank died or stopped "
             "calling cp_attention, or ranks make different numbers of cp_attention calls; the "
-            "next call first waits for the late rank once more and then resynchronises the "
-            "CP group") from None
+            "next call first waits for the late rank once more") from None
     except ControlBroken as exc:
         sg.parent = None  # the control group failed: make every group anew at the next call
         raise CPAttentionError(
@@ -119,73 +120,80 @@ def _exchange(sg, msg: Message, timeout_s: float, what: str) -> list[Message | N
             "group at the next call") from None
 
 
+def _exchange_in_step(sg, msg: Message, timeout_s: float, what: str) -> list[Message | None]:
+    """One exchange of ``msg`` whose table is in step, or a raise.
+
+    Calls pair by number. A rank that meets a peer *behind* it (a lower call number or an
+    earlier part of the call: it is late for, or skipped, a call this rank has finished or
+    given up) is ahead: that peer's call is void (it raises there), and this rank posts its
+    message again and waits, within its bound, for the peer's next exchange, which is the
+    call this rank is in. A rank behind a peer raises: its call is one the others moved past.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        table = _exchange(sg, msg, max(deadline - time.monotonic(), 0.0), what)
+        if _in_step(table, msg):
+            return table
+        mine = msg.position()
+        readable = all(m is not None for m in table)
+        if readable and all(m.position() <= mine for m in table) \
+                and not any(m.flags & Flag.ABANDONED for m in table):
+            sg.needs_rebuild = True  # a peer's call was void: no stale transfer may pair
+            if time.monotonic() < deadline:
+                continue
+        raise _out_of_step(sg, table, msg)
+
+
 def _in_step(table: Sequence[Message | None], mine: Message) -> bool:
     return all(m is not None and m.position() == mine.position() for m in table)
 
 
-def _realign(sg, table: Sequence[Message | None]) -> None:
-    """Call counters to the largest seen, so the next call pairs by order on every rank."""
-    seen = [m.next_call for m in table if m is not None]
-    if seen:
-        sg.calls = max(sg.calls, *seen)
-
-
-def _out_of_step(sg, table: Sequence[Message | None], mine: Message,
-                 settled: bool = False) -> CPMismatchError:
-    _realign(sg, table)
+def _out_of_step(sg, table: Sequence[Message | None], mine: Message) -> CPMismatchError:
     sg.needs_rebuild = True  # cheap, and no stale transfer can ever pair afterwards
     where = _by_value([m.where() if m is not None else "an unreadable message"
                        for m in table])
     counters = _by_value([m.next_call - 1 if m is not None else "?" for m in table])
-    when = ("an exchange this rank had given up on completed late; " if settled else "")
     return CPMismatchError(
-        f"cp_attention: the ranks of the CP group are out of step ({when}{where}; last call "
-        f"numbers {counters}): a rank made fewer cp_attention calls than the others (it "
-        f"missed a call, or reached it after the others gave up waiting: timeout_s). This call "
-        f"({mine.where()}) is abandoned on every rank; the call counters are resynchronised "
-        f"to {sg.calls}, so the next call pairs by order again")
+        f"cp_attention: the ranks of the CP group are out of step ({where}; last call "
+        f"numbers {counters}): a rank reached this call after the others gave up waiting for "
+        f"it (timeout_s), or skipped a call or a backward. This call ({mine.where()}) is "
+        "void on this rank. Calls pair by number (each rank's count of its calls): a rank "
+        "that makes every call, even late, pairs with the right calls again from its next "
+        "call; a rank that skipped a call pairs one call behind from then on, which only a "
+        "tag naming the step can tell (docs/api.md, failure model)")
 
 
 def settle(sg, timeout_s: float) -> None:
     """Before a call posts anything: complete the exchange this rank gave up on earlier (if
     any), so that every rank has made the same number of exchanges. If a late rank completed
     it, that rank is inside a call this rank abandoned: send it the rest of that call marked
-    abandoned, then raise (this call is abandoned too, so the calls after pair by order)."""
+    abandoned (it raises there). This call then goes on: the late rank's next call is this
+    one (calls pair by number; a peer still behind is waited for by the agreement)."""
     ch = sg.channel
-    p = ch.pending if ch is not None else None
-    if p is None:
-        return
-    try:
-        table = ch.wait(timeout_s)
-    except ControlTimeout:
-        raise CPAttentionError(
-            f"cp_attention: still waiting for the CP group's exchange of {p.sent.where()}, "
-            f"which timed out before: a rank has not reached it within {timeout_s:.0f} s more "
-            "(it died, stopped calling cp_attention, or is far behind). This call is "
-            "abandoned; the next call waits for it again") from None
-    except ControlBroken as exc:
-        sg.parent = None
-        raise CPAttentionError(f"cp_attention: the control group failed while completing an "
-                               f"earlier exchange ({exc}); its communicators are made anew "
-                               "at the next call") from None
-    _realign(sg, table)
-    if p.mirror:
-        return  # the late rank has now finished the call it was in: nothing more owed
-    if _in_step(table, p.sent) and p.sent.round in (Round.AGREE, Round.VERDICT):
+    while ch is not None and ch.pending is not None:
+        p = ch.pending
+        try:
+            table = ch.wait(timeout_s)
+        except ControlTimeout:
+            raise CPAttentionError(
+                f"cp_attention: still waiting for the CP group's exchange of {p.sent.where()}, "
+                f"which timed out before: a rank has not reached it within {timeout_s:.0f} s "
+                "more (it died, stopped calling cp_attention, or is far behind). This call is "
+                "abandoned; the next call waits for it again") from None
+        except ControlBroken as exc:
+            sg.parent = None
+            raise CPAttentionError(f"cp_attention: the control group failed while completing "
+                                   f"an earlier exchange ({exc}); its communicators are made "
+                                   "anew at the next call") from None
+        sg.needs_rebuild = True  # the late rank may have transfers of a void call in flight
+        if p.mirror or not _in_step(table, p.sent) or \
+                p.sent.round not in (Round.AGREE, Round.VERDICT):
+            continue  # nothing more owed: a late rank out of step raises on its own
         # The late rank continues that call: owe it the call's remaining rounds.
         nxt = Round.VERDICT if p.sent.round is Round.AGREE else Round.STATUS
-        mirror = Message(nxt, p.sent.call, p.sent.backward, sg.calls, Flag.ABANDONED,
-                         status=RAISED, text="abandoned after a timeout",
-                         generation=sg.generation)
-        ch.post(mirror, mirror=True)
-        if nxt is Round.STATUS:
-            sg.needs_rebuild = True  # the late rank runs that plan alone
-        else:
-            try:
-                table = ch.wait(timeout_s)  # the late rank posts its verdict at once
-            except (ControlTimeout, ControlBroken):
-                pass  # still pending: settled at the next call
-    raise _out_of_step(sg, table, p.sent, settled=True)
+        ch.post(Message(nxt, p.sent.call, p.sent.backward, sg.calls, Flag.ABANDONED,
+                        status=RAISED, text="abandoned after a timeout",
+                        generation=sg.generation), mirror=True)
 
 
 def open_call(sg, timeout_s: float, forward_call: int | None = None) -> int:
@@ -213,9 +221,7 @@ def agree(sg, sig: Signature, call: int, backward: bool, timeout_s: float,
     error_text = sig.error[:_TEXT_LIMIT] if local_error is not None else ""
     mine = Message(Round.AGREE, call, backward, sg.calls, flags, codes=sig.codes(),
                    text=error_text, generation=sg.generation)
-    table = _exchange(sg, mine, timeout_s, "agreement")
-    if not _in_step(table, mine):
-        raise _out_of_step(sg, table, mine)
+    table = _exchange_in_step(sg, mine, timeout_s, "agreement")
     failed = [r for r, m in enumerate(table) if m.flags & Flag.ERROR]
     diffs = [] if failed else _differences(table, sig.names())
     values = ""
@@ -237,7 +243,6 @@ def agree(sg, sig: Signature, call: int, backward: bool, timeout_s: float,
         raise CPMismatchError(f"cp_attention: the call failed its input checks on "
                               f"{_ranks(failed)} before any data moved ({detail})")
     if diffs:
-        _realign(sg, table)  # e.g. call numbers that differ: pair by order from now on
         raise CPMismatchError(_mismatch_text(diffs, [m.text for m in vtable]))
     if any(m.flags & Flag.REBUILD for m in table):
         from charm_megatron.ops.streams import rebuild
@@ -252,9 +257,7 @@ def share(sg, codes: Sequence[int], timeout_s: float, what: str) -> list[tuple[i
     call = open_call(sg, timeout_s)
     mine = Message(Round.TUNE, call, False, sg.calls, Flag.NONE, codes=tuple(codes),
                    generation=sg.generation)
-    table = _exchange(sg, mine, timeout_s, what)
-    if not _in_step(table, mine):
-        raise _out_of_step(sg, table, mine)
+    table = _exchange_in_step(sg, mine, timeout_s, what)
     return [m.codes for m in table]
 
 

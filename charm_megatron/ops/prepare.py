@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from charm_megatron.ops import agreement, auto_tune
+from charm_megatron.ops import agreement, auto_tune, streams
 from charm_megatron.ops.layouts import Layout, Sbhd, Thd
 from charm_megatron.ops.options import CPOptions, resolve
 from charm_megatron.ops.request import (
@@ -121,7 +121,12 @@ def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, **argum
     except (TypeError, ValueError, NotImplementedError) as exc:
         error = exc
     opts = request.options if request is not None else CPOptions()
-    sg = stream_groups(group, opts.timeout_s)
+    try:
+        sg = stream_groups(group, opts.timeout_s)
+    except Exception:
+        if cp_size > 1:
+            streams.count_call_without_groups(group)
+        raise
     checked = cp_size > 1 and opts.checked
     seq = agreement.open_call(sg, opts.timeout_s) if checked else _count(sg)
     if checked:

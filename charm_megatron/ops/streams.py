@@ -11,9 +11,11 @@ the GPU or wait for it.
 the process made before (with ``use_local_synchronization``) or needs every rank of the world
 (without): both break when ranks have different group histories (Megatron's pipeline and expert
 groups differ by stage). Here the groups of a CP group are made by a collective of that group
-alone: its first rank broadcasts a random id over the CP group, and every member creates groups
-named ``charm_cp/<id>/<generation>/<stream>`` on the default store. Only the members take part,
-in the order they make CP calls, so no earlier history matters. :func:`stream_groups` does this
+alone: each member counts its arrival on the default store (an atomic ``add``, see
+:func:`_arrive`), and once all have arrived every member creates groups named
+``charm_cp/<group digest>.<epoch>/<generation>/<stream>``. Only the members take part, in the
+order they make CP calls, so no earlier history matters; and no collective runs on the CP group
+itself, so a rank that is late for its first call (or skips it) leaves nothing posted there. :func:`stream_groups` does this
 lazily on the first ``cp_attention`` call (all ranks of a CP group make that call together);
 :func:`create_stream_groups` does it eagerly (e.g. where a model is built).
 
@@ -28,8 +30,9 @@ when the group object is collected, at the next lookup, or explicitly with
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
-import uuid
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -122,24 +125,49 @@ def _new_group(name: str, ranks: list[int], backend: str, timeout_s: float,
     return pg
 
 
-def _agree_uid(group: dist.ProcessGroup, ranks: list[int], backend: str,
-               timeout_s: float) -> str:
-    """A random id chosen by the CP group's first rank, broadcast over the CP group."""
-    device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend
-              else torch.device("cpu"))
-    raw = torch.tensor(list(uuid.uuid4().bytes), dtype=torch.uint8, device=device)
-    try:
-        work = dist.broadcast(raw, src=ranks[0], group=group, async_op=True)
-        work.wait(_timeout(timeout_s))
-        uid = bytes(raw.cpu().tolist()).hex()
-    except Exception as exc:  # noqa: BLE001 - re-raised with what it means
-        raise RuntimeError(
-            f"cp_attention: creating the communicators of CP group {ranks} (a broadcast over "
-            f"that group) did not complete within {timeout_s:g} s ({type(exc).__name__}: "
-            f"{exc}). Likely causes: not every rank of the CP group called cp_attention (or "
-            "create_stream_groups) with this group, a rank died, or ranks passed different CP "
-            "groups; the bound is CHARM_COMM_TIMEOUT_S / CPOptions.timeout_s") from exc
-    return uid
+# The creation epoch this process announced for a CP group and has not built yet (its key):
+# kept across a timed-out creation, so that a retry at the next call waits for the same
+# epoch instead of announcing itself twice.
+_ANNOUNCED: dict[tuple[str, tuple[int, ...]], int] = {}
+_POLL_S = 0.01
+
+
+def _arrive(key: tuple[str, tuple[int, ...]], timeout_s: float) -> str:
+    """The name of this creation of CP group ``key``'s communicators, once every member has
+    arrived for it (bounded by ``timeout_s``).
+
+    Arrivals are counted on the default store (``add``: one atomic increment per member and
+    creation), never by a collective on the CP group: a collective that one rank gave up on
+    stays posted and pairs with whatever that group runs next, while a count is just read
+    again. The ``k``-th arrival of a member belongs to epoch ``(k - 1) // size``; the groups
+    are named after the epoch, so a later creation (after a failed one, or after
+    ``destroy_process_group`` on the same store) never meets an earlier one's names. A rank
+    that gave up waiting keeps its arrival: at its next call it waits for the same epoch,
+    which a late peer's arrival then completes."""
+    c10d = dist.distributed_c10d
+    store = c10d._get_default_store()
+    name, ranks = key
+    counter = f"charm_cp/arrivals/{name}/{','.join(map(str, ranks))}"
+    epoch = _ANNOUNCED.get(key)
+    if epoch is None:
+        epoch = (int(store.add(counter, 1)) - 1) // len(ranks)
+        _ANNOUNCED[key] = epoch
+    target = (epoch + 1) * len(ranks)
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(counter, 0)) < target:
+        if time.monotonic() >= deadline:
+            have = int(store.add(counter, 0)) - epoch * len(ranks)
+            raise RuntimeError(
+                f"cp_attention: creating the communicators of CP group {list(ranks)}: "
+                f"{have} of its {len(ranks)} ranks arrived within {timeout_s:g} s. Likely "
+                "causes: not every rank of the CP group called cp_attention (or "
+                "create_stream_groups) with this group, a rank died or is still busy, or "
+                "ranks passed different CP groups; the bound is CHARM_COMM_TIMEOUT_S / "
+                "CPOptions.timeout_s. This rank's arrival is kept: its next call waits for "
+                "the others again")
+        time.sleep(_POLL_S)
+    digest = hashlib.blake2b(counter.encode(), digest_size=6).hexdigest()
+    return f"{digest}.{epoch}"
 
 
 def _build(group: dist.ProcessGroup, ranks: list[int], timeout_s: float, uid: str,
@@ -209,14 +237,17 @@ def stream_groups(group: dist.ProcessGroup | None, timeout_s: float = 600.0) -> 
     if cached is not None and cached.alive(group):
         return cached
     # Groups made anew (the control group failed, or the process group was re-created) keep
-    # counting calls where the old ones stopped, as the other ranks' do.
-    calls = cached.calls if cached is not None else 0
+    # counting calls where the old ones stopped, as the other ranks' do; calls that failed
+    # before any groups existed count too (calls pair by number, ops/agreement.py).
+    calls = (cached.calls if cached is not None else 0) + _CALLS_WITHOUT_GROUPS.pop(key, 0)
     _sweep()
     ranks = list(key[1])
     if len(ranks) == 1:
         sg = StreamGroups(ranks, {}, None, "", 0, timeout_s, weakref.ref(group))
     else:
-        uid = _agree_uid(group, ranks, str(dist.get_backend(group)).lower(), timeout_s)
+        uid = _arrive(key, timeout_s)
+        # Whatever happens now, this epoch is spent: a failed build arrives anew next time.
+        del _ANNOUNCED[key]
         sg = _build(group, ranks, timeout_s, uid, 0)
     sg.calls = calls
     _CACHE[key] = sg
@@ -234,6 +265,17 @@ def _release_entry(key: tuple[str, tuple[int, ...]], sg: StreamGroups) -> None:
             _destroy(sg)
     except Exception:  # noqa: BLE001 - best effort, possibly at interpreter shutdown
         pass
+
+
+_CALLS_WITHOUT_GROUPS: dict[tuple[str, tuple[int, ...]], int] = {}
+
+
+def count_call_without_groups(group: dist.ProcessGroup | None) -> None:
+    """Count a ``cp_attention`` call on ``group`` whose communicators could not be made (a
+    peer was late for it): it keeps its number, like every call, so that a late peer's calls
+    pair with the right ones once the communicators exist."""
+    key = _key(dist.group.WORLD if group is None else group)
+    _CALLS_WITHOUT_GROUPS[key] = _CALLS_WITHOUT_GROUPS.get(key, 0) + 1
 
 
 def create_stream_groups(group: dist.ProcessGroup | None = None,
