@@ -103,9 +103,11 @@ def _by_value(values: Sequence[object]) -> str:
 
 
 # ------------------------------------------------------------------------- the exchanges
-def _exchange(sg, msg: Message, timeout_s: float, what: str) -> list[Message | None]:
+def _exchange(sg, msg: Message, timeout_s: float, what: str,
+              wait_s: float | None = None) -> list[Message | None]:
+    """One exchange of ``msg``, waited for ``wait_s`` (default: the bound ``timeout_s``)."""
     try:
-        return sg.channel.exchange(msg, timeout_s)
+        return sg.channel.exchange(msg, timeout_s if wait_s is None else wait_s)
     except ControlTimeout as exc:
         raise CPAttentionError(
             f"cp_attention: the {what} exchange of the CP group ({msg.where()}) did not "
@@ -131,7 +133,7 @@ def _exchange_in_step(sg, msg: Message, timeout_s: float, what: str) -> list[Mes
     """
     deadline = time.monotonic() + timeout_s
     while True:
-        table = _exchange(sg, msg, max(deadline - time.monotonic(), 0.0), what)
+        table = _exchange(sg, msg, timeout_s, what, max(deadline - time.monotonic(), 0.0))
         if _in_step(table, msg):
             return table
         mine = msg.position()
