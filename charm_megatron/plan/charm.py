@@ -3,9 +3,12 @@ the memory bound on the assembled plan (docs/algorithm.md, *RM+*, *CHARM+*).
 
 * settings (:data:`SETTINGS`, shared by ``rmplus`` and ``charm``): the pass order, the role
   mix, and whether visiting kv (pass-kv) / a counterpart's q (pass-q) cross in row halves;
-* :class:`CharmVariant`: what one direction's builder (:class:`~charm_megatron.plan.
-  charm_program.CharmRank`) runs, made from the settings by :func:`charm_variants`: a split
-  set to ``auto`` is the performance model's per-direction pick (a timer given), else off;
+* :class:`CharmVariant`: what one direction's builder runs, made from the settings by
+  :func:`charm_variants`: a split set to ``auto`` is the performance model's per-direction
+  pick (a timer given), else off;
+* :func:`charm_rank`, the registry's builder: the variant unpacked into plain values of a
+  :class:`~charm_megatron.plan.charm_state.RankState`, whose program
+  :func:`~charm_megatron.plan.charm_program.rank_program` builds;
 * :func:`within_memory_bound`: the plan, or its lighter-memory variant where it would hold
   more than :data:`~charm_megatron.plan.memory.BOUND` x ring's peak.
 
@@ -17,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from charm_megatron.plan.charm_program import CharmRank
+from charm_megatron.plan.charm_program import rank_program
+from charm_megatron.plan.charm_state import RankState
 from charm_megatron.plan.core import Op, Plan
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.entries import (
@@ -91,8 +95,11 @@ class CharmVariant:
 def charm_rank(rank: int, groups: Groups, causal: bool, direction: Direction,
                variant: CharmVariant) -> tuple[list[Op], list[Decision]]:
     """The registry's builder: rank ``rank``'s ops and the role of each of its exchanges."""
-    builder = CharmRank(rank, groups, causal, direction, variant)
-    return builder.build(), builder.decisions
+    st = RankState(rank, groups, causal, direction, roles=variant.roles, lean=variant.lean,
+                   early_returns=variant.early_returns, order=variant.order,
+                   split_visiting=variant.split_visiting,
+                   split_counterpart_q=variant.split_counterpart_q)
+    return rank_program(st), st.decisions
 
 
 def charm_variants(values: Values, ctx: VariantContext) -> tuple[CharmVariant, CharmVariant]:
