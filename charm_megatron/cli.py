@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("charm_megatron.launch.compare", "compare iteration times in Megatron-LM logs"),
     "bench": ("charm_megatron.bench.cli", "operator benchmark: ring vs rmplus vs charm"),
     "model": ("charm_megatron.model.cli", "performance model: predicted time on a described cluster"),
+    "report": ("charm_megatron.lab.reports.cli", "the docs' tables, from bench CSVs, the model and measurements"),
 }
 
 

@@ -50,4 +50,4 @@ for shape in $SHAPES; do
     done
   done
 done
-"$PY" -m charm_megatron.bench.summary "$OUT"/*/results.csv | tee "$OUT/summary.md"
+"$PY" -m charm_megatron.cli report summary "$OUT"/*/results.csv | tee "$OUT/summary.md"

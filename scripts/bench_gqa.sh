@@ -40,4 +40,4 @@ for rate in $RATES; do
     done
   done
 done
-"$PY" -m charm_megatron.bench.summary "$OUT"/*/results.csv | tee "$OUT/summary.md"
+"$PY" -m charm_megatron.cli report summary "$OUT"/*/results.csv | tee "$OUT/summary.md"

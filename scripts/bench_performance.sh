@@ -28,4 +28,4 @@ for shape in $SHAPES; do
       --intra-rate "$INTRA" --nic "$nic" --out "$dir" "$@" 2>&1 | tee "$dir.log"
   done
 done
-"$PY" -m charm_megatron.bench.summary "$OUT"/*/results.csv | tee "$OUT/summary.md"
+"$PY" -m charm_megatron.cli report summary "$OUT"/*/results.csv | tee "$OUT/summary.md"

@@ -5,7 +5,7 @@
 # the heads divide by its group), forward + backward in device time.
 #   OUT=runs/peers scripts/emulate_peers.sh        (ONLY=regex: a subset of the points;
 #   EXTRA="--dilation 400": more bench options for every point)
-# Then: python scripts/peers_table.py $OUT/*/results.csv
+# Then: charm-megatron report peers --sort $OUT/*/results.csv
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/peers}

@@ -33,37 +33,10 @@ from dataclasses import dataclass, field
 
 from charm_megatron.bench.config import PASSES, BenchConfig, Point, element_size
 from charm_megatron.bench.gpu_emulation import CPU_LIMITED
+from charm_megatron.lab.reports.bench_csv import COLUMNS  # noqa: F401  (the CSV's columns)
 from charm_megatron.plan.cost import Problem, call_parts
 from charm_megatron.plan.registry import ALGORITHM_NAMES, build_plan, uses_topology
 from charm_megatron.plan.roles import RoleShape
-
-COLUMNS = [
-    "point", "batch", "seq", "heads", "kv_heads", "head_dim", "dtype", "causal", "window",
-    "world",
-    "topology", "mode", "nic", "algo", "pass", "status", "iters",
-    "median_ms", "min_ms", "q1_ms", "q3_ms", "max_ms",
-    "speedup_vs_ring", "speedup_min", "speedup_max",
-    "ring_ccr", "ring_compute_ms", "ring_comm_ms",
-    "compute_only_ms", "cpu_work_ms", "run_cpu_ms",
-    "cross_link_mb", "cross_rate_mbps", "bound_ms", "bound_by", "vs_bound",
-    "peak_mem_mb",
-    # What `charm-megatron model --calibrate` needs beyond the above (older files lack them).
-    "cores", "intra_rate_mbps", "cross_burst_kb",
-    # The auto contender's rows: what it ran, the fastest registered algorithm at this
-    # point and pass, auto's median over that one's, "over" when that exceeds AUTO_SLACK, and
-    # the pick's own median (as a contender) over the fastest's.
-    "auto_pick", "fastest", "vs_fastest", "auto_check", "pick_vs_fastest",
-    # An emulated GPU cluster (--device-model): every *_ms above is device time; the run's
-    # dilation and wire scale, the busiest core while calls were timed (cpu_limited above
-    # 70 %), the performance model's prediction on the same profile and the textbook ring.
-    "device_model", "dilation", "wire_scale", "busiest_core_pct", "cpu_limited",
-    "model_ms", "vs_model", "analytic_ring_ms",
-    # The wire dtype of partial results (--partials): input or fp32.
-    "partials",
-    # The auto contender's measured shortlist margin (--auto-tune; empty: the model's pick).
-    "auto_tune",
-    "note",
-]
 
 #: ``auto`` may be this much slower than the fastest contender (issue 12: 5 %).
 AUTO_SLACK = 1.05

@@ -102,7 +102,7 @@ def call_peaks(rank: int, world: int, cases, s: int, b: int, hq: int, d: int,
     (bytes) of the forward and of forward+backward of one ``cp_attention`` call per case
     ``(algo, topology, causal, hkv, roles)``, each measured on a second call (the first also
     builds plans and communicators). Global sequence ``s``, batch ``b``, ``hq`` query heads of
-    dim ``d``. Used by ``scripts/memory_grid.py`` and tests/test_memory.py: memory does not
+    dim ``d``. Used by ``charm-megatron report memory`` and tests/test_memory.py: memory does not
     depend on link speeds, so plain gloo ranks on loopback measure what an emulated cluster
     would."""
     import torch.distributed as dist

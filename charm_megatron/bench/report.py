@@ -8,7 +8,7 @@ import math
 import os
 from collections.abc import Sequence
 
-from charm_megatron.bench.analysis import COLUMNS
+from charm_megatron.lab.reports.bench_csv import COLUMNS
 
 PASS_TITLES = {"fwd": "Forward", "bwd": "Backward", "fwdbwd": "Forward + Backward"}
 
@@ -21,7 +21,8 @@ def _clean(value):
 
 
 def write_csv(rows: Sequence[dict], path: str) -> None:
-    """One line per point x algorithm x pass; the columns of ``analysis.COLUMNS``."""
+    """One line per point x algorithm x pass; the columns of ``bench_csv.COLUMNS`` (the fields
+    of :class:`~charm_megatron.lab.reports.bench_csv.BenchRow`, its one reader)."""
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()

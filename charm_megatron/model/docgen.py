@@ -1,10 +1,15 @@
 """Regenerate the numbers in docs/model.md from the shipped profiles and measurements.
 
-``python -m charm_megatron.model.docgen [--check] [--fast] [FILE]`` (default docs/model.md).
-Blocks between markers are rewritten::
+``charm-megatron report docgen [--check] [--fast] [FILE]`` (default docs/model.md; also
+``python -m charm_megatron.model.docgen``). Blocks between markers are rewritten::
 
     <!-- gen:cmd charm-megatron model --profile h100 --causal --grid 16k,32k -->
     ...the command and its output, fenced...
+    <!-- gen:end -->
+
+    <!-- gen:report table4 docs/performance/emulated-t4 -->
+    Made by `charm-megatron report table4 docs/performance/emulated-t4`:
+    ...the report's Markdown table (words with * ? [ are globbed, sorted)...
     <!-- gen:end -->
 
     <!-- gen:headline -->         the aims, met or not (top of the page)
@@ -49,6 +54,22 @@ def _cmd(arg: str) -> str:
     if rc:
         raise RuntimeError(f"{arg!r} exited {rc}")
     return f"```\n$ {arg}\n{buf.getvalue()}```\n"
+
+
+def _report(arg: str) -> str:
+    """``charm-megatron report ARG``'s output under a line naming the command."""
+    from charm_megatron.cli import main
+
+    words = []
+    for w in shlex.split(arg):
+        matches = sorted(glob.glob(w)) if any(c in w for c in "*?[") else []
+        words += matches or [w]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = main(["report", *words])
+    if rc:
+        raise RuntimeError(f"charm-megatron report {arg!r} exited {rc}")
+    return f"Made by `charm-megatron report {arg}`:\n\n{buf.getvalue()}"
 
 
 def _grouped(settings) -> dict:
@@ -193,7 +214,7 @@ def diagnostic(_: str = "") -> str:
 
 
 GENERATORS: dict[str, Callable[[str], str]] = {
-    "cmd": _cmd, "headline": headline, "accuracy-cpu": accuracy_cpu, "accuracy-paper": accuracy_paper,
+    "cmd": _cmd, "report": _report, "headline": headline, "accuracy-cpu": accuracy_cpu, "accuracy-paper": accuracy_paper,
     "accuracy-table4": accuracy_table4,
     "holdout": holdout, "diagnostic": diagnostic,
 }
@@ -217,24 +238,31 @@ def regenerate(text: str, *, fast: bool = False) -> tuple[str, list[str]]:
     return _BLOCK.sub(sub, text), changed
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m charm_megatron.model.docgen",
-                                 description=__doc__.split("\n\n")[0])
+def register(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("file", nargs="?", default="docs/model.md")
     ap.add_argument("--check", action="store_true", help="exit 1 if a block is stale")
     ap.add_argument("--fast", action="store_true", help=f"skip the slow blocks {SLOW}")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     path = Path(args.file)
     new, changed = regenerate(path.read_text(encoding="utf-8"), fast=args.fast)
     if args.check:
         if changed:
-            print(f"{path}: stale generated blocks (python -m charm_megatron.model.docgen): "
+            print(f"{path}: stale generated blocks (charm-megatron report docgen {path}): "
                   f"{changed}")
             return 1
         return 0
     path.write_text(new, encoding="utf-8")
     print(f"{path}: regenerated {len(changed)} block(s): {changed}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m charm_megatron.model.docgen",
+                                 description=__doc__.split("\n\n")[0])
+    register(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Measured points: rows of ``charm-megatron bench`` output (results.csv), read for the model.
+"""Measured points: rows of ``charm-megatron bench`` output (results.csv), read for the model
+(through the one reader of that file, :mod:`charm_megatron.lab.reports.bench_csv`).
 
 Both the files written before the bench recorded ``cores`` / ``intra_rate_mbps`` and the newer
 ones are read; what an old file lacks is given by the caller (``--cores``, ``--intra-gbps``).
@@ -6,7 +7,6 @@ ones are read; what an old file lacks is given by the caller (``--cores``, ``--i
 
 from __future__ import annotations
 
-import csv
 import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -47,45 +47,27 @@ class Point:
         return (self.source, self.topology, self.nic, self.problem, self.causal, self.pas)
 
 
-def _f(row: dict, name: str) -> float | None:
-    v = row.get(name, "")
-    return float(v) if v not in ("", None) else None
-
-
 def load_points(paths: Iterable[str | Path]) -> list[Point]:
     """The ``ok`` rows of ring / rmplus / charm from bench CSVs (``torch`` rows are skipped:
     the model replays our plans only)."""
+    # Imported here: the runtime imports this package (algo="auto"), never the lab.
+    from charm_megatron.lab.reports.bench_csv import read_rows
+
     out: list[Point] = []
     for path in paths:
         p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"bench output {str(p)!r} does not exist (charm-megatron bench "
-                             "--out DIR writes DIR/results.csv)")
-        with open(p, newline="", encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-        if not rows or "median_ms" not in rows[0]:
-            raise ValueError(f"{p}: not a charm-megatron bench results.csv (no median_ms column)")
-        for row in rows:
+        for row in read_rows(p):
             # The model replays our own plans only ("torch" rows are skipped).
-            if row.get("status") != "ok" or row.get("algo") not in algorithm_names():
+            if not row.ok or row.algo not in algorithm_names() or row.pass_ not in PASSES:
                 continue
-            if row.get("pass") not in PASSES:
-                continue
-            heads, kvh = int(row["heads"]), int(row.get("kv_heads") or row["heads"])
             # A windowed run (bench --window) is replayed with its window's plans.
-            window = row.get("window") or ""
-            prob = Problem(int(row["batch"]), int(row["seq"]), heads, kvh, int(row["head_dim"]),
-                           ELEM_BYTES[row["dtype"]],
-                           window=tuple(int(w) for w in window.split(",")) if window else None)
-            cores = row.get("cores")
-            out.append(Point(p.name, row["topology"], row.get("nic") or "rank", prob,
-                             row["causal"] in ("True", "true", "1"), row["algo"], row["pass"],
-                             float(row["median_ms"]), _f(row, "compute_only_ms"),
-                             _f(row, "ring_compute_ms"), _f(row, "ring_comm_ms"),
-                             _f(row, "cross_rate_mbps"), _f(row, "intra_rate_mbps"),
-                             int(float(cores)) if cores else None, row.get("mode") or "netns",
-                             _f(row, "cross_burst_kb"), _f(row, "cpu_work_ms"),
-                             _f(row, "run_cpu_ms")))
+            prob = Problem(row.batch, row.seq, row.heads, row.kv_heads, row.head_dim,
+                           ELEM_BYTES[row.dtype], window=row.window)
+            out.append(Point(p.name, row.topology, row.nic or "rank", prob, bool(row.causal),
+                             row.algo, row.pass_, row.median_ms, row.compute_only_ms,
+                             row.ring_compute_ms, row.ring_comm_ms, row.cross_rate_mbps,
+                             row.intra_rate_mbps, row.cores, row.mode or "netns",
+                             row.cross_burst_kb, row.cpu_work_ms, row.run_cpu_ms))
     if not out:
         raise ValueError("no usable rows (status ok, algo ring/rmplus/charm) in "
                          f"{', '.join(str(p) for p in paths)}")

@@ -1,0 +1,1 @@
+"""Benchmarks, emulation, calibration and the reports the docs quote: nothing the runtime imports."""
