@@ -114,3 +114,79 @@ def peer_stalls_while_measuring(rank: int, world: int):
         if rank != 1:
             the_others_are_done()
     return outcome, time.monotonic() - t0
+
+
+# The pick file (CPOptions.auto_tune_file, issue 42 item 6): 2 ranks, a learnable sink (whose
+# per-rank gradient differed between picks by up to 3.7 in one configuration).
+FILE_ALGOS = ("ring", "allgather", "a2a")
+
+
+def _file_opts(path: str, **changes) -> CPOptions:
+    return CPOptions(auto_tune="all", auto_algos=FILE_ALGOS, auto_tune_file=path,
+                     **{"timeout_s": 30.0, **changes})
+
+
+def _sink_step(rank: int, world: int, opts: CPOptions, algo: str = "auto"):
+    """One forward + backward with a learnable sink: out, dq, dk, dv and this rank's share of
+    the sink's gradient."""
+    q, k, v, dout = dc.make_inputs(7, WORLD_ROWS * world, B, HQ, HKV, D)
+    ql, kl, vl = (dc.local_part(t, rank, world, True).float().requires_grad_()
+                  for t in (q, k, v))
+    sink = torch.linspace(-1.0, 1.0, HQ).requires_grad_()
+    out = cp_attention(ql, kl, vl, algo=algo, topology="1x2", options=opts,
+                       softmax_offset=sink)
+    out.backward(dc.local_part(dout, rank, world, True).float())
+    return [t.detach() for t in (out, ql.grad, kl.grad, vl.grad, sink.grad)]
+
+
+def picks_run(rank: int, world: int, path: str, favour: str | None):
+    """One launch with the pick file ``path``: the call measures with fake times (``favour``
+    fastest; ``None``: all alike, the model's order decides) unless the file holds its pick.
+    The picks held after, what was measured, out and gradients, and (``others``) those of
+    every other candidate run by name."""
+    opts = _file_opts(path)
+    real = auto_tune.measure
+    measured: list[str] = []
+
+    def fake(run, algo, *args):
+        measured.append(algo)
+        return 1.0 if favour in (None, algo) else 2.0
+
+    auto_tune.measure = fake
+    try:
+        bits = _sink_step(rank, world, opts)
+    finally:
+        auto_tune.measure = real
+    report = auto_tune.last_report()
+    held = auto_tune.picks()
+    others = {a: _sink_step(rank, world, opts, a) for a in FILE_ALGOS
+              if a not in held.values()}
+    return {"held": held, "measured": measured,
+            "report_pick": None if report is None else report.pick,
+            "digest": auto_tune.picks_digest(), "bits": bits, "others": others}
+
+
+def files_disagree(rank: int, world: int, corrupt: str, good: str, other: str,
+                   missing: str):
+    """Per scenario, what each rank raised: every rank a corrupt file; rank 1's file missing
+    (rank 0 reads ``good``); rank 1 reading ``other`` (the same key, another algorithm). No
+    measurement may start."""
+    real = auto_tune.measure
+    measured: list[str] = []
+
+    def fake(run, algo, *args):
+        measured.append(algo)
+        return 1.0
+
+    auto_tune.measure = fake
+    outcomes = []
+    try:
+        for paths in ((corrupt, corrupt), (good, missing), (good, other)):
+            try:
+                _sink_step(rank, world, _file_opts(paths[rank]))
+                outcomes.append("ran")
+            except Exception as exc:  # noqa: BLE001 - the test reads what was raised
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        auto_tune.measure = real
+    return outcomes, measured

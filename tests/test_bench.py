@@ -223,15 +223,20 @@ def test_bench_emulated_2x2(tmp_path, capsys, netns_ok):
 
 
 def _links_rank(rank: int, world: int, nbytes: int) -> float:
+    """One transfer through the transport the process's options select (the setup hook
+    selects the software links)."""
     import torch
     import torch.distributed as dist
 
+    from charm_megatron.ops.options import CPOptions
+    from charm_megatron.ops.transport import P2P, get_transport
+
+    transport = get_transport(CPOptions.from_env().transport)
+    assert transport.name == "software_links", transport
     t = torch.zeros(nbytes // 4)
-    peer = 1 - rank
-    op = dist.P2POp(dist.isend if rank == 0 else dist.irecv, t, peer)
     dist.barrier()
     t0 = time.monotonic()
-    for w in dist.batch_isend_irecv([op]):
+    for w in transport.post([P2P(rank == 0, t, 1 - rank)]):
         w.wait()
     return time.monotonic() - t0
 

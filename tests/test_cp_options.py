@@ -14,7 +14,8 @@ def test_from_env_reads_every_listed_variable():
            "CHARM_ATTN_BACKEND": "reference", "CHARM_TOPOLOGY": "2x4", "CHARM_CHECK": "off",
            "CHARM_MODEL_PROFILE": "h100", "CHARM_SPLIT_VISITING": "on",
            "CHARM_SPLIT_COUNTERPART_Q": "off", "CHARM_AUTO_ALGOS": "ring, charm,a2a+p2p",
-           "CHARM_PARTIALS": "fp32", "CHARM_AUTO_TUNE": "1.25"}
+           "CHARM_PARTIALS": "fp32", "CHARM_AUTO_TUNE": "1.25",
+           "CHARM_AUTO_TUNE_FILE": "runs/picks.json", "CHARM_TRANSPORT": "torch"}
     assert set(env) == set(ENV_VARS)
     o = CPOptions.from_env(env)
     assert (o.pass_order, o.timeout_s, o.backend, o.topology, o.check, o.model_profile,
@@ -23,6 +24,9 @@ def test_from_env_reads_every_listed_variable():
     assert o.auto_algos == ("ring", "charm", "a2a+p2p")
     assert o.partials == "fp32" and o.wide_partials and not CPOptions().wide_partials
     assert o.auto_tune == 1.25 and CPOptions().auto_tune is None
+    assert o.auto_tune_file == "runs/picks.json" and CPOptions().auto_tune_file is None
+    assert o.transport == "torch" and CPOptions().transport is None
+    assert o.transport_name == CPOptions().transport_name == "torch"
     assert CPOptions.from_env({}) == CPOptions()
     assert CPOptions.from_env(env, pass_order="split").pass_order == "split"
 
@@ -37,6 +41,8 @@ def test_from_env_reads_every_listed_variable():
     ({"CHARM_AUTO_ALGOS": "ring,spiral"}, "CHARM_AUTO_ALGOS.*unknown 'spiral'"),
     ({"CHARM_AUTO_ALGOS": " , "}, "CHARM_AUTO_ALGOS.*empty"),
     ({"CHARM_PARTIALS": "fp16"}, "partials='fp16' \\(CHARM_PARTIALS\\); choose one of input, fp32"),
+    ({"CHARM_TRANSPORT": "pigeon"}, "transport='pigeon' \\(CHARM_TRANSPORT\\) is not "
+                                     "registered.*registered: torch"),
 ])
 def test_bad_values_name_the_variable(env, match):
     with pytest.raises(ValueError, match=match):

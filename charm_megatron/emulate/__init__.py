@@ -6,7 +6,8 @@
   iproute2: :func:`available` says whether it works here.
 * :func:`run_ranks_in_cluster` - run a function on every rank inside the cluster (gloo).
 * :class:`LinkModel` / :class:`SoftwareLinks` - the fallback without namespaces: ``wait()``
-  returns no earlier than ``bytes/rate`` after posting, per shared link.
+  returns no earlier than ``bytes/rate`` after posting, per shared link; a rank's links are
+  the executor's transport :class:`LinkTransport` (ops/transport.py).
 
 Importing this package does not import torch.
 """
@@ -20,7 +21,13 @@ from charm_megatron.emulate.cluster import (
     enter,
 )
 from charm_megatron.emulate.cluster_ranks import run_ranks_in_cluster
-from charm_megatron.emulate.linkmodel import LinkModel, RankLinks, SoftwareLinks, ThrottledWork
+from charm_megatron.emulate.linkmodel import (
+    LinkModel,
+    LinkTransport,
+    RankLinks,
+    SoftwareLinks,
+    ThrottledWork,
+)
 from charm_megatron.emulate.netns import available, cleanup_stale, list_netns
 from charm_megatron.emulate.rates import format_rate, parse_rate, parse_size
 
@@ -29,6 +36,7 @@ __all__ = [
     "NIC_MODELS",
     "EmulatedCluster",
     "LinkModel",
+    "LinkTransport",
     "RankLinks",
     "RankPlace",
     "RateReport",

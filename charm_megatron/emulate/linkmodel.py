@@ -21,7 +21,7 @@ from typing import Any
 from charm_megatron.emulate.cluster import NIC_MODELS
 from charm_megatron.emulate.rates import parse_rate
 
-__all__ = ["LinkModel", "RankLinks", "SoftwareLinks", "ThrottledWork"]
+__all__ = ["LinkModel", "LinkTransport", "RankLinks", "SoftwareLinks", "ThrottledWork"]
 
 _STATE = struct.Struct("=dQQ")  # busy_until (monotonic s), bytes posted, transfers posted
 
@@ -212,3 +212,35 @@ class RankLinks:
         import torch.distributed as dist
 
         return self.wrap(dist.irecv(tensor, src, group=group, tag=tag), _nbytes(tensor), src, False)
+
+    def transport(self, inner: Any = None) -> LinkTransport:
+        """The executor's transport over these links (:class:`LinkTransport`)."""
+        return LinkTransport(self, inner)
+
+
+class LinkTransport:
+    """A transport (ops/transport.py) that books every op on its modelled link: the executor's
+    batches go through ``inner`` (default: torch.distributed), and each op's handle is wrapped
+    by :meth:`RankLinks.wrap` (send: this rank's egress to the peer; receive: its ingress), so
+    its ``wait()`` returns no earlier than the link could have delivered it. gloo only: it
+    needs one handle per op (NCCL gives one per batch)."""
+
+    name = "software_links"
+
+    def __init__(self, links: RankLinks, inner: Any = None) -> None:
+        if inner is None:
+            from charm_megatron.ops.transport import TorchTransport
+
+            inner = TorchTransport()
+        self.links, self.inner = links, inner
+
+    def post(self, ops: list) -> list[ThrottledWork]:
+        works = list(self.inner.post(ops))
+        if len(works) != len(ops):
+            raise RuntimeError("software link model: the backend coalesced a P2P batch; it "
+                               "only works with gloo (one work handle per operation)")
+        return [self.links.wrap(work, op.nbytes, op.peer, op.send)
+                for work, op in zip(works, ops)]
+
+    def __repr__(self) -> str:
+        return f"LinkTransport(rank {self.links.rank})"

@@ -77,14 +77,17 @@ def cp_attention(
             error naming it instead of pairing two different calls.
         softmax_offset: ``[h_q]``, one extra logit per query head in every softmax
             denominator (an attention sink: learnable when it requires grad, zeros for
-            "off-by-one"; ops/softmax_offset.py), the same on every rank; ``None``: vanilla
-            softmax. Its gradient on each rank is that rank's tokens' share.
+            "off-by-one"; ops/softmax_offset.py), finite and the same on every rank (the
+            agreement compares a digest of its values); ``None``: vanilla softmax. Its
+            gradient on each rank is that rank's own query rows' share, under every algorithm.
         window_size: ``(left, right)``: query ``i`` sees key ``j`` iff ``i - left <= j <=
             i + right`` in global positions (``-1``: unbounded; flash-attn's and
             megatron-core's convention), on top of ``causal``; ``None``: no window. sbhd:
             plans hold only the tiles the window needs and the messages they read
             (plan/prune.py), a tile it cuts is masked (kernels/window.py). Packed THD: the
             window is measured inside each document; every tile is masked by document.
+            The effective window runs and is agreed on (a side reaching the whole sequence
+            is unbounded, the right side is 0 under ``causal``; nothing left: no window).
 
     Returns:
         ``out [s_local, b, h_q, d]`` in q's dtype; with ``return_lse`` also

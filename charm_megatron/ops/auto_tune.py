@@ -22,14 +22,28 @@ Ulysses 1.28x ahead of CHARM+ where CHARM+ is measured 1.17x ahead (docs/perform
 The picks a rank holds are part of what the ranks agree on (a digest,
 :func:`picks_digest`): a rank that lost them (a restarted process) meets a clear
 ``CPMismatchError`` instead of running another plan than its peers.
+
+A pick file (``CPOptions(auto_tune_file=...)``, ``CHARM_AUTO_TUNE_FILE``; :func:`save_picks`,
+:func:`load_picks`) carries the picks from one run to the next: a different pick is different
+bits, so a run is reproduced bitwise only with the picks of the run it reproduces. The first
+call with the option reads the file if it exists (:func:`use_file`, before the agreement, so
+the digest covers what it read: ranks that read different files disagree by name), and rank 0
+writes every pick it holds to it after each measurement. JSON, one pick per shape under its
+key's text (:func:`key_text`), with a format version (:data:`FILE_VERSION`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
+import json
 import math
+import os
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +54,14 @@ REPEATS = 2
 #: The code a rank shares for a candidate that raised (never the fastest).
 FAILED = -1
 
-_PICKS: dict[tuple, str] = {}
+#: The pick file's format version (:func:`save_picks`); a file of another is refused.
+FILE_VERSION = 1
+_FILE_FORMAT = "charm-megatron auto-tune picks"
+
+_PICKS: dict[str, str] = {}  # key text (key_text) -> algorithm
 _DIGEST: list[str | None] = [None]
+#: Pick files this process has read at their first use (use_file), by absolute path.
+_READ: set[str] = set()
 #: The last measurement on this rank (for reports and tests): key, shortlist, every rank's
 #: times in seconds (``inf``: failed), the pick.
 _LAST: list[Report] = []
@@ -83,28 +103,158 @@ def pick(shortlist_: Sequence[str], seconds: Sequence[Sequence[float]]) -> str:
     return shortlist_[best]
 
 
+def key_text(key: tuple) -> str:
+    """The stable text of a pick's key (``(name, value)`` pairs, ops/resolution.py): the same
+    in every process and launch for the same shape, options and package (no addresses, no
+    hashes of Python objects). What the picks are held and written under."""
+    return "; ".join(f"{name}={_text(value)}" for name, value in key)
+
+
+def _text(value) -> str:
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_text(v)}" for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        inner = ", ".join(f"{f.name}={_text(getattr(value, f.name))}"
+                          for f in dataclasses.fields(value))
+        return f"{type(value).__name__}({inner})"
+    if isinstance(value, (tuple, list)):
+        return "(" + ", ".join(_text(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, str):
+        return value
+    return repr(value)  # bool, int, float (shortest round trip), None
+
+
 def lookup(key: tuple) -> str | None:
-    """The pick measured for ``key`` on this rank (``None``: not measured yet)."""
-    return _PICKS.get(key)
+    """The pick held for ``key`` on this rank, measured or read from a pick file (``None``:
+    none yet)."""
+    return _PICKS.get(key_text(key))
+
+
+def picks() -> dict[str, str]:
+    """Every pick this rank holds, measured or read: key text (:func:`key_text`) ->
+    algorithm, what :func:`save_picks` writes."""
+    return dict(sorted(_PICKS.items()))
 
 
 def picks_digest() -> str | None:
-    """A digest of every pick this rank holds (``None``: none), for the agreement."""
+    """A digest of every pick this rank holds, measured or read (``None``: none), for the
+    agreement."""
     return _DIGEST[0]
 
 
 def record(key: tuple, algo: str) -> None:
-    _PICKS[key] = algo
-    text = repr(sorted(_PICKS.items(), key=repr))
-    _DIGEST[0] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    _PICKS[key_text(key)] = algo
+    _redigest()
+
+
+def _redigest() -> None:
+    text = repr(sorted(_PICKS.items()))
+    _DIGEST[0] = hashlib.blake2b(text.encode(), digest_size=8).hexdigest() if _PICKS else None
 
 
 def forget() -> None:
-    """Drop every pick (a new measurement at the next ``auto`` call of each shape). Every
-    rank of a CP group must call it alike."""
+    """Drop every pick (a new measurement at the next ``auto`` call of each shape; with a pick
+    file, the next call reads it again). Every rank of a CP group must call it alike."""
     _PICKS.clear()
     _DIGEST[0] = None
     _LAST.clear()
+    _READ.clear()
+
+
+def save_picks(path: str | os.PathLike) -> int:
+    """Write every pick this rank holds to ``path`` (JSON, atomically: a temporary file in the
+    same folder, then a rename; the folder is made if missing); the number written. Call it on
+    one rank (the option writes from rank 0)."""
+    path = os.fspath(path)
+    doc = {"format": _FILE_FORMAT, "version": FILE_VERSION,
+           "picks": [{"key": k, "algo": a} for k, a in sorted(_PICKS.items())]}
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return len(doc["picks"])
+
+
+def load_picks(path: str | os.PathLike) -> int:
+    """Read the picks of ``path`` (written by :func:`save_picks` or the option) into this rank's
+    (a pick of the file replaces one held for the same key); the number read. Every rank of a
+    CP group must load alike: the picks held are agreed on (a digest). ValueError naming the
+    file and the fix if it is missing, unreadable or of another format version."""
+    from charm_megatron.plan import registry
+
+    path = os.fspath(path)
+    fix = ("delete it (the next run with auto_tune measures and writes it again) or give "
+           "another file (auto_tune_file / CHARM_AUTO_TUNE_FILE)")
+
+    def bad(why: str) -> ValueError:
+        return ValueError(f"auto_tune: the pick file {path!r} {why}; {fix}")
+
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise bad("does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(f"cannot be read ({type(exc).__name__}: {exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != _FILE_FORMAT:
+        raise bad(f"is not a pick file (no \"format\": \"{_FILE_FORMAT}\")")
+    if doc.get("version") != FILE_VERSION:
+        raise bad(f"is of format version {doc.get('version')!r}, this package reads version "
+                  f"{FILE_VERSION}")
+    picks = doc.get("picks")
+    if not isinstance(picks, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("key"), str)
+            and isinstance(p.get("algo"), str) for p in picks):
+        raise bad('has no list of {"key": text, "algo": name} under "picks"')
+    unknown = sorted({p["algo"] for p in picks} - set(registry.names()))
+    if unknown:
+        raise bad(f"picks unregistered algorithm(s) {', '.join(unknown)} (registered: "
+                  f"{', '.join(registry.names())})")
+    for p in picks:
+        _PICKS[p["key"]] = p["algo"]
+    _redigest()
+    return len(picks)
+
+
+def use_file(path: str) -> None:
+    """``auto_tune_file``'s first use in this process: read ``path`` if it exists (once; a file
+    that does not exist yet is written by this run's measurements). Called while a call's
+    request is built, before the agreement, so a rank that read another file than its peers
+    is named (``auto-tune picks held``)."""
+    where = os.path.abspath(path)
+    if where in _READ:
+        return
+    if os.path.exists(where):
+        load_picks(path)
+    _READ.add(where)
+
+
+def write_file(path: str | None) -> None:
+    """After a measurement: rank 0 writes every pick it holds to ``path`` (``None``: no file).
+    A failed write warns and the run goes on (the picks are held; the ranks have agreed)."""
+    import torch.distributed as dist
+
+    if path is None or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    _READ.add(os.path.abspath(path))  # this run's own picks; never read back in this process
+    try:
+        save_picks(path)
+    except OSError as exc:
+        warnings.warn(f"auto_tune: could not write the pick file {path!r} ({exc}); the picks "
+                      "are held in this process but will not be reproduced by a later run",
+                      RuntimeWarning, stacklevel=2)
 
 
 def last_report() -> Report | None:
@@ -146,9 +296,10 @@ def measure(run: Callable[..., torch.Tensor], algo: str, q: torch.Tensor, k: tor
 
 def tune(pending: Pending, run: Callable[..., torch.Tensor], q: torch.Tensor,
          k: torch.Tensor, v: torch.Tensor, offset: torch.Tensor | None, sg,
-         timeout_s: float) -> str:
+         timeout_s: float, path: str | None = None) -> str:
     """Measure ``pending``'s shortlist on this rank, share the times with the CP group's
-    ranks (``sg``), record and return the pick (the same on every rank)."""
+    ranks (``sg``), record and return the pick (the same on every rank); rank 0 writes the
+    picks held to the pick file ``path`` (``None``: none)."""
     from charm_megatron.ops.agreement import share
 
     mine, errors = [], []
@@ -172,6 +323,7 @@ def tune(pending: Pending, run: Callable[..., torch.Tensor], q: torch.Tensor,
             f"{'; '.join(errors) or 'none failed'}); run them by name to see each rank's "
             "error, or set auto_tune off (CHARM_AUTO_TUNE=off)") from None
     record(pending.key, chosen)
+    write_file(path)
     _LAST.append(Report(pending.key, pending.shortlist, seconds, chosen))
     del _LAST[:-1]
     return chosen

@@ -11,6 +11,9 @@ Tensor layouts and dtypes (in a message and in an accumulator) are those of
 :data:`charm_megatron.plan.vocab.BLOCKS`: rows are the local sequence, the first dim, so a half
 is a contiguous slice; kv blocks are two tensors (k, v) and so two messages.
 Own blocks are the caller's tensors themselves (no packing copies).
+
+Bytes move only through the executor's transport (:mod:`charm_megatron.ops.transport`): one
+``post`` per ``Comm`` batch, whose handles a ``Wait`` waits on.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from charm_megatron.kernels.base import AttentionBackend
 from charm_megatron.kernels.window import Window, masked_backward, masked_forward
 from charm_megatron.ops.merge import merge_into
 from charm_megatron.ops.streams import StreamGroups
+from charm_megatron.ops.transport import P2P, TorchTransport, Transport
 from charm_megatron.plan.core import (
     Comm,
     Half,
@@ -58,6 +62,22 @@ class BlockShape:
     dtype: torch.dtype
     device: torch.device
     dv: int = 0  # v / output head dim; 0: as d
+
+
+@dataclass(frozen=True)
+class ExecOptions:
+    """How an executor runs its plans (one call's, from its ``CPOptions``).
+
+    ``compute`` / ``comm`` False: an ablated run (``CPOptions.ablation``, timing a plan's
+    parts; results meaningless). ``timeout_s``: the bound on every wait. ``what`` names the
+    call in errors, e.g. ``"cp_attention(algo=charm, backward)"``. ``wide_partials``: partials
+    travel in fp32 (``CPOptions.partials``)."""
+
+    compute: bool = True
+    comm: bool = True
+    timeout_s: float = 600.0
+    what: str = "cp_attention"
+    wide_partials: bool = False
 
 
 @dataclass
@@ -146,22 +166,24 @@ def _out_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 
 class Executor(OpInterpreter[None]):
-    """Interprets plan ops for one rank."""
+    """Interprets plan ops for one rank; its bytes move through ``transport``
+    (ops/transport.py; ``None``: torch.distributed)."""
 
     def __init__(self, streams: StreamGroups, backend: AttentionBackend, shape: BlockShape,
-                 scale: float, *, compute: bool = True, comm: bool = True,
-                 timeout_s: float = 600.0, what: str = "cp_attention",
-                 window: Window | None = None, wide_partials: bool = False) -> None:
+                 scale: float, options: ExecOptions = ExecOptions(), *,
+                 window: Window | None = None, transport: Transport | None = None) -> None:
         self.streams = streams
-        self.wide_partials = wide_partials  # partials travel in fp32 (CPOptions.partials)
+        self.options = options
+        self.transport = transport if transport is not None else TorchTransport()
+        self.wide_partials = options.wide_partials  # partials travel in fp32
         self.window = window  # a sliding window: every tile masked by kernels/window.py
         self.backend = backend
         self.shape = shape
         self.scale = scale
-        self.compute = compute  # False / comm False: ablated runs (timing a plan's parts)
-        self.comm = comm
-        self.timeout_s = timeout_s
-        self.what = what  # names the call in errors, e.g. "cp_attention(algo=charm, backward)"
+        self.compute = options.compute  # False / comm False: ablated runs
+        self.comm = options.comm
+        self.timeout_s = options.timeout_s
+        self.what = options.what  # names the call in errors
         self.bufs: dict[Loc, _Buf] = {}
         # handle -> (works, keep-alive tensors, stream, global peer ranks)
         self.pending: dict[int, tuple[list, list, str, list[int]]] = {}
@@ -423,14 +445,14 @@ class Executor(OpInterpreter[None]):
     def _post(self, op: Comm) -> None:
         group = self.streams.groups[op.stream]
         ranks = self.streams.ranks
-        p2p: list[dist.P2POp] = []
+        p2p: list[P2P] = []
         keep: list[torch.Tensor] = []
         for x in op.sends:
             tensors = self._to_wire(x.kind, self._view(x.loc, x.half))
             for t in tensors:
                 t = t if t.is_contiguous() else t.contiguous()
                 keep.append(t)
-                p2p.append(dist.P2POp(dist.isend, t, ranks[x.peer], group))
+                p2p.append(P2P(True, t, ranks[x.peer], group))
         for x in op.recvs:
             buf = self._buffer(x.loc, x.kind, wire=True, rows=x.half)
             for t in buf.tensors:
@@ -440,12 +462,12 @@ class Executor(OpInterpreter[None]):
                     # (a rank's compute-only forward measured 47-172 ms so, 39-50 ms with
                     # zeros): the ablated timing must not depend on stale bytes.
                     t.zero_()
-                p2p.append(dist.P2POp(dist.irecv, t, ranks[x.peer], group))
+                p2p.append(P2P(False, t, ranks[x.peer], group))
         if not self.comm:
             p2p = []  # only timing is meaningful in an ablated run
         peers = sorted({ranks[x.peer] for x in (*op.sends, *op.recvs)})
         try:
-            works = dist.batch_isend_irecv(p2p) if p2p else []
+            works = list(self.transport.post(p2p)) if p2p else []
         except Exception as exc:  # noqa: BLE001 - re-raised with what it means
             raise CommError(self._comm_text(op.stream, peers, "could not post its transfers",
                                             exc)) from exc
@@ -469,13 +491,13 @@ class Executor(OpInterpreter[None]):
         as a plan's batch is and waited at once, under the same bound and errors."""
         group = self.streams.groups[stream]
         ranks = self.streams.ranks
-        p2p = [dist.P2POp(dist.isend, t, ranks[p], group) for p, t in sends]
-        p2p += [dist.P2POp(dist.irecv, t, ranks[p], group) for p, t in recvs]
+        p2p = [P2P(True, t, ranks[p], group) for p, t in sends]
+        p2p += [P2P(False, t, ranks[p], group) for p, t in recvs]
         if not self.comm:
             p2p = []  # an ablated run: only timing is meaningful
         peers = sorted({ranks[p] for p, _ in (*sends, *recvs)})
         try:
-            works = dist.batch_isend_irecv(p2p) if p2p else []
+            works = list(self.transport.post(p2p)) if p2p else []
         except Exception as exc:  # noqa: BLE001 - re-raised with what it means
             raise CommError(self._comm_text(stream, peers, "could not post its transfers",
                                             exc)) from exc
@@ -505,7 +527,9 @@ class Executor(OpInterpreter[None]):
     def _comm_text(self, stream, peers: list[int], what: str, exc: BaseException) -> str:
         me = dist.get_rank()
         name = getattr(stream, "value", stream)  # a Stream enum or its name
-        return (f"{self.what}: a transfer on stream {name!r} between global rank {me} and "
+        via = getattr(self.transport, "name", type(self.transport).__name__)
+        via = "" if via == "torch" else f" (transport {via!r})"
+        return (f"{self.what}: a transfer on stream {name!r}{via} between global rank {me} and "
                 f"peer rank(s) {peers} {what} (bound {self.timeout_s:g} s, CHARM_COMM_TIMEOUT_S "
                 f"or CPOptions.timeout_s): {type(exc).__name__}: {exc}. Likely causes: the peer "
                 "died or raised before reaching this transfer, the ranks disagree on the call "

@@ -54,6 +54,12 @@ class Sbhd:
         return ()
 
     @staticmethod
+    def span(q: torch.Tensor, cp_size: int) -> int:
+        """The largest query - key distance of the call (a window side that reaches it is
+        unbounded): the whole sequence's length - 1."""
+        return q.shape[0] * cp_size - 1
+
+    @staticmethod
     def heads(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:
         """(rows, batch, q heads, kv heads, head dim) of the internal blocks."""
         return q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3]
@@ -101,6 +107,11 @@ class Thd:
 
     def fields(self) -> tuple[tuple[str, object], ...]:
         return layout_fields(self.docs)
+
+    def span(self, q: torch.Tensor, cp_size: int) -> int:
+        """The largest query - key distance of the call: inside the longest document (a
+        window is measured inside each)."""
+        return max(self.docs.real, default=0) - 1
 
     @staticmethod
     def heads(q: torch.Tensor, k: torch.Tensor) -> tuple[int, int, int, int, int]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from charm_megatron.kernels.base import AttentionBackend
+from charm_megatron.ops.transport import Transport, check_transport, transport_name
 from charm_megatron.plan import registry
 from charm_megatron.plan.settings import Values
 from charm_megatron.plan.vocab import Dtype, _Named
@@ -65,6 +66,10 @@ _OWN_VARS = {
                         "(default: the model's pick), on (margin 1.5), a margin >= 1 (time "
                         "every algorithm the model predicts within that factor of its "
                         "fastest) or all"),
+    "CHARM_AUTO_TUNE_FILE": ("auto_tune_file", "a pick file for auto_tune: its picks run "
+                             "without measuring, this run's picks are written to it (rank 0)"),
+    "CHARM_TRANSPORT": ("transport", "how the executor moves bytes: a transport registered in "
+                        "the process (ops/transport.py; default torch: torch.distributed)"),
 }
 
 #: The margin ``CHARM_AUTO_TUNE=on`` stands for: the model's speed-up errors on its measured
@@ -153,6 +158,17 @@ class CPOptions:
             backward on the call's own inputs, the ranks share their times, and all run the
             one whose slowest rank was fastest from then on (ops/auto_tune.py). Dense (sbhd)
             calls only; packed ones take the model's pick.
+        auto_tune_file: a pick file (JSON) for ``auto_tune``, ``None``: none. With
+            ``auto_tune`` on, the first call reads it if it exists and runs its picks without
+            measuring; rank 0 writes every pick it holds to it after each measurement (a later
+            run passes it to run the same algorithms: bitwise the same results). Not compared
+            by the agreement check (paths may differ); the picks held are. Ignored with
+            ``auto_tune`` off.
+        transport: how the executor moves bytes (:mod:`charm_megatron.ops.transport`):
+            ``None`` (default): torch.distributed; a name registered with
+            :func:`~charm_megatron.ops.transport.register_transport` in this process (e.g. the
+            bench's software links, ``software_links``); or a transport object. The agreement
+            check compares its name (``CHARM_TRANSPORT``).
     """
 
     timeout_s: float
@@ -165,6 +181,8 @@ class CPOptions:
     auto_algos: tuple[str, ...] | None
     partials: Dtype
     auto_tune: float | None
+    auto_tune_file: str | None
+    transport: str | Transport | None
 
     def __init__(self, *, timeout_s: float = 600.0,
                  backend: str | AttentionBackend | None = None, topology: str | None = None,
@@ -174,6 +192,8 @@ class CPOptions:
                  auto_algos: str | Sequence[str] | None = None,
                  partials: Dtype | str = Dtype.INPUT,
                  auto_tune: float | str | None = None,
+                 auto_tune_file: str | os.PathLike | None = None,
+                 transport: str | Transport | None = None,
                  **algorithm_settings: object) -> None:
         given = dict(settings.items() if isinstance(settings, Mapping) else settings)
         given.update(algorithm_settings)
@@ -193,7 +213,9 @@ class CPOptions:
                             ("auto_algos", _auto_algos(auto_algos)),
                             ("partials", _enum(Dtype, partials, "partials",
                                                "CHARM_PARTIALS")),
-                            ("auto_tune", _auto_tune(auto_tune))):
+                            ("auto_tune", _auto_tune(auto_tune)),
+                            ("auto_tune_file", _auto_tune_file(auto_tune_file)),
+                            ("transport", check_transport(transport))):
             object.__setattr__(self, name, value)
         if not (isinstance(timeout_s, (int, float)) and not isinstance(timeout_s, bool)
                 and math.isfinite(timeout_s) and timeout_s > 0):
@@ -294,6 +316,11 @@ class CPOptions:
             return self.backend or "auto"
         return str(getattr(self.backend, "name", type(self.backend).__name__))
 
+    @property
+    def transport_name(self) -> str:
+        """What the agreement check compares for the transport (``torch`` by default)."""
+        return transport_name(self.transport)
+
 
 def _auto_algos(value) -> tuple[str, ...] | None:
     """``auto_algos`` as a tuple of registered names (``None``: all); ValueError naming them."""
@@ -331,6 +358,18 @@ def _auto_tune(value) -> float | None:
         return float(value)
     raise ValueError(f"cp_attention: auto_tune={value!r} (CHARM_AUTO_TUNE): give off, on "
                      f"(margin {DEFAULT_TUNE_MARGIN}), a margin >= 1 such as 1.3, or all")
+
+
+def _auto_tune_file(value) -> str | None:
+    """``auto_tune_file`` as a path string (``None``: none); ValueError naming it."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if isinstance(value, str) and value.strip():
+        return value.strip()
+    raise ValueError(f"cp_attention: auto_tune_file={value!r} (CHARM_AUTO_TUNE_FILE) must be "
+                     "a file path or None")
 
 
 def _enum(kind, value, name: str, env: str | None):

@@ -13,11 +13,18 @@ from charm_megatron.kernels.head_dims import HeadDimPadding
 from charm_megatron.kernels.window import Window
 from charm_megatron.ops import agreement, head_stage, softmax_offset
 from charm_megatron.ops.agreement import CPAttentionError
-from charm_megatron.ops.executor import BlockShape, Executor, delta_exponent, scaled_delta
+from charm_megatron.ops.executor import (
+    BlockShape,
+    ExecOptions,
+    Executor,
+    delta_exponent,
+    scaled_delta,
+)
 from charm_megatron.ops.failsafe import GuardedBackend
 from charm_megatron.ops.options import kernel_backend
 from charm_megatron.ops.prepare import Call
 from charm_megatron.ops.streams import StreamGroups, control_timeout_s, stream_groups
+from charm_megatron.ops.transport import get_transport
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.head_stage import HeadStage
 from charm_megatron.plan.vocab import Direction
@@ -27,7 +34,7 @@ def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor
                   v: torch.Tensor, direction: Direction, head_group: int = 1, *,
                   lanes_held: bool = False) -> Executor:
     """The executor of one direction of ``call`` on internal ``[s, b, h, d]`` blocks: its
-    kernels behind the failure guard, its layout's tile computation. ``head_group`` ``a``:
+    kernels behind the failure guard, its layout's tile computation, its options' transport. ``head_group`` ``a``:
     its blocks are super-blocks of a head all-to-all (``a`` times the rows of ``q``, ``k``,
     ``v``, ``1/a`` of their heads; ``lanes_held``: ``q``, ``k``, ``v`` already are such
     super-blocks, as the backward's saved tensors are)."""
@@ -44,11 +51,11 @@ def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor
     window = call.request.window
     extra = {} if window is None else {"window": Window(
         window[0], window[1], sg.size, shape.s, causal=call.request.causal, group=a)}
+    run = ExecOptions(compute=opts.compute, comm=opts.comm, timeout_s=opts.timeout_s,
+                      what=call.what(direction), wide_partials=opts.wide_partials)
     return call.layout.executor(sg, backend, shape, call.scale,
                                 forced_backend=opts.backend is not None, head_group=a,
-                                compute=opts.compute, comm=opts.comm,
-                                timeout_s=opts.timeout_s, what=call.what(direction),
-                                wide_partials=opts.wide_partials, **extra)
+                                options=run, transport=get_transport(opts.transport), **extra)
 
 
 def run_plan(call: Call, sg: StreamGroups, ex: Executor, work: Callable[[], None],
@@ -118,16 +125,14 @@ def _out_of_lanes(call: Call, ex: Executor, stage: HeadStage, rank: int,
     return head_stage.to_rows(ex, stage, rank, *tensors)
 
 
-def _lane_slice(offset: torch.Tensor, stage: HeadStage, rank: int) -> slice:
-    h = offset.shape[0] // stage.a
-    k = rank % stage.a
-    return slice(k * h, (k + 1) * h)
-
-
 def _lane_heads(offset: torch.Tensor, stage: HeadStage | None, rank: int) -> torch.Tensor:
     """The offsets of the heads this rank attends: all, or its lane's after a head
     all-to-all."""
-    return offset if stage is None else offset[_lane_slice(offset, stage, rank)]
+    if stage is None:
+        return offset
+    h = offset.shape[0] // stage.a
+    k = rank % stage.a
+    return offset[k * h:(k + 1) * h]
 
 
 def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -201,19 +206,22 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         (dq,) = ex.result(Plan.DQ)
         dk, dv = ex.result(Plan.DKV)
         grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype))
-        if stage is not None:
-            grads = _out_of_lanes(call, ex, stage, rank, *grads)
-        held["grads"] = grads
-        if offset is not None:
+        shares = None
+        if offset is not None:  # each row's share of d offset: exp(o - L) * delta [s, b, h]
             unscaled = torch.ldexp(delta.double(), e.double())  # [s, b, h]: cheap in float64
-            grad = softmax_offset.offset_grad(lse_sbh, unscaled, _lane_heads(offset, stage, rank))
-            if stage is not None:
-                # This rank holds every row of its group for its lane's heads: its share is
-                # those heads' (the others' are its group members'); the sum over CP is whole.
-                whole = torch.zeros_like(offset)
-                whole[_lane_slice(offset, stage, rank)] = grad
-                grad = whole
-            held["offset"] = (grad,)
+            shares = softmax_offset.row_shares(lse_sbh, unscaled,
+                                               _lane_heads(offset, stage, rank))
+        if stage is not None:
+            # The shares go home with the gradients (one more message per peer in the same
+            # batch, 4 bytes per row and head as the forward's lse): a rank's d offset is its
+            # own query rows' share under every algorithm, not its lane's heads'.
+            grads = _out_of_lanes(call, ex, stage, rank, *grads,
+                                  *(() if shares is None else (shares,)))
+            if shares is not None:
+                *grads, shares = grads
+        held["grads"] = tuple(grads)
+        if shares is not None:
+            held["offset"] = ((-shares.sum(dim=(0, 1))).to(offset.dtype),)
 
     run_plan(call, sg, ex, work, Direction.BACKWARD)
     return (*held["grads"], *held.get("offset", ()))

@@ -35,6 +35,8 @@ from charm_megatron.ops.request import (
     check_scale,
     check_softmax_offset,
     check_window,
+    effective_window,
+    offset_values,
 )
 from charm_megatron.ops.resolution import Resolved, model_cluster, resolve_call
 from charm_megatron.ops.streams import StreamGroups, stream_groups
@@ -105,9 +107,20 @@ def build_request(q, k, v, *, cp_size: int, algo: str, topology, causal: bool,
     if tag is not None and not isinstance(tag, str):
         raise TypeError(f"cp_attention: tag must be a string or None, got {type(tag).__name__}")
     offset = check_softmax_offset(softmax_offset, q, layout.heads(q, k)[2])
-    window = check_window(window_size)
+    # The ranks agree on the offset's values (a digest read on the host), not only its shape:
+    # read only where the agreement runs (not at CP size 1, nor with check="off", which CUDA
+    # graph capture needs).
+    agreed = offset is not None and cp_size > 1 and opts.checked
+    values = offset_values(softmax_offset) if agreed else None
+    # The window as it acts (windows of one mask are one value): what runs and is agreed on.
+    window = effective_window(check_window(window_size), bool(causal),
+                              layout.span(q, cp_size))
+    if opts.auto_tune is not None and opts.auto_tune_file is not None:
+        # Read at its first use, before the agreement: the picks digest covers what it read.
+        auto_tune.use_file(opts.auto_tune_file)
     return CallRequest(TensorDesc.of(q), TensorDesc.of(k), TensorDesc.of(v), layout, algo,
-                       topology, bool(causal), scale, opts, settings, tag, offset, window)
+                       topology, bool(causal), scale, opts, settings, tag, offset, window,
+                       softmax_offset_values=values)
 
 
 def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, **arguments) -> Call:
@@ -146,7 +159,8 @@ def tune_call(call: Call, run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     to run the measured pick: ``run(algo, q, k, v, offset)`` is one call of a candidate."""
     assert call.resolved.tune is not None
     sg = stream_groups(call.group, call.options.timeout_s)
-    auto_tune.tune(call.resolved.tune, run, q, k, v, offset, sg, call.options.timeout_s)
+    auto_tune.tune(call.resolved.tune, run, q, k, v, offset, sg, call.options.timeout_s,
+                   call.options.auto_tune_file)
     cp_size = dist.get_world_size(call.group)
     return replace(call, resolved=resolve_call(call.request, call.group, cp_size, call.cluster))
 

@@ -86,9 +86,28 @@ def check_softmax_offset(offset, q: torch.Tensor, heads: int) -> TensorDesc | No
     return TensorDesc.of(offset)
 
 
+def offset_values(offset: torch.Tensor) -> str:
+    """What the ranks agree on of ``softmax_offset``'s values: a digest of them, read on the
+    host (one device-to-host copy of ``h_q`` numbers per call). This call's values: a learnable
+    sink changes every step, identically on every rank after the gradient all-reduce.
+    ``ValueError`` naming the heads where a value is NaN or infinite."""
+    values = offset.detach().to("cpu", torch.float64)
+    bad = (~torch.isfinite(values)).nonzero().flatten().tolist()
+    if bad:
+        shown = ", ".join(f"head {h}: {values[h].item()}" for h in bad[:8])
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise ValueError(f"cp_attention: softmax_offset holds non-finite values ({shown}{more}); "
+                         "every offset must be a finite number (an offset of -inf is no sink: "
+                         "pass softmax_offset=None)")
+    values = values + 0.0  # -0.0 and 0.0 are the same offset
+    digest = hashlib.blake2b(values.numpy().tobytes(), digest_size=8).hexdigest()
+    return f"{values.numel()} values, digest {digest}"
+
+
 def check_window(window_size) -> tuple[int, int] | None:
     """``window_size`` as ``(left, right)`` ints (``-1``: unbounded), or ``None`` (no window;
-    also for ``(-1, -1)``). On packed THD calls it is measured inside each document."""
+    also for ``(-1, -1)``). On packed THD calls it is measured inside each document. What a
+    call runs and agrees on is :func:`effective_window` of it."""
     if window_size is None:
         return None
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
@@ -102,6 +121,23 @@ def check_window(window_size) -> tuple[int, int] | None:
     if left == right == -1:
         return None
     return int(left), int(right)
+
+
+def effective_window(window: tuple[int, int] | None, causal: bool,
+                     span: int) -> tuple[int, int] | None:
+    """The window a call runs, normalised so that windows of one mask are one value: a side
+    that reaches ``span`` (the largest query - key distance there is: the sequence length - 1,
+    on packed THD the longest document's) is unbounded (``-1``); under ``causal`` the right
+    side is ``0`` (causal already hides every key right of the query); ``None`` where nothing
+    is left of the window (``(-1, -1)``; ``(-1, 0)`` under ``causal``)."""
+    if window is None:
+        return None
+    left, right = (-1 if w >= max(span, 0) else w for w in window)
+    if causal:
+        right = 0
+    if left == -1 and right == (0 if causal else -1):
+        return None
+    return left, right
 
 
 def _topology_desc(topology) -> str:
@@ -134,7 +170,10 @@ class CallRequest:
     settings: Values  # every registered algorithm setting's value for this call
     tag: str | None = None  # the caller's name for the call site (Megatron: the layer)
     softmax_offset: TensorDesc | None = None  # a sink per query head (None: vanilla softmax)
-    window: tuple[int, int] | None = None  # sliding window (left, right); None: none
+    window: tuple[int, int] | None = None  # sliding window (left, right), effective; None: none
+    # a digest of softmax_offset's values (offset_values); None: no offset, or not read
+    # (no agreement: CP size 1 or check="off")
+    softmax_offset_values: str | None = None
 
     def fields(self, direction: Direction, call: int,
                cluster=None) -> tuple[tuple[str, object], ...]:
@@ -153,9 +192,10 @@ class CallRequest:
             ("causal", bool(self.causal)),
             ("softmax_scale", self.scale),
             ("call tag", self.tag),
-            ("window_size", self.window),
+            ("window_size (effective)", self.window),
             ("softmax_offset shape/dtype/device",
              None if self.softmax_offset is None else self.softmax_offset.field()),
+            ("softmax_offset values", self.softmax_offset_values),
             ("kernel backend", opts.backend_name),
             ("default topology (CHARM_TOPOLOGY)", opts.topology),
             ("ablation", str(opts.ablation)),
@@ -167,6 +207,7 @@ class CallRequest:
             # another plan than its peers; this names it instead (ops/auto_tune.py).
             ("auto-tune picks held", picks_digest() if opts.auto_tune is not None else None),
             ("partials on the wire (CHARM_PARTIALS)", str(opts.partials)),
+            ("transport (CHARM_TRANSPORT)", opts.transport_name),
             *((f"{name}{_env_hint(name)}", str(value)) for name, value in
               self.settings.items()),
             *self.layout.fields(),

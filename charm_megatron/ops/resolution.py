@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from charm_megatron.ops import auto_tune
-from charm_megatron.ops.request import CallRequest
+from charm_megatron.ops.request import CallRequest, cluster_digest
 from charm_megatron.plan import registry
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
@@ -142,10 +142,13 @@ def _auto(request: CallRequest, groups: Groups, prob: Problem, cluster,
     if len(short) == 1:
         return short[0], None
     # Everything the times depend on, nothing that names the call site (tag, call number):
-    # one measurement serves every layer of a model.
-    key = (groups, prob, cluster, request.causal, request.scale, request.window,
-           request.softmax_offset is not None, request.options.backend_name, request.q.dtype,
-           request.settings, short)
+    # one measurement serves every layer of a model. Named, each value with a stable text
+    # (the cluster by its digest): the key of a pick file (auto_tune.key_text).
+    key = (("groups", groups), ("problem", prob), ("profile digest", cluster_digest(cluster)),
+           ("causal", request.causal), ("softmax_scale", request.scale),
+           ("window", request.window), ("softmax_offset", request.softmax_offset is not None),
+           ("backend", request.options.backend_name), ("dtype", request.q.dtype),
+           ("settings", request.settings), ("shortlist", short))
     held = auto_tune.lookup(key)
     return (held, None) if held is not None else (short[0], auto_tune.Pending(key, short))
 
