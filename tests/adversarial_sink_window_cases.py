@@ -180,13 +180,7 @@ def packed_sink_padding(rank: int, world: int, cases: list[tuple]) -> dict:
             cu_seqlens_padded=packed_cases.cumulative(padded), softmax_offset=off,
             options=_opts())
         out.backward(dl)
-        want = [local(ref[0]), local(ref[1].t()).t(), local(ref[2]), local(ref[3]),
-                local(ref[4])]
-        errs = {}
-        for name, got, w in zip(("out", "lse", "dq", "dk", "dv"),
-                                (out, lse, ql.grad, kl.grad, vl.grad), want):
-            got, w = (got[:, mask], w[:, mask]) if name == "lse" else (got[mask], w[mask])
-            errs[name] = rel_err(got, w)
+        errs = window_cases.real_rows_errors(local, mask, ref, (out, lse, ql.grad, kl.grad, vl.grad))
         errs["lse_padding"] = 0.0 if bool((lse[:, ~mask] == float("-inf")).all()) else 1.0
         errs["zero_padding"] = 0.0 if all(bool((t[~mask] == 0).all()) for t in
                                           (out, ql.grad, kl.grad, vl.grad)) else 1.0
@@ -283,12 +277,6 @@ def thd_window_variants(rank: int, world: int, algo: str, topology, causal: bool
     result = {"kind": kind, "text": text, "took": time.monotonic() - t0}
     if kind == "ok":
         ref = window_cases._doc_reference(q, k, v, dout, real, causal, ref_window, d ** -0.5)
-        want = [local(ref[0]), local(ref[1].t()).t(), local(ref[2]), local(ref[3]),
-                local(ref[4])]
-        errs = {}
-        for name, got, w in zip(("out", "lse", "dq", "dk", "dv"),
-                                (out, lse, ql.grad, kl.grad, vl.grad), want):
-            got, w = (got[:, mask], w[:, mask]) if name == "lse" else (got[mask], w[mask])
-            errs[name] = rel_err(got, w)
+        errs = window_cases.real_rows_errors(local, mask, ref, (out, lse, ql.grad, kl.grad, vl.grad))
         result["errs"] = errs
     return result

@@ -42,6 +42,18 @@ def reference(q, k, v, dout, causal: bool, window: tuple[int, int], scale: float
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
+def real_rows_errors(local, mask, ref, got) -> dict[str, float]:
+    """Relative errors of a packed call's ``got`` (out, lse, dq, dk, dv) against the
+    full-sequence float64 ``ref`` on this rank's real (unpadded) rows: ``local`` takes a
+    rank's rows, ``mask`` marks the real ones (``packed_cases.local_rows``)."""
+    want = [local(ref[0]), local(ref[1].t()).t(), local(ref[2]), local(ref[3]), local(ref[4])]
+    errs = {}
+    for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        g, w = (g[:, mask], w[:, mask]) if name == "lse" else (g[mask], w[mask])
+        errs[name] = rel_err(g, w)
+    return errs
+
+
 def run_sbhd(rank: int, world: int, cases: list[tuple]) -> dict:
     """Per case ``(algo, topology, causal, dtype, hkv, left, right)``: this rank's relative
     errors of out, lse, dq, dk, dv against float64."""
@@ -113,13 +125,7 @@ def run_thd(rank: int, world: int, cases: list[tuple]) -> dict:
             cu_seqlens_padded=None if padded is None else packed_cases.cumulative(padded),
             window_size=(left, right))
         out.backward(local(dout).to(dt))
-        want = [local(ref[0]), local(ref[1].t()).t(), local(ref[2]), local(ref[3]),
-                local(ref[4])]
-        errs = {}
-        for name, got, w in zip(("out", "lse", "dq", "dk", "dv"),
-                                (out, lse, ql.grad, kl.grad, vl.grad), want):
-            got, w = (got[:, mask], w[:, mask]) if name == "lse" else (got[mask], w[mask])
-            errs[name] = rel_err(got, w)
+        errs = real_rows_errors(local, mask, ref, (out, lse, ql.grad, kl.grad, vl.grad))
         errs["padding"] = 0.0 if all(bool((t[~mask] == 0).all())
                                      for t in (out, ql.grad, kl.grad, vl.grad)) else 1.0
         results[case] = errs
