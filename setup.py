@@ -22,7 +22,7 @@ setup(
         "gpu": ["flash-attn", "transformer-engine[pytorch]"],
         # pytest-xdist: `make test` runs two workers (the suite waits on timeouts and on
         # single-process plan checks that the other core can serve meanwhile).
-        # triton: its interpreter runs the CUDA merge kernel (ops/merge_fused.py) on CPU in
+        # triton: its interpreter runs the CUDA merge kernel (kernels/merge_fused.py) on CPU in
         # the tests; the package imports it only for CUDA tensors.
         "dev": ["pytest>=7", "pytest-xdist>=3", "hypothesis>=6", "ruff>=0.4", "matplotlib",
                 "triton"],

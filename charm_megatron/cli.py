@@ -14,12 +14,12 @@ import sys
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("charm_megatron.demo", "the CPU demo: ring vs CHARM+ on CPU ranks"),
-    "plan": ("charm_megatron.plan.cli", "print a ring / rmplus / charm schedule and its costs"),
+    "plan": ("charm_megatron.commands.plan", "print a ring / rmplus / charm schedule and its costs"),
     "topo": ("charm_megatron.topology.cli", "probe and print the CP topology (run under torchrun/srun)"),
     "args": ("charm_megatron.launch.args_cli", "print the Megatron-LM command line for a config run"),
     "compare": ("charm_megatron.launch.compare", "compare iteration times in Megatron-LM logs"),
-    "bench": ("charm_megatron.bench.cli", "operator benchmark: ring vs rmplus vs charm"),
-    "model": ("charm_megatron.model.cli", "performance model: predicted time on a described cluster"),
+    "bench": ("charm_megatron.lab.bench.cli", "operator benchmark: ring vs rmplus vs charm"),
+    "model": ("charm_megatron.lab.calibration.cli", "performance model: predicted time on a described cluster"),
     "report": ("charm_megatron.lab.reports.cli", "the docs' tables, from bench CSVs, the model and measurements"),
 }
 

@@ -1,7 +1,7 @@
 """Run a function on ``n`` real CPU ranks (processes) joined by a gloo process group.
 
 The package's local launcher: the operator demo, ``bench --ranks`` / ``--emulate``, the emulated
-clusters (:func:`charm_megatron.emulate.run_ranks_in_cluster`), the training demo and the
+clusters (:func:`charm_megatron.lab.emulate.run_ranks_in_cluster`), the training demo and the
 test-suite run their ranks with :func:`run_ranks`. Design choices, each for a measured reason
 (see ``shared/docs/CPU-TESTBED.md``):
 
@@ -65,7 +65,7 @@ def _child(
     try:
         if setup is not None:
             # Runs before torch.distributed opens any socket, e.g. to enter an emulated node's
-            # network namespace (charm_megatron.emulate).
+            # network namespace (charm_megatron.lab.emulate).
             setup(rank, world)
         import torch
         import torch.distributed as dist

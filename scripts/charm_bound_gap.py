@@ -19,9 +19,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from charm_megatron.bench.analysis import busiest_link_bytes
-from charm_megatron.bench.config import Point
-from charm_megatron.model import get_profile, paper, predict
+from charm_megatron.lab.bench.analysis import busiest_link_bytes
+from charm_megatron.lab.bench.config import Point
+from charm_megatron.lab.calibration import paper
+from charm_megatron.model import get_profile, predict
 from charm_megatron.plan.cost import Problem
 
 # Llama-3-like rows of docs/performance.md (32 q / 8 kv and 64 / 8 heads x 128, bf16, causal).

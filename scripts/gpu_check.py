@@ -263,9 +263,8 @@ def overheads(device: str, tiny: bool, gen) -> dict:
     kernel-shaped (permuted) partial, fused on CUDA with Triton; ``merge_unfused_gbps``: the
     PyTorch-ops path on the same tensors."""
     from charm_megatron import cp_attention
-    from charm_megatron.kernels import get_backend
-    from charm_megatron.ops import merge_fused
-    from charm_megatron.ops.merge import merge_into, merge_into_unfused
+    from charm_megatron.kernels import get_backend, merge_fused
+    from charm_megatron.kernels.merge import merge_into, merge_into_unfused
 
     dt = torch.bfloat16 if device == "cuda" else torch.float32
     timed = _timer(device)
@@ -319,7 +318,7 @@ def _merge_info(case) -> dict:
 def check_merge(case, device: str, gen) -> dict:
     """``merge_into`` on the device (fused where it can be) against a float64 merge of the
     same numbers, with rows no key reached yet on either side or both."""
-    from charm_megatron.ops.merge import merge_into, merge_into_unfused
+    from charm_megatron.kernels.merge import merge_into, merge_into_unfused
 
     dt, r, b, h, d = case
     acc = _rand((r, b, h, d), torch.float32, device, gen)
@@ -343,8 +342,8 @@ def check_merge(case, device: str, gen) -> dict:
 
 
 def fit_profile(table: list[dict], over: dict, base_name: str, device_name: str):
+    from charm_megatron.lab.calibration.refit import fit_kernel_curve
     from charm_megatron.model import get_profile
-    from charm_megatron.model.refit import fit_kernel_curve
 
     dims = sorted({r["d"] for r in table})
     ref_d = 128 if 128 in dims else dims[-1]

@@ -100,7 +100,7 @@ def executor_efficiency(device: str, tiny: bool) -> dict:
     def call_pair():
         cp_attention(q, k, v, algo="ring", causal=True).backward(dout)
 
-    from charm_megatron.ops import merge_fused
+    from charm_megatron.kernels import merge_fused
 
     t_k = wall_per_call(kernel_pair, device, reps)
     t_c = wall_per_call(call_pair, device, reps)

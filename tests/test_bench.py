@@ -12,10 +12,10 @@ import warnings
 
 import pytest
 
-from charm_megatron.bench.analysis import COLUMNS, RunInfo, analyse, busiest_link_bytes
-from charm_megatron.bench.config import BenchConfig, HeadSpec, Point, parse_count
-from charm_megatron.bench.progress import Progress
 from charm_megatron.cli import main as cli_main
+from charm_megatron.lab.bench.analysis import COLUMNS, RunInfo, analyse, busiest_link_bytes
+from charm_megatron.lab.bench.config import BenchConfig, HeadSpec, Point, parse_count
+from charm_megatron.lab.bench.progress import Progress
 from charm_megatron.plan import registry
 
 # --------------------------------------------------------------------------- pure
@@ -165,7 +165,7 @@ def test_bench_four_cpu_ranks(tmp_path, capsys):
     torch_rows = [r for r in rows if r["algo"] == "torch"]
     # PyTorch's CP either ran (with a note on how) or was skipped with its reason.
     assert all(r["note"] for r in torch_rows)
-    from charm_megatron.bench.summary import main as summary_main
+    from charm_megatron.lab.bench.summary import main as summary_main
 
     assert summary_main([os.path.join(out, "results.csv")]) == 0
     table = capsys.readouterr().out.splitlines()
@@ -181,7 +181,7 @@ def test_bench_usage_errors(capsys):
 
 @pytest.fixture
 def netns_ok():
-    from charm_megatron.emulate import available
+    from charm_megatron.lab.emulate import available
 
     ok, why = available()
     if not ok:
@@ -245,8 +245,8 @@ def test_software_links_throttle_gloo_p2p():
     """The fallback really slows this package's P2P down to the modelled cross rate."""
     import tempfile
 
-    from charm_megatron.bench.links import SoftwareLinkSetup
-    from charm_megatron.emulate import SoftwareLinks
+    from charm_megatron.lab.bench.links import SoftwareLinkSetup
+    from charm_megatron.lab.emulate import SoftwareLinks
     from charm_megatron.local_ranks import run_ranks
 
     nbytes = 1 << 20
@@ -262,7 +262,7 @@ def _ablated_variants(rank: int, world: int) -> dict:
     and packed THD), and switching communication off really changes the result."""
     import torch
 
-    from charm_megatron.bench.contenders import PlanContender
+    from charm_megatron.lab.bench.contenders import PlanContender
 
     torch.manual_seed(rank)
     q, k, v = (torch.randn(8, 1, 2, 8) for _ in range(3))
@@ -303,7 +303,7 @@ def _compute_only_sees_zero_blocks(rank: int, world: int) -> float:
     where stale NaNs got through)."""
     import torch
 
-    from charm_megatron.bench.contenders import PlanContender
+    from charm_megatron.lab.bench.contenders import PlanContender
 
     torch.manual_seed(10 + rank)
     q, k, v = (torch.randn(16, 1, 2, 8) for _ in range(3))
@@ -334,7 +334,7 @@ def test_gc_is_off_inside_timed_calls_and_restored():
     error, and a caller that had it off keeps it off."""
     import gc
 
-    from charm_megatron.bench.measure import _gc_between_calls
+    from charm_megatron.lab.bench.measure import _gc_between_calls
 
     assert gc.isenabled()
     with _gc_between_calls():

@@ -10,11 +10,11 @@ import os
 
 import pytest
 
-from charm_megatron.bench.analysis import AUTO_SLACK, RunInfo, analyse
-from charm_megatron.bench.config import BenchConfig, HeadSpec, Point, check_algos
 from charm_megatron.cli import main as cli_main
+from charm_megatron.lab.bench.analysis import AUTO_SLACK, RunInfo, analyse
+from charm_megatron.lab.bench.config import BenchConfig, HeadSpec, Point, check_algos
+from charm_megatron.lab.calibration.testbed import UNSHAPED_GBPS, bench_cluster
 from charm_megatron.model import PROFILES, choose_algo
-from charm_megatron.model.testbed import UNSHAPED_GBPS, bench_cluster
 from charm_megatron.plan import registry
 from charm_megatron.plan.cost import Problem
 
@@ -84,7 +84,7 @@ def test_analysis_auto_versus_fastest(auto_s, check):
     assert fwd["bound_ms"] == pytest.approx(charm["bound_ms"])
     assert fwd["cross_link_mb"] == pytest.approx(charm["cross_link_mb"])
     assert all(r.get("auto_pick") is None for r in rows if r["algo"] != "auto")
-    from charm_megatron.bench.report import format_table
+    from charm_megatron.lab.bench.report import format_table
 
     text = format_table(rows)
     assert "auto picked charm; auto / fastest: fwd" in text
@@ -99,7 +99,7 @@ def test_bench_auto_contender_runs_and_reports_the_selectors_pick(tmp_path, caps
     """4 real gloo ranks on the software link model (runs without root); the pick in the CSV is
     the selector's on this run's links, and differs from the generic cluster's (the bench
     really passed its links to auto)."""
-    from charm_megatron.bench.runners import _cores
+    from charm_megatron.lab.bench.runners import _cores
     from charm_megatron.topology.core import Topology
 
     out = str(tmp_path / "auto")
@@ -193,7 +193,7 @@ def test_summary_labels_the_link_model(tmp_path):
     import csv
     import json
 
-    from charm_megatron.bench.summary import load
+    from charm_megatron.lab.bench.summary import load
 
     labels = []
     for model in ("tbf", "htb"):
@@ -215,7 +215,7 @@ def test_summary_ceiling_is_ring_over_the_bound(tmp_path):
     most it could gain over ring in that run), '-' where no bound was measured."""
     import csv
 
-    from charm_megatron.bench.summary import load, table
+    from charm_megatron.lab.bench.summary import load, table
 
     fields = ["point", "algo", "pass", "status", "seq", "heads", "kv_heads", "head_dim",
               "dtype", "median_ms", "speedup_vs_ring", "vs_bound", "ring_ccr", "bound_ms"]

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-from charm_megatron.emulate import (
+from charm_megatron.lab.emulate import (
     EmulatedCluster,
     LinkModel,
     SoftwareLinks,
@@ -184,7 +184,7 @@ def test_create_and_remove(netns_ok):
 _KILL_SCRIPT = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {repo!r})
-    from charm_megatron.emulate import EmulatedCluster
+    from charm_megatron.lab.emulate import EmulatedCluster
     c = EmulatedCluster(2, 1)
     c.start()
     print(c.name, flush=True)

@@ -12,10 +12,10 @@ import warnings
 import pytest
 from test_emulate import timed_exchanges
 
-from charm_megatron.bench.cli import main as bench_main
-from charm_megatron.emulate import EmulatedCluster, available, list_netns, run_ranks_in_cluster
-from charm_megatron.emulate.cluster import parse_proc_counters
-from charm_megatron.emulate.htb import CROSS_CLASS, INTRA_CLASS, htb_commands, parse_class_bytes
+from charm_megatron.lab.bench.cli import main as bench_main
+from charm_megatron.lab.emulate import EmulatedCluster, available, list_netns, run_ranks_in_cluster
+from charm_megatron.lab.emulate.cluster import parse_proc_counters
+from charm_megatron.lab.emulate.htb import CROSS_CLASS, INTRA_CLASS, htb_commands, parse_class_bytes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,14 +101,14 @@ def test_bench_rejects_bad_link_options(capsys, argv, message):
 _RATES_SCRIPT = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {repo!r})
-    from charm_megatron.emulate import EmulatedCluster
-    from charm_megatron.emulate.link_probe import transfer
+    from charm_megatron.lab.emulate import EmulatedCluster
+    from charm_megatron.lab.emulate.link_probe import transfer
     out = {{}}
     with EmulatedCluster(2, 2, "400mbit", intra_rate="1.6gbit", nic="rank", link_model="htb",
                          ingress={ingress!r}) as c:
         rep = c.measure_rates(0.3, concurrent=True)
         out["rates"] = [rep.cross, rep.intra, rep.cross_concurrent]
-        out["nns"] = len([n for n in __import__("charm_megatron.emulate").emulate.list_netns()
+        out["nns"] = len([n for n in __import__("charm_megatron.lab.emulate").lab.emulate.list_netns()
                           if n.startswith(c.name + "-")])
         # Routing: an intra-only stream lands in rank 0's intra class, a cross-only one in its
         # cross class (deltas of the class byte counters).

@@ -8,11 +8,11 @@ import csv
 import pytest
 import torch
 
-from charm_megatron.bench.config import Point
-from charm_megatron.bench.emulator_checks import analytic_ring, check_lines
-from charm_megatron.bench.gpu_emulation import CPU_LIMITED, DeviceSetup, choose_scale, setup_for
 from charm_megatron.cli import main as cli_main
-from charm_megatron.emulate.device import LinkClock, TimedBackend, WireScale
+from charm_megatron.lab.bench.config import Point
+from charm_megatron.lab.bench.emulator_checks import analytic_ring, check_lines
+from charm_megatron.lab.bench.gpu_emulation import CPU_LIMITED, DeviceSetup, choose_scale, setup_for
+from charm_megatron.lab.emulate.device import LinkClock, TimedBackend, WireScale
 from charm_megatron.model import get_profile, simulate
 from charm_megatron.ops.executor import Executor
 from charm_megatron.plan.cost import Problem
@@ -86,7 +86,7 @@ def test_a_head_stage_copy_waits_the_models_stage_copy_time():
 def test_compute_is_slowed_only_while_this_ranks_bytes_move(monkeypatch):
     """The model's comm_slowdown: slowed for the transfer's remaining time, then full speed."""
     now = [100.0]
-    monkeypatch.setattr("charm_megatron.emulate.device.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("charm_megatron.lab.emulate.device.time.perf_counter", lambda: now[0])
     links = LinkClock(0, ((0,), (1,)), intra_Bps=1e12, cross_Bps=1e9)
     dev = TimedBackend(H100, dilation=1.0, links=links, sleep=lambda s: None)
     slow = 1.0 + H100.comm_slowdown
@@ -157,7 +157,7 @@ def test_device_model_needs_an_emulated_cluster(capsys):
 
 
 def test_setup_for_refuses_a_wire_scale_that_does_not_divide_a_point():
-    from charm_megatron.bench.config import Point
+    from charm_megatron.lab.bench.config import Point
 
     points = [Point(0, 16, 26880, 12, 12, 192)]
     setup = setup_for("h100", (2, 8), points, False, 2, dilation=100.0)
@@ -208,7 +208,7 @@ def test_an_emulated_windowed_run_times_the_windowed_plans(tmp_path):
 def test_a_window_the_wire_copy_cannot_shrink_is_refused():
     from dataclasses import replace
 
-    from charm_megatron.bench.config import BenchConfig, HeadSpec
+    from charm_megatron.lab.bench.config import BenchConfig, HeadSpec
 
     cfg = BenchConfig([1], [4096], [HeadSpec(4, 64)], window=(100, 0),
                       device=DeviceSetup("h100", 50.0, 1, 8))

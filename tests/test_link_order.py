@@ -3,7 +3,7 @@ started (one NCCL communicator; the emulator's software links) against max-min f
 
 import pytest
 
-from charm_megatron.bench.gpu_emulation import DeviceSetup
+from charm_megatron.lab.bench.gpu_emulation import DeviceSetup
 from charm_megatron.model import PROFILES, Cluster, predict
 from charm_megatron.model.fluid import Job, allocate, allocate_in_order
 from charm_megatron.plan.cost import Problem

@@ -6,7 +6,7 @@ plan/lifetimes.py):
 * the plan-level model (plan/memory.py) over a grid of groupings, head ratios, masks, role
   mixes and both directions, with no processes;
 * the measured peak growth of torch's CPU allocator over real gloo calls
-  (bench/memory.py, what ``charm-megatron bench`` reports), forward and forward+backward.
+  (lab/bench/memory.py, what ``charm-megatron bench`` reports), forward and forward+backward.
 
 Memory is deterministic up to a few per cent (allocation order does not depend on timing), so
 a ratio bound is a fair test; it is not a timing test.
@@ -18,9 +18,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from charm_megatron.bench.memory import call_peaks
+from charm_megatron.algorithms.charm.entry import CharmVariant
+from charm_megatron.lab.bench.memory import call_peaks
 from charm_megatron.local_ranks import run_ranks
-from charm_megatron.plan.charm import CharmVariant
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.entries import assemble
 from charm_megatron.plan.lifetimes import lifetimes

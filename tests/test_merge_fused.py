@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from charm_megatron.ops import merge_fused
+from charm_megatron.kernels import merge_fused
 
 ROOT = Path(__file__).resolve().parents[1]
 
 _CHILD = textwrap.dedent("""
     import torch
-    from charm_megatron.ops import merge_fused
-    from charm_megatron.ops.merge import merge_into_unfused
+    from charm_megatron.kernels import merge_fused
+    from charm_megatron.kernels.merge import merge_into_unfused
 
     g = torch.Generator().manual_seed(7)
     worst = 0.0

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from charm_megatron.kernels.merge import merge_into, merge_pair
 from charm_megatron.kernels.reference import ReferenceBackend
 from charm_megatron.layout import positions, shard, unshard
-from charm_megatron.ops.merge import merge_into, merge_pair
 
 REF = ReferenceBackend(torch.float64)
 

@@ -13,21 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from charm_megatron.bench.analysis import COLUMNS
 from charm_megatron.cli import main
+from charm_megatron.lab.bench.analysis import COLUMNS
+from charm_megatron.lab.calibration.accuracy import bench_settings, summarize
+from charm_megatron.lab.calibration.calibrate import _sim_ms, calibrate
+from charm_megatron.lab.calibration.measured import load_points
 from charm_megatron.model import (
     Cluster,
     auto_cluster,
-    calibrate,
     choose_algo_cached,
     get_profile,
     load_profile,
     save_profile,
 )
-from charm_megatron.model.accuracy import bench_settings, summarize
-from charm_megatron.model.calibrate import _sim_ms
 from charm_megatron.model.cluster import Profile
-from charm_megatron.model.measured import load_points
 from charm_megatron.ops.options import CPOptions
 from charm_megatron.plan.cost import Problem
 

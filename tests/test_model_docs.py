@@ -11,10 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from charm_megatron.model import get_profile, load_profile
-from charm_megatron.model.docgen import regenerate
-from charm_megatron.model.measured import file_digest
-from charm_megatron.model.refit import (
+from charm_megatron.lab.calibration.measured import file_digest
+from charm_megatron.lab.calibration.refit import (
     DOCS_BENCH,
     TABLE4_FIT_FIELDS,
     kernel_terms,
@@ -22,6 +20,8 @@ from charm_megatron.model.refit import (
     table4_shapes,
     table5_ring_error,
 )
+from charm_megatron.lab.reports.docgen import regenerate
+from charm_megatron.model import get_profile, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,7 +30,7 @@ def test_docs_model_md_is_regenerated() -> None:
     """Every generated block of docs/model.md (but the two slow ones) matches a fresh run."""
     text = (ROOT / "docs" / "model.md").read_text(encoding="utf-8")
     _, changed = regenerate(text, fast=True)
-    assert not changed, f"stale blocks, run python -m charm_megatron.model.docgen: {changed}"
+    assert not changed, f"stale blocks, run python -m charm_megatron.lab.reports.docgen: {changed}"
 
 
 def test_docs_performance_md_model_blocks_are_regenerated() -> None:
@@ -38,7 +38,7 @@ def test_docs_performance_md_model_blocks_are_regenerated() -> None:
     shapes with both role mixes) and headline match a fresh run."""
     text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
     new, changed = regenerate(text, fast=True)
-    assert not changed, ("stale blocks, run python -m charm_megatron.model.docgen "
+    assert not changed, ("stale blocks, run python -m charm_megatron.lab.reports.docgen "
                          f"docs/performance.md: {changed}")
     assert "--kv-heads 8 --causal --grid 16k,32k,64k,128k --compare-roles paper" in text
 
@@ -47,7 +47,7 @@ def test_cpu_testbed_profile_was_fitted_on_the_current_bench_files() -> None:
     prof = get_profile("cpu-testbed")
     files = sorted(ROOT.glob(DOCS_BENCH))
     assert files and prof.fit["inputs"] == file_digest(files), \
-        "docs/performance/*.csv changed: rerun python -m charm_megatron.model.refit"
+        "docs/performance/*.csv changed: rerun python -m charm_megatron.lab.calibration.refit"
     assert prof.fit["fit_algos"] == ["ring"]
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from charm_megatron.lab.calibration.testbed import emulated_cluster
 from charm_megatron.model import Cluster, simulate, tile_flops
 from charm_megatron.model.effects import head_dim_factor, kernel_efficiency
 from charm_megatron.model.predict import _plan as _cached_plan
-from charm_megatron.model.testbed import emulated_cluster
 from charm_megatron.plan.core import Comm, Half, Plan, Wait, Xfer, tile_spec
 from charm_megatron.plan.cost import Problem
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from charm_megatron import cli
-from charm_megatron.bench import report
+from charm_megatron.lab.bench import report
 
 LOGS = Path(__file__).parent / "fixtures" / "logs"
 

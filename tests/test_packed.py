@@ -284,8 +284,8 @@ def test_tile_segments_follow_documents_and_skip_padding():
 
 
 def test_bench_packed_documents_fill_the_tokens_and_are_seeded():
-    from charm_megatron.bench.config import BenchConfig, HeadSpec
-    from charm_megatron.bench.packing import doc_lengths
+    from charm_megatron.lab.bench.config import BenchConfig, HeadSpec
+    from charm_megatron.lab.bench.packing import doc_lengths
 
     real, padded = doc_lengths(8192, 8, 512, seed=3)
     assert sum(padded) == 8192 and all(p % 16 == 0 and 1 <= r <= p for r, p in zip(real, padded))

@@ -9,8 +9,9 @@ import argparse
 import pytest
 
 import toy_algorithm
-from charm_megatron.bench import config as bench_config
 from charm_megatron.cli import main as cli_main
+from charm_megatron.commands import plan as plan_cli
+from charm_megatron.lab.bench import config as bench_config
 from charm_megatron.launch import args_cli, compare
 from charm_megatron.local_ranks import run_ranks
 from charm_megatron.megatron import args as megatron_args
@@ -18,7 +19,6 @@ from charm_megatron.model import choose_algo, predict
 from charm_megatron.model.cluster import default_cluster_for
 from charm_megatron.ops import attention
 from charm_megatron.ops.options import CPOptions
-from charm_megatron.plan import cli as plan_cli
 from charm_megatron.plan import registry
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.validate import validate

@@ -12,10 +12,9 @@ from pathlib import Path
 import pytest
 
 from charm_megatron.cli import main as cli_main
-from charm_megatron.lab.reports import bench_csv, peers, summary
+from charm_megatron.lab.reports import bench_csv, docgen, peers, summary
 from charm_megatron.lab.reports.bench_csv import COLUMNS, BenchRow, read_rows
 from charm_megatron.lab.reports.cli import REPORTS
-from charm_megatron.model import docgen
 
 ROOT = Path(__file__).resolve().parents[1]
 PERF = ROOT / "docs" / "performance"
@@ -33,7 +32,7 @@ def _blocks(page: str) -> list[tuple[str, str]]:
 
 def test_the_columns_live_in_the_reader() -> None:
     """The bench writes the reader's fields, in order ("pass" is the field ``pass_``)."""
-    from charm_megatron.bench import analysis, report
+    from charm_megatron.lab.bench import analysis, report
 
     assert analysis.COLUMNS is COLUMNS and report.COLUMNS is COLUMNS
     assert COLUMNS[:3] == ["point", "batch", "seq"] and "pass" in COLUMNS
@@ -41,7 +40,7 @@ def test_the_columns_live_in_the_reader() -> None:
 
 
 def test_a_written_row_reads_back_typed(tmp_path: Path) -> None:
-    from charm_megatron.bench.report import write_csv
+    from charm_megatron.lab.bench.report import write_csv
 
     row = {"point": 0, "batch": 2, "seq": 3072, "heads": 8, "kv_heads": 2, "head_dim": 64,
            "dtype": "fp32", "causal": True, "window": "4096,0", "world": 8, "topology": "2x4",
@@ -173,7 +172,7 @@ def test_the_report_command_and_the_old_names(capsys) -> None:
     new = capsys.readouterr().out
     from script_loader import load_script
 
-    from charm_megatron.bench.summary import main as summary_main
+    from charm_megatron.lab.bench.summary import main as summary_main
 
     assert load_script("table5_summary").main(t5) == 0
     assert capsys.readouterr().out == new and new.startswith("| GPUs | B | S | pass |")

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import pytest
 
+from charm_megatron.algorithms.charm.entry import SPLIT_VISITING, CharmVariant
+from charm_megatron.algorithms.ring import ring_rank
 from charm_megatron.plan import registry
-from charm_megatron.plan.charm import SPLIT_VISITING, CharmVariant
 from charm_megatron.plan.core import Plan
-from charm_megatron.plan.ring import ring_rank
 from charm_megatron.plan.roles import RoleChoice
 from charm_megatron.plan.settings import Setting, Values
 from charm_megatron.plan.vocab import PassOrder, RoleMix, SplitMode

@@ -5,13 +5,13 @@ model: model.variants), forced with "on" / "off"; the same for split_counterpart
 import pytest
 import torch
 
+from charm_megatron.algorithms.charm.entry import SPLIT_MARGIN
+from charm_megatron.lab.calibration.testbed import bench_cluster
 from charm_megatron.model import get_profile, variants
 from charm_megatron.model.predict import role_shape
 from charm_megatron.model.sim import simulate
-from charm_megatron.model.testbed import bench_cluster
 from charm_megatron.ops.options import CPOptions
 from charm_megatron.plan import registry
-from charm_megatron.plan.charm import SPLIT_MARGIN
 from charm_megatron.plan.cost import Problem
 
 GROUPS_2X4 = ((0, 1, 2, 3), (4, 5, 6, 7))
@@ -37,14 +37,14 @@ def _splits(opts, algo, groups, q, k, cluster=None):
     """(split visiting kv, split counterpart q), each (forward, backward), that a call of
     ``algo`` with these options resolves to on ``groups`` (ops/resolution.py, with
     ``cluster`` as the options' profile read)."""
+    from charm_megatron.ops.call import CallArgs
     from charm_megatron.ops.prepare import build_request
     from charm_megatron.ops.resolution import resolve_call
 
     n = sum(len(g) for g in groups)
     topo = "/".join(",".join(map(str, g)) for g in groups)
-    request = build_request(q, k, k, cp_size=n, algo=algo, topology=topo, causal=True,
-                            softmax_scale=None, options=opts, roles="bytes", cu_seqlens=None,
-                            cu_seqlens_padded=None)
+    request = build_request(q, k, k, n, CallArgs(algo=algo, topology=topo, options=opts,
+                                                 roles="bytes"))
     fwd, bwd = resolve_call(request, None, n, cluster).variants
     if not hasattr(fwd, "split_visiting"):  # ring: no splits
         return (False, False), (False, False)
@@ -213,6 +213,7 @@ def test_call_weighs_charm_with_its_options_splits():
     split_*="auto" the pick counts the split; forced off, or without a profile (charm then
     runs whole blocks), it does not."""
     from charm_megatron.model import auto_cluster
+    from charm_megatron.ops.call import CallArgs
     from charm_megatron.ops.prepare import build_request
     from charm_megatron.ops.resolution import resolve_call
 
@@ -221,9 +222,8 @@ def test_call_weighs_charm_with_its_options_splits():
     cluster = auto_cluster(name)
 
     def pick(opts: CPOptions, cl) -> str:
-        request = build_request(q, q, q, cp_size=4, algo="auto", topology="2x2", causal=True,
-                                softmax_scale=None, options=opts, roles="bytes",
-                                cu_seqlens=None, cu_seqlens_padded=None)
+        request = build_request(q, q, q, 4, CallArgs(algo="auto", topology="2x2", options=opts,
+                                                     roles="bytes"))
         return resolve_call(request, None, 4, cl).algo
 
     paper = "ring,rmplus,charm"  # auto_algos: a head all-to-all is faster still here

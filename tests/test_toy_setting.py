@@ -8,9 +8,9 @@ import pytest
 import toy_with_setting as toy
 
 from charm_megatron import CPOptions
-from charm_megatron.bench.config import parse_settings
-from charm_megatron.bench.contenders import PlanContender
 from charm_megatron.cli import main as cli_main
+from charm_megatron.lab.bench.config import parse_settings
+from charm_megatron.lab.bench.contenders import PlanContender
 from charm_megatron.local_ranks import run_ranks
 from charm_megatron.model import choose_algo, predict, variants
 from charm_megatron.model.cluster import default_cluster_for

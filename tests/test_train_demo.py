@@ -96,7 +96,7 @@ def test_demo_end_to_end(tmp_path) -> None:
     """Ring and CHARM+ train the tiny GPT (4 ranks, CP 4, 2x2) for 4 iterations; inside the
     emulated cluster when namespaces are available, else over loopback."""
     pytest.importorskip("megatron.core")
-    from charm_megatron.emulate import available
+    from charm_megatron.lab.emulate import available
     from charm_megatron.train_demo.runner import run_demo
 
     out = io.StringIO()

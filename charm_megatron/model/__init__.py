@@ -1,6 +1,8 @@
 """Performance model: replay the real plans on a described cluster and predict time.
 
-Pure Python (no torch). Entry points:
+The runtime part only (what ``auto`` runs inside a call); fitting profiles, comparing with
+measurements and the ``charm-megatron model`` command are the lab's
+(:mod:`charm_megatron.lab.calibration`). Pure Python (no torch). Entry points:
 
 * :class:`Cluster` - link bandwidths, NIC model, compute rate, overheads; :data:`PROFILES`
   (``l20-pcie``, ``h20``, ``h100``, ``cpu-testbed``) and :func:`default_cluster_for`;
@@ -14,17 +16,14 @@ Pure Python (no torch). Entry points:
 * :func:`auto_cluster` - the cluster ``auto`` predicts with (its profile argument, which
   ``cp_attention`` takes from ``CPOptions.model_profile`` / ``CHARM_MODEL_PROFILE``, else the
   generic default);
-* :func:`calibrate` - fit a profile to bench output; :func:`load_profile` / :func:`save_profile`
-  read and write profile files; :mod:`~charm_megatron.model.effects` the second-order effects,
-  :mod:`~charm_megatron.model.accuracy` the comparison with measurements;
-* ``charm-megatron model`` - the command line (:mod:`charm_megatron.model.cli`).
+* :func:`load_profile` / :func:`save_profile` read and write profile files;
+  :mod:`~charm_megatron.model.effects` the second-order effects.
 
 See docs/model.md for what is modelled and what is not.
 """
 
 from charm_megatron.model.auto import ENV as PROFILE_ENV
 from charm_megatron.model.auto import auto_cluster
-from charm_megatron.model.calibrate import calibrate
 from charm_megatron.model.cluster import Cluster, Profile, default_cluster_for
 from charm_megatron.model.predict import (
     CCR,
@@ -55,7 +54,6 @@ __all__ = [
     "RankStats",
     "SimResult",
     "auto_cluster",
-    "calibrate",
     "choose_algo",
     "choose_algo_cached",
     "default_cluster_for",

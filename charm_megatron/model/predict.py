@@ -129,7 +129,7 @@ def variants(algo: str, groups: Sequence[Sequence[int]], problem: Problem,
              **settings: object) -> tuple[object, object]:
     """The forward and backward variant ``algo``'s entry runs under ``settings`` when a call
     predicts with ``cluster`` (``None``: :func:`default_cluster_for` the topology): e.g.
-    CHARM+'s :class:`~charm_megatron.plan.charm.CharmVariant`, whose ``auto`` splits are the
+    CHARM+'s :class:`~charm_megatron.algorithms.charm.entry.CharmVariant`, whose ``auto`` splits are the
     split plans predicted faster by more than ``SPLIT_MARGIN``. Memoised by the registry."""
     g = _groups(groups)
     cl = cluster if cluster is not None else default_cluster_for(g)

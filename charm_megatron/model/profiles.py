@@ -1,5 +1,5 @@
 """The named profiles: the built-in ones (files in ``profile_data/``, written by
-:mod:`charm_megatron.model.refit`) and profile files given by path.
+:mod:`charm_megatron.lab.calibration.refit`) and profile files given by path.
 
 Its own module so that the data types (:mod:`~charm_megatron.model.cluster`) and their file
 format (:mod:`~charm_megatron.model.profile_io`) import nothing above them.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from charm_megatron.ops.call import CallArgs
 from charm_megatron.ops.options import CPOptions
 from charm_megatron.ops.plan_run import run_backward, run_forward
 from charm_megatron.ops.prepare import Call, build_request, prepare, tune_call
@@ -101,44 +102,50 @@ def cp_attention(
         CPAttentionError: another rank failed during the call (its error is quoted); the
             failing rank re-raises its own exception. The CP group stays usable.
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("cp_attention: torch.distributed is not initialised; call "
-                           "torch.distributed.init_process_group (or run under torchrun) first")
-    call = prepare(q, k, v, group=group, algo=algo, topology=topology, causal=causal,
-                   softmax_scale=softmax_scale, options=options, roles=roles,
-                   cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded, tag=tag,
-                   softmax_offset=softmax_offset, window_size=window_size)
-    if call.resolved.tune is not None:  # auto_tune: this shape's first auto call measures
-        def candidate(name: str, *tensors: torch.Tensor | None) -> torch.Tensor:
-            return cp_attention(*tensors[:3], group=group, algo=name, topology=topology,
-                                causal=causal, softmax_scale=softmax_scale,
-                                options=call.options.with_(auto_tune=None), roles=roles,
-                                tag=f"{tag or 'auto'}: auto-tune {name}",
-                                softmax_offset=tensors[3], window_size=window_size)
-
-        call = tune_call(call, candidate, q, k, v, softmax_offset)
-    qi, ki, vi = call.layout.to_internal(q, k, v)
-    out, lse_sbh = _CPAttention.apply(qi, ki, vi, softmax_offset, call)
-    out, lse = call.layout.out_from_internal(out, lse_sbh)
+    args = CallArgs(algo=algo, topology=topology, causal=causal, softmax_scale=softmax_scale,
+                    cu_seqlens=cu_seqlens, cu_seqlens_padded=cu_seqlens_padded,
+                    options=options, roles=roles, tag=tag, softmax_offset=softmax_offset,
+                    window_size=window_size)
+    out, lse = _attend(q, k, v, group, args)
     return (out, lse) if return_lse else out
 
 
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            group: dist.ProcessGroup | None, args: CallArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call, ``(out, lse)`` in the caller's layout: prepare it, let ``auto_tune`` measure
+    its shortlist first where it has one (each candidate is this call with another ``algo``),
+    run the plans under one autograd node."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("cp_attention: torch.distributed is not initialised; call "
+                           "torch.distributed.init_process_group (or run under torchrun) first")
+    call = prepare(q, k, v, group, args)
+    if call.resolved.tune is not None:  # auto_tune: this shape's first auto call measures
+        def candidate(name: str, *tensors: torch.Tensor | None) -> torch.Tensor:
+            one = args.with_(algo=name, options=call.options.with_(auto_tune=None),
+                             tag=f"{args.tag or 'auto'}: auto-tune {name}",
+                             softmax_offset=tensors[3])
+            return _attend(*tensors[:3], group, one)[0]
+
+        call = tune_call(call, candidate, q, k, v, args.softmax_offset)
+    qi, ki, vi = call.layout.to_internal(q, k, v)
+    out, lse_sbh = _CPAttention.apply(qi, ki, vi, args.softmax_offset, call)
+    return call.layout.out_from_internal(out, lse_sbh)
+
+
 def resolve_algo(q: torch.Tensor, k: torch.Tensor, *, group: dist.ProcessGroup | None = None,
-                 algo: str = "auto", topology=None, causal: bool = True,
-                 options: CPOptions | None = None, roles: str | None = None,
-                 window_size: tuple[int, int] | None = None) -> str:
-    """The algorithm ``cp_attention(q, k, v, algo=algo, ...)`` runs with these arguments (sbhd
-    ``q``, ``k``; tensors on the ``meta`` device do): for ``"auto"`` the performance model's pick,
-    made by the same code as the call's (with ``auto_tune``, the pick measured for this shape
-    if it has been, else the model's); any other name unchanged. No communication unless the
-    topology is ``"auto"`` (a probe, then a collective). For reporting what ``auto`` chose (the
-    benchmark's ``auto`` contender); raises what the call would raise for a bad profile or name."""
+                 **arguments: object) -> str:
+    """The algorithm ``cp_attention(q, k, v, group=group, **arguments)`` runs (sbhd ``q``,
+    ``k``; tensors on the ``meta`` device do; ``algo`` defaults to ``"auto"`` here): for
+    ``"auto"`` the performance model's pick, made by the same code as the call's (with
+    ``auto_tune``, the pick measured for this shape if it has been, else the model's); any
+    other name unchanged. No communication unless the topology is ``"auto"`` (a probe, then a
+    collective). For reporting what ``auto`` chose (the benchmark's ``auto`` contender);
+    raises what the call would raise for a bad profile or name."""
+    args = CallArgs.of(**{"algo": "auto", **arguments})
     cp_size = dist.get_world_size(group)
-    request = build_request(q, k, k, cp_size=cp_size, algo=algo, topology=topology,
-                            causal=causal, softmax_scale=None, options=options, roles=roles,
-                            cu_seqlens=None, cu_seqlens_padded=None, window_size=window_size)
-    if algo != "auto":
-        return algo
+    request = build_request(q, k, k, cp_size, args)
+    if args.algo != "auto":
+        return args.algo
     return resolve_call(request, group, cp_size, model_cluster(request.options)).algo
 
 

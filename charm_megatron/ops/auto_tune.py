@@ -294,13 +294,17 @@ def measure(run: Callable[..., torch.Tensor], algo: str, q: torch.Tensor, k: tor
     return best
 
 
-def tune(pending: Pending, run: Callable[..., torch.Tensor], q: torch.Tensor,
-         k: torch.Tensor, v: torch.Tensor, offset: torch.Tensor | None, sg,
-         timeout_s: float, path: str | None = None) -> str:
-    """Measure ``pending``'s shortlist on this rank, share the times with the CP group's
-    ranks (``sg``), record and return the pick (the same on every rank); rank 0 writes the
-    picks held to the pick file ``path`` (``None``: none)."""
+def tune(pending: Pending, run: Callable[..., torch.Tensor],
+         inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], sg,
+         options) -> str:
+    """Measure ``pending``'s shortlist on this rank with ``inputs`` (q, k, v, the softmax
+    offset or ``None``), share the times with the CP group's ranks (``sg``, within
+    ``options.timeout_s``), record and return the pick (the same on every rank); rank 0
+    writes the picks held to ``options.auto_tune_file`` (``None``: none)."""
     from charm_megatron.ops.agreement import share
+
+    q, k, v, offset = inputs
+    timeout_s, path = options.timeout_s, options.auto_tune_file
 
     mine, errors = [], []
     for algo in pending.shortlist:

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from charm_megatron.kernels.base import AttentionBackend
+from charm_megatron.kernels.merge import merge_into
 from charm_megatron.kernels.window import Window, masked_backward, masked_forward
-from charm_megatron.ops.merge import merge_into
 from charm_megatron.ops.streams import StreamGroups
 from charm_megatron.ops.transport import P2P, TorchTransport, Transport
 from charm_megatron.plan.core import (
@@ -192,7 +192,7 @@ class Executor(OpInterpreter[None]):
         # (loc, its buffer, the real attention output of that q block): see set_own_output.
         self._own_out: tuple[Loc, _Buf, torch.Tensor] | None = None
         self._i = 0  # index of the op being interpreted
-        # A timed device (emulate/device.py) slows its compute while a transfer of this rank
+        # A timed device (lab/emulate/device.py) slows its compute while a transfer of this rank
         # is in flight and prices the merges it is told of; real kernels have no such hooks.
         self._posted = getattr(backend, "posted", None)
         self._waited = getattr(backend, "waited", None)

@@ -287,6 +287,12 @@ class CPOptions:
         Megatron layer and the benchmark call it too)."""
         if not registry.uses_topology(algo):
             return None
+        return self.topology_spec(topology)
+
+    def topology_spec(self, topology) -> tuple[object, str]:
+        """The topology spec a call that runs on the topology uses, and where it came from:
+        ``topology``, or when that is ``None`` this value's default (``CHARM_TOPOLOGY``), else
+        the probe (``"auto"``)."""
         if topology is not None:
             return topology, f"topology={str(topology)!r}"
         if self.topology:

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from charm_megatron.ops import agreement, auto_tune, streams
+from charm_megatron.ops.call import CallArgs
 from charm_megatron.ops.layouts import Layout, Sbhd, Thd
 from charm_megatron.ops.options import CPOptions, resolve
 from charm_megatron.ops.request import (
@@ -89,47 +90,48 @@ class Call:
         return self.request.fields(direction, self.seq, self.cluster)
 
 
-def build_request(q, k, v, *, cp_size: int, algo: str, topology, causal: bool,
-                  softmax_scale, options, roles, cu_seqlens, cu_seqlens_padded,
-                  tag=None, softmax_offset=None, window_size=None) -> CallRequest:
+def build_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp_size: int,
+                  args: CallArgs) -> CallRequest:
     """This rank's request, every argument checked (TypeError / ValueError naming it)."""
-    opts = resolve(options)
-    if algo not in CHOICES:
-        raise ValueError(f"cp_attention: unknown algo {algo!r}; choose one of "
+    opts = resolve(args.options)
+    if args.algo not in CHOICES:
+        raise ValueError(f"cp_attention: unknown algo {args.algo!r}; choose one of "
                          f"{', '.join(CHOICES)}")
     # cp_attention's roles argument, where given, over the options' (default bytes).
-    settings = opts.values(**({} if roles is None else {"roles": roles}))
-    layout: Layout = (Thd.of(cu_seqlens, cu_seqlens_padded, cp_size, q)
-                      if cu_seqlens is not None or cu_seqlens_padded is not None else Sbhd())
-    layout.check(q, k, v, causal, cp_size)
-    scale = check_scale(softmax_scale, q.shape[-1])
+    settings = opts.values(**({} if args.roles is None else {"roles": args.roles}))
+    layout: Layout = (Thd.of(args.cu_seqlens, args.cu_seqlens_padded, cp_size, q)
+                      if args.packed else Sbhd())
+    layout.check(q, k, v, args.causal, cp_size)
+    scale = check_scale(args.softmax_scale, q.shape[-1])
     check_backend(opts, q)
-    if tag is not None and not isinstance(tag, str):
-        raise TypeError(f"cp_attention: tag must be a string or None, got {type(tag).__name__}")
-    offset = check_softmax_offset(softmax_offset, q, layout.heads(q, k)[2])
+    if args.tag is not None and not isinstance(args.tag, str):
+        raise TypeError(f"cp_attention: tag must be a string or None, got "
+                        f"{type(args.tag).__name__}")
+    offset = check_softmax_offset(args.softmax_offset, q, layout.heads(q, k)[2])
     # The ranks agree on the offset's values (a digest read on the host), not only its shape:
     # read only where the agreement runs (not at CP size 1, nor with check="off", which CUDA
     # graph capture needs).
     agreed = offset is not None and cp_size > 1 and opts.checked
-    values = offset_values(softmax_offset) if agreed else None
+    values = offset_values(args.softmax_offset) if agreed else None
     # The window as it acts (windows of one mask are one value): what runs and is agreed on.
-    window = effective_window(check_window(window_size), bool(causal),
+    window = effective_window(check_window(args.window_size), bool(args.causal),
                               layout.span(q, cp_size))
     if opts.auto_tune is not None and opts.auto_tune_file is not None:
         # Read at its first use, before the agreement: the picks digest covers what it read.
         auto_tune.use_file(opts.auto_tune_file)
-    return CallRequest(TensorDesc.of(q), TensorDesc.of(k), TensorDesc.of(v), layout, algo,
-                       topology, bool(causal), scale, opts, settings, tag, offset, window,
-                       softmax_offset_values=values)
+    return CallRequest(TensorDesc.of(q), TensorDesc.of(k), TensorDesc.of(v), layout, args.algo,
+                       args.topology, bool(args.causal), scale, opts, settings, args.tag,
+                       offset, window, softmax_offset_values=values)
 
 
-def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group, **arguments) -> Call:
-    """The prepared call of ``cp_attention(q, k, v, group=group, **arguments)`` (see module
+def prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
+            args: CallArgs) -> Call:
+    """The prepared call of ``cp_attention(q, k, v, group=group, **args)`` (see module
     docstring); raises what ``cp_attention`` documents, on every rank alike."""
     cp_size = dist.get_world_size(group)
     request, cluster, error = None, None, None
     try:  # this rank's own checks; the verdict is shared by the agreement below
-        request = build_request(q, k, v, cp_size=cp_size, **arguments)
+        request = build_request(q, k, v, cp_size, args)
         cluster = model_cluster(request.options)  # a profile this rank cannot read fails all
     except (TypeError, ValueError, NotImplementedError) as exc:
         error = exc
@@ -159,8 +161,7 @@ def tune_call(call: Call, run, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     to run the measured pick: ``run(algo, q, k, v, offset)`` is one call of a candidate."""
     assert call.resolved.tune is not None
     sg = stream_groups(call.group, call.options.timeout_s)
-    auto_tune.tune(call.resolved.tune, run, q, k, v, offset, sg, call.options.timeout_s,
-                   call.options.auto_tune_file)
+    auto_tune.tune(call.resolved.tune, run, (q, k, v, offset), sg, call.options)
     cp_size = dist.get_world_size(call.group)
     return replace(call, resolved=resolve_call(call.request, call.group, cp_size, call.cluster))
 

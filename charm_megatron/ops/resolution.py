@@ -18,7 +18,6 @@ from charm_megatron.plan import registry
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.roles import RoleShape
-from charm_megatron.plan.settings import Values
 from charm_megatron.plan.tile_rule import TileRule, WindowGeometry, scaled, window_rule
 from charm_megatron.plan.validate import validate
 
@@ -89,74 +88,82 @@ def _own_v_dim(request: CallRequest, d: int) -> int:
 
 def resolve_call(request: CallRequest, group, cp_size: int, cluster) -> Resolved:
     """The topology (the options' default rule), the algorithm (``auto``: the model's pick on
-    ``cluster``, or on the generic cluster without a profile) and its plans. A setting left to
-    the model (``auto``, e.g. CHARM+'s splits) is the model's pick only where a profile is
-    given (``cluster``); without one it is off, so no call guesses from the generic cluster."""
-    from charm_megatron.topology import resolve_topology
-
-    spec = request.options.topology_for(request.algo, request.topology)
-    flat = (tuple(range(cp_size)),)
-    topo_groups = flat
-    if spec is not None:
-        topo = resolve_topology(spec[0], group, cp_size, source=spec[1])
-        topo_groups = tuple(tuple(g) for g in topo.groups)
-    algo = request.algo
+    ``cluster``, or on the generic cluster without a profile) and its plans, from one visit to
+    the registry (plan/registry.resolve). A setting left to the model (``auto``, e.g. CHARM+'s
+    splits) is the model's pick only where a profile is given (``cluster``); without one it
+    is off, so no call guesses from the generic cluster."""
     prob = problem(request, cp_size)
-    traits = call_traits(request, topo_groups)
-    pending = None
-    if algo == registry.AUTO:
-        algo, pending = _auto(request, topo_groups, prob, cluster, traits, cp_size)
-    # The same verdict on every rank (a function of what they agreed on), before data moves.
-    registry.check_call(algo, traits)
-    groups = topo_groups if registry.uses_topology(algo) else flat
-    timer = None
+
+    def hardware() -> Groups:
+        from charm_megatron.topology import resolve_topology
+
+        spec = request.options.topology_spec(request.topology)
+        topo = resolve_topology(spec[0], group, cp_size, source=spec[1])
+        return tuple(tuple(g) for g in topo.groups)
+
+    timer_for = None
     if cluster is not None:
         from charm_megatron.model import ClusterTimer
 
-        timer = ClusterTimer(cluster, prob, topo_groups)  # the hardware's groups
-    shape = role_shape(request)
-    variants = registry.variants(algo, groups, request.causal, shape=shape, timer=timer,
-                                 **request.settings)
-    plans = _validated(algo, groups, request.causal, shape, timer, request.settings,
-                       tile_rule(request, cp_size))
-    return Resolved(algo, groups, variants, plans, pending)
+        def timer_for(groups: Groups) -> ClusterTimer:
+            return ClusterTimer(cluster, prob, groups)  # the hardware's groups
+
+    query = registry.PlanQuery(request.algo, cp_size, call_traits(request), request.causal,
+                               role_shape(request), request.settings,
+                               tile_rule(request, cp_size), hardware, timer_for)
+    # The same verdict on every rank (a function of what they agreed on), before data moves.
+    found = registry.resolve(query, _Auto(request, prob, cluster, cp_size),
+                             request.options.auto_algos)
+    fwd, bwd = found.plans
+    _validate_once(fwd)
+    _validate_once(bwd)
+    return Resolved(found.algo, found.groups, found.variants, found.plans, found.choice)
 
 
-def _auto(request: CallRequest, groups: Groups, prob: Problem, cluster,
-          traits: registry.CallTraits, cp_size: int) -> tuple[str, auto_tune.Pending | None]:
-    """What ``auto`` runs: the model's pick, or with ``auto_tune`` the pick measured for this
-    shape; and the shortlist still to measure, if any (dense calls on more than one rank)."""
-    from charm_megatron.model import rank_algos_cached
+class _Auto:
+    """``auto``'s chooser (plan/registry.Chooser): the model's pick among the entries that run
+    the call, or with ``auto_tune`` the pick measured for this shape; and the shortlist still
+    to measure, if any (dense calls on more than one rank)."""
 
-    given = request.options.auto_algos
-    candidates = [a for a in (given or registry.names()) if not registry.refuses(a, traits)]
-    if not candidates:
-        raise ValueError(f"cp_attention(algo='auto'): none of auto_algos={list(given)} "
-                         "(CHARM_AUTO_ALGOS) can run this call; add ring, rmplus or charm")
-    ranked = rank_algos_cached(groups, prob, cluster, causal=request.causal,
-                               tune=cluster is not None, **request.settings, algos=candidates)
-    margin = request.options.auto_tune
-    if margin is None or cp_size == 1 or request.layout.name != "sbhd":
-        return ranked[0][1], None
-    short = auto_tune.shortlist(ranked, margin)
-    if len(short) == 1:
-        return short[0], None
-    # Everything the times depend on, nothing that names the call site (tag, call number):
-    # one measurement serves every layer of a model. Named, each value with a stable text
-    # (the cluster by its digest): the key of a pick file (auto_tune.key_text).
-    key = (("groups", groups), ("problem", prob), ("profile digest", cluster_digest(cluster)),
-           ("causal", request.causal), ("softmax_scale", request.scale),
-           ("window", request.window), ("softmax_offset", request.softmax_offset is not None),
-           ("backend", request.options.backend_name), ("dtype", request.q.dtype),
-           ("settings", request.settings), ("shortlist", short))
-    held = auto_tune.lookup(key)
-    return (held, None) if held is not None else (short[0], auto_tune.Pending(key, short))
+    def __init__(self, request: CallRequest, prob: Problem, cluster, cp_size: int) -> None:
+        self.request, self.prob, self.cluster, self.cp_size = request, prob, cluster, cp_size
+
+    def __call__(self, candidates: tuple[str, ...], groups: Groups,
+                 timer: object) -> tuple[str, auto_tune.Pending | None]:
+        from charm_megatron.model import rank_algos_cached
+
+        request, cluster = self.request, self.cluster
+        if not candidates:
+            given = request.options.auto_algos
+            raise ValueError(f"cp_attention(algo='auto'): none of auto_algos={list(given)} "
+                             "(CHARM_AUTO_ALGOS) can run this call; add ring, rmplus or charm")
+        ranked = rank_algos_cached(groups, self.prob, cluster, causal=request.causal,
+                                   tune=cluster is not None, **request.settings,
+                                   algos=list(candidates))
+        margin = request.options.auto_tune
+        if margin is None or self.cp_size == 1 or request.layout.name != "sbhd":
+            return ranked[0][1], None
+        short = auto_tune.shortlist(ranked, margin)
+        if len(short) == 1:
+            return short[0], None
+        # Everything the times depend on, nothing that names the call site (tag, call
+        # number): one measurement serves every layer of a model. Named, each value with a
+        # stable text (the cluster by its digest): the key of a pick file (auto_tune.key_text).
+        key = (("groups", groups), ("problem", self.prob),
+               ("profile digest", cluster_digest(cluster)), ("causal", request.causal),
+               ("softmax_scale", request.scale), ("window", request.window),
+               ("softmax_offset", request.softmax_offset is not None),
+               ("backend", request.options.backend_name), ("dtype", request.q.dtype),
+               ("settings", request.settings), ("shortlist", short))
+        held = auto_tune.lookup(key)
+        return (held, None) if held is not None else (short[0], auto_tune.Pending(key, short))
 
 
-def call_traits(request: CallRequest, groups: Groups) -> registry.CallTraits:
-    """What the entries' checks read of a call (plan/entries.CallTraits)."""
+def call_traits(request: CallRequest) -> registry.CallTraits:
+    """What the entries' checks read of a call (plan/entries.CallTraits; the registry fills
+    in its groups)."""
     _, _, hq, hkv, _ = _heads(request)
-    return registry.CallTraits(groups, hq, hkv, packed=request.layout.name != "sbhd",
+    return registry.CallTraits((), hq, hkv, packed=request.layout.name != "sbhd",
                                windowed=request.window is not None,
                                offset=request.softmax_offset is not None)
 
@@ -176,17 +183,6 @@ def tile_rule(request: CallRequest, cp_size: int) -> TileRule | None:
     left, right = window
     rows = _heads(request)[0]
     return window_rule(WindowGeometry(left, right, cp_size, rows, request.causal))
-
-
-def _validated(algo: str, groups: Groups, causal: bool, shape: RoleShape, timer,
-               values: Values, tiles: TileRule | None = None) -> tuple[Plan, Plan]:
-    """The registry's plans (memoised there), each validated before its first use: every rank
-    derives the same plans, and a plan is proved once however many keys lead to it."""
-    fwd, bwd = registry.plans(algo, groups, causal, shape=shape, timer=timer, values=values,
-                              tiles=tiles)
-    _validate_once(fwd)
-    _validate_once(bwd)
-    return fwd, bwd
 
 
 # Plans proved correct, by their content (ops are frozen and hashable): shapes that lead to

@@ -5,7 +5,7 @@ itself: each ``Comm`` op (and each head all-to-all batch) becomes one :meth:`Tra
 of the batch's sends and receives, and a ``Wait`` waits on the handles it returned. A call
 picks its transport with ``CPOptions(transport=...)`` / ``CHARM_TRANSPORT``: ``None``
 (:class:`TorchTransport`, torch.distributed), a name given to :func:`register_transport`, or
-a transport object. The emulator's software links are one (emulate/linkmodel.py
+a transport object. The emulator's software links are one (lab/emulate/linkmodel.py
 ``LinkTransport``: every op booked on its modelled link); tests add a counting one
 (tests/toy_transport.py).
 

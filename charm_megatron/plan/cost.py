@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from charm_megatron.plan.core import Kind, Plan, Xfer
-from charm_megatron.plan.roles import ROLE_MIXES
 from charm_megatron.plan.tile_rule import TileRule, WindowGeometry, window_rule
-from charm_megatron.plan.vocab import Dtype, block_sizes
+from charm_megatron.plan.vocab import block_sizes
 
 
 @dataclass(frozen=True)
@@ -75,59 +73,6 @@ class Problem:
 def _block_bytes(problem: Problem, kind: Kind, n: int) -> float:
     sizes = block_sizes(problem.b, problem.hq, problem.hkv, problem.d, problem.dv)
     return problem.s / n * kind.spec.row_bytes(sizes, problem.elem, problem.wide_partials)
-
-
-ELEM_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-
-
-def add_problem_args(parser: argparse.ArgumentParser) -> None:
-    """The problem-size options shared by ``charm-megatron plan`` and ``model``."""
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=131072, help="global sequence length")
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--v-head-dim", type=int, default=None,
-                        help="v (and output) head dim, e.g. 128 for MLA's 192 / 128; default: "
-                             "--head-dim")
-    parser.add_argument("--dtype", choices=sorted(ELEM_BYTES), default="bf16")
-    parser.add_argument("--window", type=parse_window, default=None, metavar="LEFT[,RIGHT]",
-                        help="sliding window (flash-attn's window_size): query i sees keys "
-                             "i-LEFT .. i+RIGHT (-1: unbounded; RIGHT defaults to 0); plans "
-                             "then hold only the tiles and messages it needs")
-    parser.add_argument("--partials", choices=[d.value for d in Dtype], default="input",
-                        help="the dtype partial results (out, dq, dkv) travel in: input "
-                             "(default) or fp32 (CPOptions.partials; ring-flash-attention's "
-                             "and the paper's ring send gradient partials in fp32)")
-    parser.add_argument("--roles", choices=ROLE_MIXES, default="bytes",
-                        help="what the rmplus / charm exchanges move: bytes (default: per "
-                             "exchange the role moving fewer bytes for this shape), paper "
-                             "(Algorithm 1: alternating kv / q pairs, queries across groups), "
-                             "kv or q (forced for every exchange)")
-
-
-def parse_window(text: str) -> tuple[int, int]:
-    """``"LEFT"`` or ``"LEFT,RIGHT"`` as ``(left, right)`` (``-1``: unbounded)."""
-    parts = text.split(",")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        values = []
-    if len(values) not in (1, 2) or any(v < -1 for v in values):
-        raise argparse.ArgumentTypeError(
-            f"--window {text!r}: give LEFT or LEFT,RIGHT as integers >= -1 (-1: unbounded)")
-    return (values[0], values[1] if len(values) == 2 else 0)
-
-
-def problem_from_args(args: argparse.Namespace, seq: int | None = None) -> Problem:
-    """The :class:`Problem` those options describe (``seq`` overrides ``--seq``)."""
-    dv = getattr(args, "v_head_dim", None)
-    window = getattr(args, "window", None)
-    return Problem(args.batch, args.seq if seq is None else seq, args.heads,
-                   args.kv_heads or args.heads, args.head_dim, ELEM_BYTES[args.dtype],
-                   0 if dv in (None, args.head_dim) else dv,
-                   None if window in (None, (-1, -1)) else tuple(window),
-                   Dtype(getattr(args, "partials", "input")) is Dtype.FP32)
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """What a registry entry is, and the one table of them.
 
-An algorithm module (:mod:`charm_megatron.plan.ring`, :mod:`charm_megatron.plan.charm`) builds
+An algorithm module (:mod:`charm_megatron.algorithms.ring`, :mod:`charm_megatron.algorithms.charm.entry`) builds
 its :class:`Algorithm` and :func:`register`\\ s it here; :mod:`charm_megatron.plan.registry`
 imports those modules (so the built-ins are registered in order: ring, rmplus, charm) and
 offers the public API on top of this table. This module imports no algorithm, which is what

@@ -8,7 +8,7 @@ kernel output for as long as the tile runs (forward: the partial output and lse 
 backward: dq and dk/dv of its rows), unless that output *is* the new buffer (a ``fresh`` tile).
 Kernel workspaces, the backward's stand-in output and the caller's own tensors are not counted.
 
-The model counts what the measured peak (:mod:`charm_megatron.bench.memory`) grows by in the
+The model counts what the measured peak (:mod:`charm_megatron.lab.bench.memory`) grows by in the
 executor, so the ratio of two plans' peaks is what ``charm-megatron bench`` measures for them
 (within a few per cent: the measure also sees the workspaces common to all plans).
 

@@ -12,9 +12,9 @@ into the builder's variant per direction, and an optional finish rule on the ass
 (:func:`charm_megatron.model.choose_algo`).
 
 Adding an algorithm: write a builder ``(rank, groups, causal, direction, variant) ->
-list[Op]`` and :func:`register` an :class:`Algorithm` with it (the built-ins are registered
-by their own modules, :mod:`charm_megatron.plan.ring` and :mod:`charm_megatron.plan.charm`,
-imported here). The validator, executor, model, printouts and every list above then know it.
+list[Op]`` and :func:`register` an :class:`Algorithm` with it (the built-ins are the entries of
+:data:`charm_megatron.algorithms.BUILTINS`, registered here in one loop). The validator,
+executor, model, printouts and every list above then know it.
 
 Plan layer: no torch.
 """
@@ -22,15 +22,11 @@ Plan layer: no torch.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-# The built-in entries register themselves on import: ring, rmplus and charm (charm imports
-# ring), then the peers (each imports charm first, to keep that order).
-import charm_megatron.plan.allgather  # noqa: F401
-import charm_megatron.plan.charm  # noqa: F401
-import charm_megatron.plan.ring  # noqa: F401
-import charm_megatron.plan.ulysses  # noqa: F401
+from charm_megatron.algorithms import BUILTINS
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.entries import (
     AUTO,
@@ -68,9 +64,11 @@ __all__ = [
     "DIRECTIONS",
     "Groups",
     "NameView",
+    "PlanQuery",
     "PlanRule",
     "PlanTimer",
     "RankBuilder",
+    "Resolution",
     "ROLE_MIXES",
     "Setting",
     "Values",
@@ -85,6 +83,7 @@ __all__ = [
     "names",
     "plans",
     "register",
+    "resolve",
     "settings_values",
     "unregister",
     "uses_topology",
@@ -92,6 +91,9 @@ __all__ = [
 ]
 
 DIRECTIONS = tuple(d.value for d in Direction)
+
+for _entry in BUILTINS:  # the one place the built-ins are registered, in their listed order
+    register(_entry)
 
 
 def choices() -> tuple[str, ...]:
@@ -170,10 +172,11 @@ def check_call(algo: str, traits: CallTraits) -> None:
     """Raise what entry ``algo`` says of a call with ``traits`` (``ValueError``: illegal,
     ``NotImplementedError``: not written yet); nothing for an entry without a check. The
     groups are taken as the entry sees them (flat unless it uses the topology)."""
-    entry = get(algo)
-    if entry.check is not None:
-        from dataclasses import replace
+    _check(get(algo), traits)
 
+
+def _check(entry: Algorithm, traits: CallTraits) -> None:
+    if entry.check is not None:
         entry.check(replace(traits, groups=_algo_groups(entry, traits.groups)))
 
 
@@ -190,6 +193,81 @@ def refusal(algo: str, traits: CallTraits) -> str | None:
 def refuses(algo: str, traits: CallTraits) -> bool:
     """True if entry ``algo`` refuses a call with ``traits`` (``auto`` skips it)."""
     return refusal(algo, traits) is not None
+
+
+# ------------------------------------------------------------------------ one call's plans
+@dataclass(frozen=True)
+class PlanQuery:
+    """What a call asks of the registry: the algorithm by name (or ``auto``), the CP size, the
+    call's traits (their ``groups`` are filled in here), the mask, what the rules read
+    (``shape``; ``timer_for``: the performance model's clock on given hardware groups,
+    ``None``: no profile), every setting's value (``None``: the defaults), a window's tiles
+    (``None``: full attention) and ``hardware``: the topology's groups, asked for only when the
+    algorithm (or ``auto``) runs on them (it may probe; ``None``: one flat group)."""
+
+    algo: str
+    cp_size: int
+    traits: CallTraits
+    causal: bool
+    shape: RoleShape | None = None
+    values: Values | None = None
+    tiles: TileRule | None = None
+    hardware: Callable[[], Groups] | None = None
+    timer_for: Callable[[Groups], PlanTimer] | None = None
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What :func:`resolve` answers: the algorithm that runs, the hardware groups it was
+    resolved on (flat unless it, or ``auto``, uses the topology), its groups as it sees them,
+    the variant it runs per direction, its forward and backward plans (memoised and shared: do
+    not modify; not validated), and what ``choose`` said beside its pick (``None`` for a
+    named algorithm)."""
+
+    algo: str
+    hardware: Groups
+    groups: Groups
+    variants: tuple[Any, Any]
+    plans: tuple[Plan, Plan]
+    choice: Any = None
+
+
+#: ``auto``'s chooser: ``(the entries that run the call, in registry order; the hardware
+#: groups; the model's clock or None) -> (the pick, anything the caller wants back in
+#: Resolution.choice)``.
+Chooser = Callable[[tuple[str, ...], Groups, "PlanTimer | None"], tuple[str, Any]]
+
+
+def resolve(query: PlanQuery, choose: Chooser | None = None,
+            candidates: Sequence[str] | None = None) -> Resolution:
+    """A call's whole answer in one visit: the hardware groups where the algorithm uses them;
+    for ``auto``, the entries (``candidates``, default all) that do not refuse the call,
+    handed to ``choose`` for the pick; the pick's check (``ValueError`` /
+    ``NotImplementedError`` as the entry says); its groups, variants and plans. The same on
+    every rank for the same query (and the same hardware groups)."""
+    algo, choice = query.algo, None
+    topology = algo == AUTO or get(algo).uses_topology
+    hardware: Groups = (tuple(range(query.cp_size)),)
+    if topology and query.hardware is not None:
+        hardware = tuple(tuple(g) for g in query.hardware())
+    traits = replace(query.traits, groups=hardware)
+    timer = query.timer_for(hardware) if query.timer_for is not None else None
+    if algo == AUTO:
+        if choose is None:
+            raise ValueError("resolve: algo 'auto' needs a chooser")
+        runnable = tuple(a for a in (candidates or names()) if refusal(a, traits) is None)
+        algo, choice = choose(runnable, hardware, timer)
+    entry = get(algo)
+    _check(entry, traits)
+    groups = _algo_groups(entry, hardware)
+    values = _own(entry, query.values if query.values is not None else settings_values())
+    shape = query.shape
+    if entry.variants is None and entry.finish is None:
+        shape = timer = None  # nothing of the entry reads them: one plan for every shape
+    tiles = query.tiles if query.tiles is not None and query.tiles.windowed else None
+    variants = _variants(entry, groups, query.causal, shape, timer, values)
+    fwd_bwd = _plans(entry, groups, query.causal, shape, timer, values, tiles)
+    return Resolution(entry.name, hardware, groups, variants, fwd_bwd, choice)
 
 
 # ---------------------------------------------------------------------------------- plans

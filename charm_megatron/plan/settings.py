@@ -1,7 +1,7 @@
 """An algorithm's settings: what each one is called, which values it takes, its default.
 
 A :class:`Setting` is declared once, by the algorithm that reads it (CHARM+'s pass order,
-role mix and splits, :mod:`charm_megatron.plan.charm`), and registered with it
+role mix and splits, :mod:`charm_megatron.algorithms.charm.entry`), and registered with it
 (:mod:`charm_megatron.plan.registry`); everything that exposes settings derives from that
 declaration: ``CPOptions`` keywords, environment variables (read only by ``ops/options.py``),
 CLI flags and their help. :class:`Values` is one call's resolved settings.

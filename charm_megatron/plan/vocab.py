@@ -8,7 +8,7 @@ validator, the cost model and the performance model agree by construction:
 * :class:`Stream` - which communicator a batch is posted on; :class:`Role` - what an RM+ pair
   exchanges; :class:`Direction` - forward or backward;
 * :class:`PassOrder`, :class:`RoleMix`, :class:`SplitMode` - the values of CHARM+'s
-  settings (:mod:`charm_megatron.plan.charm`);
+  settings (:mod:`charm_megatron.algorithms.charm.entry`);
 * :class:`Half` - which rows of a block a message or a tile uses;
 * :class:`Loc` - a buffer of a rank (where a block or a partial lives).
 

@@ -4,7 +4,7 @@ CPU ranks over an emulated two-node cluster, then compare the Megatron-LM logs.
 Steps (see ``docs/demo.md``):
 
 1. Load the config (``gpt-tiny-cpu``, run ``demo-s4096-gb1`` by default).
-2. The link: with root and iproute2, an :class:`~charm_megatron.emulate.EmulatedCluster` of
+2. The link: with root and iproute2, an :class:`~charm_megatron.lab.emulate.EmulatedCluster` of
    ``G`` nodes x ``M`` ranks (the config's ``charm_topology``, ``2x2``): network namespaces, one
    shared cross-node link per node (``--nic rank``: one per rank) shaped to ``--cross-rate``, intra-node traffic shaped to
    ``--intra-rate``; the rates are measured and printed. Otherwise plain loopback, and the
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from charm_megatron.emulate import NIC_MODELS, EmulatedCluster, available, run_ranks_in_cluster
+from charm_megatron.lab.emulate import NIC_MODELS, EmulatedCluster, available, run_ranks_in_cluster
 from charm_megatron.launch.args_cli import build_argv, command
 from charm_megatron.launch.compare import DEFAULT_SKIP, compare, format_table, parse_log, write_csv
 from charm_megatron.launch.config import ConfigError, list_runs, load_config, parse_set

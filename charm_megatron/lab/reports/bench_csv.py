@@ -1,7 +1,7 @@
 """The one reader of the benchmark CSV (``charm-megatron bench --out DIR`` writes DIR/results.csv).
 
 Every column the bench writes is a typed field of :class:`BenchRow`, in the file's order;
-:data:`COLUMNS` (what :func:`charm_megatron.bench.report.write_csv` writes) is derived from
+:data:`COLUMNS` (what :func:`charm_megatron.lab.bench.report.write_csv` writes) is derived from
 it, so the column names live here and nowhere else. Reports, the model's measured points and
 the scripts read the CSV through :func:`read_rows` and use the fields, never string keys.
 
@@ -123,7 +123,7 @@ class BenchRow:
         return cls(**values)
 
     def cells(self) -> dict[str, object]:
-        """column -> value (as :func:`charm_megatron.bench.report.write_csv` takes them)."""
+        """column -> value (as :func:`charm_megatron.lab.bench.report.write_csv` takes them)."""
         return {_COLUMN_OF.get(f.name, f.name): getattr(self, f.name)
                 for f in dataclasses.fields(self)}
 

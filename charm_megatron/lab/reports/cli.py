@@ -26,7 +26,7 @@ REPORTS: dict[str, tuple[str, str, str, str]] = {
                    "emulated runs against the model with fair and fifo links"),
     "memory": ("charm_megatron.lab.reports.memory", "register", "run",
                "measure peak memory of ring / RM+ / CHARM+ on local gloo ranks"),
-    "docgen": ("charm_megatron.model.docgen", "register", "run",
+    "docgen": ("charm_megatron.lab.reports.docgen", "register", "run",
                "rewrite (or --check) the generated blocks of a docs page"),
 }
 

@@ -6,7 +6,7 @@ table5``, ``table4`` and ``llama``, each from bench CSVs of emulated runs (devic
   bound (beside the model's own time / bound) and the busiest core. ``DIR`` holds the runs of
   scripts/emulate_table5.sh (``DIR/2x8-b16-s26880/results.csv``) or copies named after the
   row (``DIR/2x8-b16-s26880.csv``, as kept in docs/performance/emulated-t5).
-* ``table4 DIR``: every row of the paper's Table 4 (``charm_megatron.model.paper``) beside the
+* ``table4 DIR``: every row of the paper's Table 4 (``charm_megatron.lab.calibration.paper``) beside the
   emulated ring / RM+ / CHARM+ forward, the speed-ups, each emulated time over the model's
   and CHARM+'s over its bound (runs of scripts/emulate_table4.sh, ``DIR/h20-2x8...``).
 * ``llama CSV...``: per point and pass, ring / RM+ / CHARM+, CHARM+'s speed-up, measured /
@@ -23,7 +23,7 @@ from pathlib import Path
 from charm_megatron.lab.reports.bench_csv import BenchRow, by_algo_pass, read_rows
 
 #: The paper's TASP forward ms per Table 5 row (topology, batch, seq): its RM+ stand-in (the
-#: paper has no TASP backward). Ring and CHARM+ are :data:`charm_megatron.model.paper.TABLE5`.
+#: paper has no TASP backward). Ring and CHARM+ are :data:`charm_megatron.lab.calibration.paper.TABLE5`.
 TASP_FWD = {
     ("2x8", 16, 26880): 98.01, ("2x8", 16, 13440): 49.27, ("2x8", 64, 6720): 97.65,
     ("2x8", 128, 3360): 97.15, ("4x8", 16, 31744): 183.22, ("4x8", 16, 15872): 93.30,
@@ -49,7 +49,7 @@ def table5(out: str | Path, algos: Sequence[str] = ("ring", "rmplus", "charm"),
            vs_paper: bool = False) -> str:
     """The Table 5 comparison (Markdown). Without ``rmplus`` in ``algos`` the RM+ column is
     left out; ``vs_paper`` adds emulated CHARM+ over the paper's."""
-    from charm_megatron.model import paper
+    from charm_megatron.lab.calibration import paper
 
     rm = "rmplus" in algos
     head = ["GPUs", "B", "S", "pass", "ring (paper)"] + (["RM+ (paper's TASP)"] if rm else []) \
@@ -98,7 +98,7 @@ def _speedup(ms: dict[str, float], paper_ring: float, algo: str, paper_ms: float
 
 def table4(out: str | Path) -> str:
     """The Table 4 comparison (Markdown), forward only."""
-    from charm_megatron.model import paper
+    from charm_megatron.lab.calibration import paper
 
     lines = [
         "| GPUs | S | ring (paper) | RM+ (paper) | CHARM+ (paper) | RM+ speed-up (paper) | "

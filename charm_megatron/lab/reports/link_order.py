@@ -22,7 +22,7 @@ from charm_megatron.lab.reports.bench_csv import BenchRow, read_rows
 
 def prediction(row: BenchRow, order: str) -> float:
     """The model's ms for ``row``'s algorithm and pass with links served in ``order``."""
-    from charm_megatron.bench.config import element_size
+    from charm_megatron.lab.bench.config import element_size
     from charm_megatron.model import get_profile, predict
     from charm_megatron.plan.cost import Problem
 

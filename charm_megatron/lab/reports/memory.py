@@ -46,7 +46,7 @@ def measure(topology: str = "2x2", seq: int = 1024, batch: int = 2, heads: int =
             head_dim: int = 32, kv_heads: Sequence[int] = (8, 2),
             roles: Sequence[str] = ("bytes", "paper"), timeout_s: float = 1800) -> str:
     """Run the grid on ``G*M`` gloo ranks and return the table."""
-    from charm_megatron.bench.memory import call_peaks
+    from charm_megatron.lab.bench.memory import call_peaks
     from charm_megatron.local_ranks import run_ranks
 
     g, m = map(int, topology.split("x"))

@@ -23,7 +23,7 @@ from pathlib import Path
 from charm_megatron.lab.reports.bench_csv import BenchRow, by_algo, read_rows
 
 ORDER = ("ring", "rmplus", "charm", "allgather", "a2a", "a2a+p2p", "auto")
-#: auto / fastest above this is bold (charm_megatron.bench.analysis.AUTO_SLACK: issue 12's 5 %).
+#: auto / fastest above this is bold (charm_megatron.lab.bench.analysis.AUTO_SLACK: issue 12's 5 %).
 AUTO_SLACK = 1.05
 _MODEL_PICK = re.compile(r"the model's pick (\S+)")
 

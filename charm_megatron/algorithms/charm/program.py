@@ -1,0 +1,109 @@
+"""One rank's CHARM+ (or, with one group, RM+) forward or backward program: the pass order
+and the assembly of the passes (docs/algorithm.md, *CHARM+*).
+
+Structure: *passes* run the RM+ rounds of the group for the q blocks a rank holds
+(:mod:`~charm_megatron.algorithms.charm.rmplus`); a cross round is pass-q
+(:mod:`~charm_megatron.algorithms.charm.pass_q`) or pass-kv
+(:mod:`~charm_megatron.algorithms.charm.pass_kv`), each block crossing one pass ahead of the pass
+that uses it; a counterpart's partial goes home at the end of its pass.
+
+Pass order (``RankState.order``):
+
+* ``split`` (default): the own q's first rounds while the counterpart's q crosses the slow
+  link; then one pass per counterpart q (all rounds), each sent home as soon as it is done;
+  then the own q's remaining rounds, which hide the last slow return. A forward pass whose
+  cross rounds are all pass-kv has no slow return to hide: all own rounds come first. kv
+  blocks of the rounds are fetched once per pass that needs them (intra-group links are the
+  fast ones).
+* ``joint``: the paper's single pass with own and counterpart q side by side (kv fetched once
+  for both), the own q's last tile deferred until the counterpart's partial is sent.
+
+Plan layer: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from charm_megatron.algorithms.charm.cross import cross_roles
+from charm_megatron.algorithms.charm.pass_kv import post_visiting_kv, run_visiting_pass
+from charm_megatron.algorithms.charm.pass_q import post_counterpart_q, run_q_pass
+from charm_megatron.algorithms.charm.rmplus import Pass
+from charm_megatron.algorithms.charm.state import RankState
+from charm_megatron.plan.core import Kind, Op, Plan, Reset, Wait
+from charm_megatron.plan.vocab import PassOrder, Role
+
+__all__ = ["passes", "rank_program"]
+
+
+def rank_program(st: RankState) -> list[Op]:
+    """Build the program of ``st``: its ops (the roles of its exchanges in
+    ``st.decisions``)."""
+    p, r = st.p, st.rank
+    roles = cross_roles(st)  # the cross rounds' decisions come first, as printed
+    if st.bwd:
+        p.add(Reset(Plan.DQ, Kind.DQ, r))
+        p.add(Reset(Plan.DKV, Kind.DKV, r))
+    else:
+        p.add(Reset(Plan.OUT, Kind.OUT, r))
+    if st.cross:
+        _post_cross_exchange(st, roles, 0)
+    for ps in passes(st, roles):
+        if ps.cross_round is not None:  # its next block posted first to travel during it
+            _post_cross_exchange(st, roles, ps.cross_round + 1)
+        if ps.visiting:
+            run_visiting_pass(st, ps)
+        else:
+            run_q_pass(st, ps)
+    for rets in st.going_home:
+        for ret in rets:
+            p.finish(ret)
+    for h in st.trailing:
+        p.add(Wait(h))
+    return p.ops
+
+
+def passes(st: RankState, roles: Sequence[Role]) -> list[Pass]:
+    """The passes in the order of ``st.order``, and which q blocks each holds; ``roles``:
+    the cross rounds' (:func:`~charm_megatron.algorithms.charm.cross.cross_roles`)."""
+    every = tuple(range(len(st.rounds)))
+    if not st.cross:
+        return [Pass(True, None, every, True)]
+
+    def cross_pass(k: int) -> Pass:
+        if roles[k] is Role.KV:  # pass-kv: own q against the visiting kv
+            return Pass(True, k, every, True, visiting=True)
+        return Pass(False, k, every, True)
+
+    if st.order is PassOrder.JOINT and roles[0] is Role.Q:
+        return [Pass(True, 0, every, True)] + [cross_pass(k) for k in range(1, len(st.cross))]
+    if st.order is PassOrder.JOINT:  # a pass-kv first round: own kv, then the visitors
+        return [Pass(True, None, every, True)] + [cross_pass(k) for k in range(len(st.cross))]
+    # Forward pass-kv brings nothing home across the slow link, so no own rounds need to
+    # be kept back to hide a return: all of them go first, hiding the visiting kv's trip
+    # (measured on 2x4 with one NIC per node: 315 vs 347 ms forward, docs/performance.md).
+    # Pass-q, and backward (the visitors' dK, dV go home), keep half the rounds for last.
+    paired = [role for k, role in enumerate(roles) if st.g in st.cross[k]]
+    if not st.bwd and paired and all(role is Role.KV for role in paired):
+        head = every
+    else:
+        head = every[: len(every) // 2]
+    tail = every[len(head):]
+    out = [Pass(True, None, head, True)]
+    out += [cross_pass(k) for k in range(len(st.cross))]
+    if tail:
+        out.append(Pass(True, None, tail, False))
+    return out
+
+
+def _post_cross_exchange(st: RankState, roles: Sequence[Role], k: int) -> None:
+    """Swap blocks with the counterpart of cross round ``k`` (if our group has one): our kv
+    (pass-kv, it visits the counterpart's group) or our q (pass-q)."""
+    partner = st.cross[k].get(st.g) if k < len(st.cross) else None
+    if partner is None:
+        return
+    cp, other = st.groups[partner][st.local], st.groups[partner]
+    if roles[k] is Role.KV:
+        post_visiting_kv(st, k, cp, other)
+    else:
+        post_counterpart_q(st, k, cp, other)

@@ -1,0 +1,241 @@
+"""The benchmark on an emulated GPU cluster: every rank's device is a timed device, its links
+the real ones slowed down (docs/emulator.md).
+
+* :class:`DeviceSetup` - what a run emulates: the device profile (a model cluster: compute
+  terms for the device, link rates for the links), the dilation ``D``, the wire scale ``F``;
+  the emulated links run at the profile's rates / (``F`` x ``D``), so a message takes ``D``
+  times its real (full-size) time;
+* :func:`choose_scale` - the wire scale of a run: the batch and the rows per rank divided by
+  whole factors, one pair for every point of the run (the links are shaped once per run);
+* :class:`CoreMeter` - the busiest core's utilisation while calls are timed (``/proc/stat``);
+  above :data:`CPU_LIMITED` the run does not measure the device but this machine's cores;
+* :func:`setup_for` - the :class:`DeviceSetup` of a bench run's options and points.
+
+The checks of an emulated run (the textbook ring among them) are in
+:mod:`charm_megatron.lab.bench.emulator_checks`.
+
+No torch here: the ranks build their :class:`~charm_megatron.lab.emulate.device.TimedBackend`
+from a :class:`DeviceSetup`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from charm_megatron.model.cluster import Cluster
+from charm_megatron.model.profiles import get_profile
+
+#: The busiest core's utilisation above which a run is marked CPU-limited (issue 23).
+CPU_LIMITED = 0.70
+#: The dilation floor: below it the emulator's own per-message cost (about 1 ms of wall time
+#: per message on these machines) would exceed ~20 us of device time.
+MIN_DILATION = 50.0
+#: ``--dilation auto`` stretches the smallest ring step of a run (the model's, on the device)
+#: to at least this many wall seconds: each step of a CP call waits on every rank, and a step
+#: with 16-32 processes on 2 cores costs ~10-20 ms of scheduling (docs/emulator.md), so a step
+#: of 0.5 s keeps that within a few per cent.
+STEP_WALL_S = 0.5
+MAX_DILATION = 5000.0
+#: Default size of a q block on the wire: large enough that per-message costs stay small next to
+#: the bytes, small enough that 32 ranks' messages fit 2 cores' copy rate.
+DEFAULT_WIRE_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class DeviceSetup:
+    """One emulated GPU cluster: ``profile`` (a built-in name or a profile file) gives the
+    device and, unless overridden, the links; ``dilation`` stretches device time;
+    ``batch_scale`` / ``rows_scale`` shrink the problem on the wire."""
+
+    profile: str
+    dilation: float = MIN_DILATION
+    batch_scale: int = 1
+    rows_scale: int = 1
+    cross_Bps: float | None = None  # real (device-time) rates; None: the profile's
+    intra_Bps: float | None = None
+    sm_contention: bool = True
+    hw_groups: tuple[tuple[int, ...], ...] = ()  # the emulated nodes (CP-local ranks)
+    nic: str | None = None  # "rank" / "node": the cross links' sharing; None: the profile's
+    # How the emulated links serve concurrent transfers: "fifo" on the software link model
+    # (it books each transfer when posted); None: the profile's (tc's queues share fairly).
+    link_order: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.dilation > 0:
+            raise ValueError(f"--dilation must be > 0, got {self.dilation!r}")
+        if self.cluster.cores is not None:
+            raise ValueError(f"--device-model {self.profile}: a CPU profile (shared cores) "
+                             "is not a device; choose a GPU profile (h100, h20, l20-pcie) or "
+                             "a file written by scripts/gpu_check.py")
+
+    @property
+    def cluster(self) -> Cluster:
+        return get_profile(self.profile).cluster
+
+    @property
+    def bytes_scale(self) -> int:
+        return self.batch_scale * self.rows_scale
+
+    @property
+    def device_cross_Bps(self) -> float:
+        return self.cross_Bps if self.cross_Bps is not None else self.cluster.cross_gbps * 1e9
+
+    @property
+    def device_intra_Bps(self) -> float:
+        if self.intra_Bps is not None:
+            return self.intra_Bps
+        return self.cluster.intra_gbps * 1e9
+
+    @property
+    def model_cluster(self) -> Cluster:
+        """The device profile with this run's real link rates: what the emulated cluster is
+        (the model's prediction of a run, and what its calls' ``auto`` settings time with)."""
+        return self.cluster.with_(cross_gbps=self.device_cross_Bps / 1e9,
+                                  intra_gbps=self.device_intra_Bps / 1e9,
+                                  nic=self.nic or self.cluster.nic,
+                                  link_order=self.link_order)
+
+    def wire_rate(self, device_Bps: float) -> float:
+        """The emulated link's rate (bytes/s of wire data) for a real link of ``device_Bps``:
+        ``F`` times fewer bytes, ``D`` times slower."""
+        return device_Bps / (self.bytes_scale * self.dilation)
+
+    def backend(self, rank: int):
+        """CP-local rank ``rank``'s timed device (imports torch); the hardware groups say
+        which of its messages cross, so for how long their bytes move."""
+        from charm_megatron.lab.emulate.device import LinkClock, TimedBackend, WireScale
+
+        links = LinkClock(rank, self.hw_groups, self.device_intra_Bps, self.device_cross_Bps,
+                          self.cluster.latency_us * 1e-6)
+        return TimedBackend(self.cluster, dilation=self.dilation,
+                            scale=WireScale(self.batch_scale, self.rows_scale),
+                            sm_contention=self.sm_contention, links=links)
+
+    def describe(self) -> str:
+        return (f"device {self.profile} ({self.model_cluster.describe()}); dilation x{self.dilation:g}; "
+                f"wire scale: batch / {self.batch_scale}, rows / {self.rows_scale} "
+                f"(messages {self.bytes_scale}x smaller than real)")
+
+
+def auto_dilation(cluster: Cluster, points: Sequence, groups: Sequence[Sequence[int]],
+                  causal: bool, elem: int) -> float:
+    """The dilation of ``--dilation auto``: the smallest ring step of the points (the model's
+    ring forward on the device, over its ``n`` steps) stretched to :data:`STEP_WALL_S`,
+    within [:data:`MIN_DILATION`, :data:`MAX_DILATION`], rounded to two significant digits."""
+    from charm_megatron.model import predict
+    from charm_megatron.plan.cost import Problem
+
+    n = sum(len(g) for g in groups)
+    step = min(predict("ring", groups, Problem(p.batch, p.seq, p.heads, p.kv_heads,
+                                               p.head_dim, elem), cluster, causal).forward.time_s
+               for p in points) / n
+    d = min(MAX_DILATION, max(MIN_DILATION, STEP_WALL_S / step)) if step > 0 else MIN_DILATION
+    digits = 10 ** (len(str(int(d))) - 2)
+    return float(round(d / digits) * digits)
+
+
+def choose_scale(points: Sequence, world: int, elem: int,
+                 target_bytes: int = DEFAULT_WIRE_BYTES,
+                 divides: Sequence[int] = ()) -> tuple[int, int]:
+    """``(batch factor, rows factor)`` for every point of a run: the batch divided by the
+    batches' greatest common divisor (the wire batch is then whole at every point), the rows
+    per rank by the largest common divisor that leaves every point an even number of wire rows
+    (the causal halves) and the largest point's q block not below ``target_bytes``; the rows
+    factor also divides every length in ``divides`` (a sliding window's sides, which the wire
+    copy shrinks alike)."""
+    batch = 0
+    rows = 0
+    for p in points:
+        batch = math.gcd(batch, p.batch)
+        rows = math.gcd(rows, p.seq // world)
+    batch = max(1, batch)
+    biggest = max(points, key=lambda p: (p.batch // batch) * (p.seq // world) * p.heads)
+
+    def ok(f: int) -> bool:
+        return all(((p.seq // world) // f) % 2 == 0 for p in points) and \
+            all(w % f == 0 for w in divides)
+
+    def q_bytes(f: int) -> int:
+        return (biggest.batch // batch) * ((biggest.seq // world) // f) * biggest.heads \
+            * biggest.head_dim * elem
+
+    best = 1
+    for f in range(1, rows + 1):
+        if rows % f == 0 and ok(f) and q_bytes(f) >= target_bytes:
+            best = f
+    return batch, best
+
+
+def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: bool, elem: int,
+              *, wire_scale: tuple[int, int] | None = None,
+              wire_bytes: int = DEFAULT_WIRE_BYTES, dilation: float | None = None,
+              cross_Bps: float | None = None, intra_Bps: float | None = None,
+              sm_contention: bool = True, nic: str | None = None,
+              divides: Sequence[int] = (), link_order: str | None = None) -> DeviceSetup:
+    """The emulated cluster of a bench run on a ``grid`` of (nodes, GPUs per node): the wire
+    scale given (checked against every point) or chosen (:func:`choose_scale`), the dilation
+    given or ``auto`` (``None``: :func:`auto_dilation` on the run's real links)."""
+    world = grid[0] * grid[1]
+    batch, rows = wire_scale or choose_scale(points, world, elem, wire_bytes, divides)
+    for p in points:
+        if p.batch % batch or (p.seq // world) % rows or ((p.seq // world) // rows) % 2:
+            raise ValueError(f"--wire-scale {batch}x{rows}: point {p.label} has batch {p.batch} "
+                             f"and {p.seq // world} rows per rank; both must divide, leaving an "
+                             "even number of wire rows")
+    groups = tuple(tuple(range(i * grid[1], (i + 1) * grid[1])) for i in range(grid[0]))
+    if dilation is None:
+        links = DeviceSetup(profile, cross_Bps=cross_Bps, intra_Bps=intra_Bps, nic=nic,
+                            link_order=link_order)
+        dilation = auto_dilation(links.model_cluster, points, groups, causal, elem)
+    return DeviceSetup(profile, dilation, batch, rows, cross_Bps, intra_Bps, sm_contention,
+                       groups, nic, link_order)
+
+
+class CoreMeter:
+    """The busiest core's utilisation over the spans between :meth:`start` and :meth:`stop`
+    (``/proc/stat``: every process on the machine, this benchmark's and anything else's)."""
+
+    def __init__(self, path: str = "/proc/stat") -> None:
+        self.path = path
+        self.busy: dict[str, float] = {}
+        self.total: dict[str, float] = {}
+        self._t0: dict[str, tuple[float, float]] | None = None
+
+    def _read(self) -> dict[str, tuple[float, float]]:
+        out: dict[str, tuple[float, float]] = {}
+        try:
+            with open(self.path) as f:
+                for line in f:
+                    parts = line.split()
+                    if parts and parts[0].startswith("cpu") and parts[0] != "cpu":
+                        v = [float(x) for x in parts[1:]]
+                        idle = v[3] + (v[4] if len(v) > 4 else 0.0)  # idle + iowait
+                        out[parts[0]] = (sum(v) - idle, sum(v))
+        except OSError:
+            pass
+        return out
+
+    def start(self) -> None:
+        self._t0 = self._read()
+
+    def stop(self) -> None:
+        if self._t0 is None:
+            return
+        now = self._read()
+        for cpu, (b1, t1) in now.items():
+            b0, t0 = self._t0.get(cpu, (b1, t1))
+            self.busy[cpu] = self.busy.get(cpu, 0.0) + (b1 - b0)
+            self.total[cpu] = self.total.get(cpu, 0.0) + (t1 - t0)
+        self._t0 = None
+
+    def busiest(self) -> float | None:
+        """The largest busy fraction of one core (``None``: nothing measured)."""
+        fr = [self.busy[c] / t for c, t in self.total.items() if t > 0]
+        return max(fr) if fr else None
+
+
+def proc_stat_available() -> bool:
+    return os.path.exists("/proc/stat")
