@@ -165,9 +165,7 @@ def test_bench_four_cpu_ranks(tmp_path, capsys):
     torch_rows = [r for r in rows if r["algo"] == "torch"]
     # PyTorch's CP either ran (with a note on how) or was skipped with its reason.
     assert all(r["note"] for r in torch_rows)
-    from charm_megatron.lab.bench.summary import main as summary_main
-
-    assert summary_main([os.path.join(out, "results.csv")]) == 0
+    assert cli_main(["report", "summary", os.path.join(out, "results.csv")]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| run | S |") and len(table) == 2 + 2  # header, rule, fwd, fwdbwd
     print(f"4-rank bench: {time.monotonic() - t0:.1f} s")

@@ -193,7 +193,7 @@ def test_summary_labels_the_link_model(tmp_path):
     import csv
     import json
 
-    from charm_megatron.lab.bench.summary import load
+    from charm_megatron.lab.reports.summary import load
 
     labels = []
     for model in ("tbf", "htb"):
@@ -215,7 +215,7 @@ def test_summary_ceiling_is_ring_over_the_bound(tmp_path):
     most it could gain over ring in that run), '-' where no bound was measured."""
     import csv
 
-    from charm_megatron.lab.bench.summary import load, table
+    from charm_megatron.lab.reports.summary import load, table
 
     fields = ["point", "algo", "pass", "status", "seq", "heads", "kv_heads", "head_dim",
               "dtype", "median_ms", "speedup_vs_ring", "vs_bound", "ring_ccr", "bound_ms"]

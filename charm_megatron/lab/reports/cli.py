@@ -24,6 +24,8 @@ REPORTS: dict[str, tuple[str, str, str, str]] = {
               "ring / RM+ / CHARM+ per point and pass on an emulated cluster"),
     "link-order": ("charm_megatron.lab.reports.link_order", "register", "run",
                    "emulated runs against the model with fair and fifo links"),
+    "bound-gap": ("charm_megatron.lab.reports.bound_gap", "register", "run",
+                  "where CHARM+'s modelled time above its lower bound goes, cost by cost"),
     "memory": ("charm_megatron.lab.reports.memory", "register", "run",
                "measure peak memory of ring / RM+ / CHARM+ on local gloo ranks"),
     "docgen": ("charm_megatron.lab.reports.docgen", "register", "run",

@@ -1,0 +1,33 @@
+"""The lab's two measurement tools that print docs tables by hand-run commands: the CPU tile
+rates (lab/bench/tile_rates.py) and the bound-gap report (lab/reports/bound_gap.py), each run
+here on a small case."""
+
+from __future__ import annotations
+
+import re
+
+from charm_megatron.lab.bench import tile_rates
+from charm_megatron.lab.reports import bound_gap
+
+
+def test_tile_rates_times_each_shape_in_parallel_processes():
+    lines = tile_rates.table(procs=2, shapes=((64, 2), (128, 1)))
+    rows = [line.split() for line in lines[2:]]
+    assert [r[:3] for r in rows] == [["True", "64", "2"], ["True", "128", "1"],
+                                     ["False", "64", "2"], ["False", "128", "1"]]
+    for r in rows:
+        fwd, bwd = float(r[3]), float(r[4])
+        assert fwd > 0 and bwd > 0
+
+
+def test_bound_gap_rows_are_at_or_above_their_bound(monkeypatch):
+    monkeypatch.setattr(bound_gap, "LLAMA", [("2x8", 32, 131072)])
+    lines = bound_gap.table("h100", llama=True, partials="fp32")
+    data = [line for line in lines if line.startswith("| 2x8")]
+    assert [line.split("|")[3].strip() for line in data] == ["fwd", "bwd"]
+    for line in data:
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        bound, model, ratio = float(cells[3]), float(cells[4]), float(cells[5][:-1])
+        assert 0 < bound <= model * 1.0001
+        assert abs(ratio - model / bound) < 0.02
+        assert all(re.fullmatch(r"-?\d+%|-", c) for c in cells[6:])
