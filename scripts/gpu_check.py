@@ -69,13 +69,15 @@ def kernel_cases(device: str, tiny: bool):
     if device == "cuda":
         dtypes = [torch.float16, torch.bfloat16, torch.float32]  # flash x2, efficient
     dims = [32] if tiny else ([64, 128] if device == "cpu" else [64, 128, 192])
+    from charm_megatron.kernels.registry import why_not
+
     cases = []
     for backend in available_backends(device):
         if backend == "reference":
             continue
         for dt in dtypes:
-            if backend == "flash_attn" and dt == torch.float32:
-                continue  # flash_attn takes fp16 / bf16 only (get_backend never sends fp32)
+            if why_not(backend, device, dt) is not None:
+                continue  # e.g. flash_attn and cudnn take fp16 / bf16 only
             for d in dims:
                 for hq, hkv in ((4, 4), (4, 2)):
                     cases.append((backend, dt, s, s, 2, hq, hkv, d, True))  # diagonal tile
@@ -205,8 +207,10 @@ def _timer(device: str):
     return timed
 
 
-def kernel_table(device: str, tiny: bool, gen) -> list[dict]:
-    """Forward / backward TFLOP/s of the default backend on square tiles."""
+def kernel_table(device: str, tiny: bool, gen, name: str | None = None,
+                 short: bool = False) -> list[dict]:
+    """Forward / backward TFLOP/s of backend ``name`` (``None``: the automatic choice) on
+    square tiles; ``short``: two tile lengths per head dim (the other backends' rates)."""
     from charm_megatron.kernels import get_backend
 
     dt = torch.bfloat16 if device == "cuda" else torch.float32
@@ -217,7 +221,10 @@ def kernel_table(device: str, tiny: bool, gen) -> list[dict]:
             16384, 2048, 10
     else:
         seqs, dims, tokens, hidden, reps = (256, 512, 1024, 2048), (64, 128), 4096, 512, 3
-    be = get_backend(device, dt)
+    if short:
+        seqs = (seqs[len(seqs) // 2], seqs[-1])
+        dims = (*dims, 192) if device == "cuda" else dims
+    be = get_backend(device, dt, name=name)
     timed = _timer(device)
     rows = []
     for d in dims:
@@ -417,12 +424,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# per call {over['call_overhead_us']:.1f} us, per op {over['op_overhead_us']:.1f} us, "
           f"merge {over['merge_gbps']:.2f} GB/s ({over['merge_path']}; PyTorch ops "
           f"{over['merge_unfused_gbps']:.2f} GB/s)")
+    # Every other backend that passed its checks: its rates on a short grid, beside the
+    # automatic choice's (a profile carries a rate per kernel backend; issue 38).
+    per_backend = {}
+    for name in sorted({r["backend"] for r in results if r.get("check") == "kernel"}):
+        if any(r.get("backend") == name and not r["ok"] for r in results):
+            continue
+        per_backend[name] = kernel_table(args.device, args.tiny, gen, name, short=True)
+        for r in per_backend[name]:
+            print(f"kernel {name:10} seq={r['seq']:<6} d={r['d']:<3} fwd "
+                  f"{r['fwd_tflops']:8.3f} bwd {r['bwd_tflops']:8.3f} TFLOP/s")
+    from charm_megatron.kernels.selection import choices
+
+    picked = [{"key": [str(x) for x in c.key[1:]], "picked": c.picked,
+               "seconds": dict(c.seconds), "refused": dict(c.refused)} for c in choices()]
+    for c in picked:
+        print(f"# automatic choice {c['key']}: {c['picked']} {c['seconds']} "
+              f"refused {c['refused'] or 'none'}")
     base_name = args.base or ("h100" if args.device == "cuda" else "cpu-testbed")
     base, cl, fit = fit_profile(table, over, base_name, dev_name)
     from charm_megatron.model.cluster import Profile
     from charm_megatron.model.profile_io import save_profile
 
     fit.update(method="scripts/gpu_check.py", checks_ok=not failed,
+               kernel_rates_by_backend=per_backend, kernel_choices=picked,
                checks=[r for r in results if not r["ok"]] or f"{len(results)} ok")
     name = args.name or f"{base.name}-measured"
     prof = Profile(name, cl, base.topology,

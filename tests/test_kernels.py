@@ -5,6 +5,7 @@ import torch
 
 from charm_megatron.kernels import available_backends, get_backend
 from charm_megatron.kernels.reference import ReferenceBackend
+from charm_megatron.kernels.registry import BACKENDS
 from charm_megatron.ops.options import kernel_backend
 
 REF = ReferenceBackend(torch.float64)
@@ -42,7 +43,9 @@ def test_reference_matches_naive_and_autograd(causal, hkv):
         torch.testing.assert_close(got, want)
 
 
-@pytest.mark.parametrize("backend", [b for b in available_backends("cpu") if b != "reference"])
+# The built-in backends usable here (not those tests register, e.g. tests/toy_kernel.py).
+@pytest.mark.parametrize("backend", [b for b in available_backends("cpu")
+                                     if b in BACKENDS and b != "reference"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 # 384 rows: a causal square block the CPU backend cuts into pieces (kernels/causal_split.py).
 @pytest.mark.parametrize("causal,sq,sk", [(True, 16, 16), (False, 16, 16), (False, 8, 24),

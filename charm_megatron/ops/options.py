@@ -49,7 +49,7 @@ class Ablation(_Named):
 # with the algorithms' (ENV_VARS).
 _OWN_VARS = {
     "CHARM_COMM_TIMEOUT_S": ("timeout_s", "bound on every blocking wait, seconds (default 600)"),
-    "CHARM_ATTN_BACKEND": ("backend", "kernel backend: torch, flash_attn or reference"),
+    "CHARM_ATTN_BACKEND": ("backend", "kernel backend: torch, flash_attn, cudnn or reference"),
     "CHARM_TOPOLOGY": ("topology", "topology for algorithms that use one (charm, auto) when "
                        "the argument is None"),
     "CHARM_CHECK": ("check", "agreement/status checks: every_call (default) or off"),
@@ -122,8 +122,8 @@ class CPOptions:
 
     Attributes:
         timeout_s: bound on every blocking wait of the call, seconds.
-        backend: kernel backend name (``torch``, ``flash_attn``, ``reference``), a backend
-            object, or ``None`` for the automatic choice.
+        backend: kernel backend name (``torch``, ``flash_attn``, ``cudnn``, ``reference``, or
+            any registered one), a backend object, or ``None`` for the automatic choice.
         topology: default topology string for algorithms that use one (``charm``, ``auto``)
             when the call's ``topology`` argument is ``None``; ``None`` means the probe.
         check: :class:`Check`: ``every_call``: the ranks agree on the call before any data
