@@ -88,7 +88,7 @@ def test_lean_plans_only_where_the_bound_needs_them():
     assert not build_plan("charm", "forward", _groups("2x4"), False).lean
 
 
-@settings(deadline=None, max_examples=20)
+@settings(deadline=None, max_examples=12)
 @given(st.integers(min_value=1, max_value=64).flatmap(
     lambda n: st.tuples(st.just(n), st.sampled_from([(g, n // g) for g in range(1, n + 1)
                                                      if n % g == 0]))),
