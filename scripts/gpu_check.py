@@ -443,8 +443,8 @@ def main(argv: list[str] | None = None) -> int:
               f"refused {c['refused'] or 'none'}")
     base_name = args.base or ("h100" if args.device == "cuda" else "cpu-testbed")
     base, cl, fit = fit_profile(table, over, base_name, dev_name)
+    from charm_megatron.devices import save_profile
     from charm_megatron.model.cluster import Profile
-    from charm_megatron.model.profile_io import save_profile
 
     fit.update(method="scripts/gpu_check.py", checks_ok=not failed,
                kernel_rates_by_backend=per_backend, kernel_choices=picked,

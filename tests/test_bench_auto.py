@@ -163,9 +163,9 @@ def _auto_runs_its_pick(rank: int, world: int, profile: str | None) -> tuple[str
 
 
 def test_auto_runs_the_algorithm_resolve_algo_reports(tmp_path):
+    from charm_megatron.devices import save_profile
     from charm_megatron.local_ranks import run_ranks
     from charm_megatron.model.cluster import Profile
-    from charm_megatron.model.profile_io import save_profile
 
     # One shared NIC per node at 100 Mbit/s: charm; the generic cluster (no profile), where
     # these 128-row blocks are latency-bound: allgather (one step; rmplus takes two).

@@ -25,7 +25,7 @@ LAB = ("lab",)
 # Front ends allowed to use the lab: the command dispatcher (it lists the lab's commands and
 # imports one only when run) and the two demo jobs, whose emulated clusters are the lab's.
 TOOLS = ("cli", "__main__", "demo", "train_demo")
-NO_TORCH = ("plan", "algorithms", "model")
+NO_TORCH = ("plan", "algorithms", "model", "devices")
 
 
 def _module_name(path: Path, root: Path = ROOT) -> str:

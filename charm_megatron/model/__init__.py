@@ -16,12 +16,15 @@ measurements and the ``charm-megatron model`` command are the lab's
 * :func:`auto_cluster` - the cluster ``auto`` predicts with (its profile argument, which
   ``cp_attention`` takes from ``CPOptions.model_profile`` / ``CHARM_MODEL_PROFILE``, else the
   generic default);
-* :func:`load_profile` / :func:`save_profile` read and write profile files;
+* :func:`load_profile` / :func:`save_profile` read and write profile files, :data:`PROFILES` /
+  :func:`get_profile` the named ones (re-exported from :mod:`charm_megatron.devices`, where
+  devices are added);
   :mod:`~charm_megatron.model.effects` the second-order effects.
 
 See docs/model.md for what is modelled and what is not.
 """
 
+from charm_megatron.devices import PROFILES, get_profile, load_profile, save_profile
 from charm_megatron.model.auto import ENV as PROFILE_ENV
 from charm_megatron.model.auto import auto_cluster
 from charm_megatron.model.cluster import Cluster, Profile, default_cluster_for
@@ -37,8 +40,6 @@ from charm_megatron.model.predict import (
     ring_ccr,
     variants,
 )
-from charm_megatron.model.profile_io import load_profile, save_profile
-from charm_megatron.model.profiles import PROFILES, get_profile
 from charm_megatron.model.sim import ModelError, RankStats, SimResult, simulate, tile_flops
 from charm_megatron.model.timer import ClusterTimer
 

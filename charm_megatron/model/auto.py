@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 from functools import lru_cache
 
+from charm_megatron.devices import get_profile, is_profile_path
 from charm_megatron.model.cluster import Cluster, Profile
-from charm_megatron.model.profiles import get_profile
 
 #: The variable the API edges read the profile from (CPOptions.from_env, the model CLI).
 ENV = "CHARM_MODEL_PROFILE"
@@ -48,6 +48,8 @@ def auto_cluster(profile: str | Profile | Cluster | None = None, *,
     if not name:
         return None
     try:
+        if not is_profile_path(name):  # a named device: the registry caches it (and sees
+            return get_profile(name).cluster  # CHARM_DEVICES change)
         mtime = os.path.getmtime(name) if os.path.exists(name) else 0.0
         return _load(name, mtime)
     except ValueError as exc:

@@ -3,7 +3,7 @@
 A :class:`Cluster` says how fast things are; *which* ranks share fast links is the topology
 (groups of CP ranks), passed separately, so one description serves ``2x8`` and ``4x8`` alike.
 A :class:`Profile` is a named cluster with a default topology and where each number comes
-from (the named ones are :data:`charm_megatron.model.profiles.PROFILES`);
+from (the named ones are :data:`charm_megatron.devices.PROFILES`);
 :func:`default_cluster_for` is the generic guess used when the user describes nothing.
 
 Units: GB/s means 1e9 bytes per second, per direction (links are full duplex); TFLOP/s is the

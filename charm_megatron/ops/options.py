@@ -54,8 +54,9 @@ _OWN_VARS = {
                        "the argument is None"),
     "CHARM_CHECK": ("check", "agreement/status checks: every_call (default) or off"),
     "CHARM_MODEL_PROFILE": ("model_profile", "performance-model profile for algo auto and the "
-                            "algorithms' auto settings: a built-in name or a profile file "
-                            "(default: a generic cluster, auto settings off)"),
+                            "algorithms' auto settings: a device name (built in or on "
+                            "CHARM_DEVICES) or a profile file (default: a generic cluster, "
+                            "auto settings off)"),
     "CHARM_PARTIALS": ("partials", "dtype partial results (out, dq, dkv) travel in between "
                        "ranks: input (default; bf16 halves the bytes) or fp32 (as "
                        "ring-flash-attention and the paper's ring send them)"),

@@ -22,11 +22,10 @@ import os
 import tempfile
 from collections.abc import Iterator
 
+from charm_megatron.devices import get_profile, save_profile
 from charm_megatron.lab.calibration.testbed import bench_cluster
 from charm_megatron.model.auto import ENV as PROFILE_ENV
 from charm_megatron.model.cluster import Profile
-from charm_megatron.model.profile_io import save_profile
-from charm_megatron.model.profiles import get_profile
 
 #: The base profile when the environment names none (calibrated on this project's testbed).
 DEFAULT_BASE = "cpu-testbed"

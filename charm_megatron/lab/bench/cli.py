@@ -18,6 +18,7 @@ import time
 from dataclasses import replace
 
 from charm_megatron.commands.flags import add_setting_args, parse_window, values_from_args
+from charm_megatron.devices import DEVICES_ENV, get_profile
 from charm_megatron.lab.bench import runners
 from charm_megatron.lab.bench.analysis import analyse
 from charm_megatron.lab.bench.config import (
@@ -40,7 +41,6 @@ from charm_megatron.lab.bench.measure import Job
 from charm_megatron.lab.bench.report import format_table, plot, write_csv, write_json
 from charm_megatron.lab.emulate import LINK_MODELS, NIC_MODELS, available, parse_rate, parse_size
 from charm_megatron.lab.emulate.rates import format_rate
-from charm_megatron.model.profiles import get_profile
 from charm_megatron.plan.vocab import Dtype
 
 _DEFAULT_COMM_TIMEOUT_S = 300
@@ -144,8 +144,9 @@ def register(parser: argparse.ArgumentParser) -> None:
         "time instead of computing, links carry real bytes at the real rates slowed down; "
         "every *_ms is then device time")
     d.add_argument("--device-model", metavar="PROFILE",
-                   help="the device and its links: h100, h20, l20-pcie or a profile file "
-                        "(scripts/gpu_check.py, charm-megatron model --calibrate); needs "
+                   help="the device and its links: h100, h20, l20-pcie, a device added on "
+                        "CHARM_DEVICES or a profile file (scripts/gpu_check.py, "
+                        "charm-megatron model --calibrate); needs "
                         "--emulate GxM; --cross-rate / --intra-rate then give the real "
                         "(device-time) rates, e.g. 42.5GB/s, over the profile's")
     d.add_argument("--dilation", default="auto",
@@ -288,6 +289,9 @@ def _job(args, cfg: BenchConfig, world: int, topology: str, device: str, progres
     # that predates them (a pool started earlier in the same process) would not see them.
     env = {var: os.environ[var] for var in ENV_VARS if var in os.environ}
     env["CHARM_COMM_TIMEOUT_S"] = str(args.comm_timeout_s)
+    # The devices --device-model and CHARM_MODEL_PROFILE may name (empty: the built-in ones
+    # only, also in a pooled rank that saw another value before).
+    env[DEVICES_ENV] = os.environ.get(DEVICES_ENV, "")
     return Job(cfg, points, topology, device, progress, env), dropped
 
 

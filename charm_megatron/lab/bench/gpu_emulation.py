@@ -25,8 +25,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from charm_megatron.devices import get_profile
 from charm_megatron.model.cluster import Cluster
-from charm_megatron.model.profiles import get_profile
 
 #: The busiest core's utilisation above which a run is marked CPU-limited (issue 23).
 CPU_LIMITED = 0.70
@@ -46,7 +46,7 @@ DEFAULT_WIRE_BYTES = 256 * 1024
 
 @dataclass(frozen=True)
 class DeviceSetup:
-    """One emulated GPU cluster: ``profile`` (a built-in name or a profile file) gives the
+    """One emulated GPU cluster: ``profile`` (a device name or a profile file) gives the
     device and, unless overridden, the links; ``dilation`` stretches device time;
     ``batch_scale`` / ``rows_scale`` shrink the problem on the wire."""
 

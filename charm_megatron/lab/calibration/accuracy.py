@@ -178,7 +178,7 @@ def table5_settings(profile: Profile) -> list[Setting]:
 def _table4_clusters() -> tuple[dict, tuple[int, int, int]]:
     """Table 4's clusters per GPU (L20: ``l20-pcie``; H20: ``h20-table4``) and the shape
     ``h20-table4`` was fitted with."""
-    from charm_megatron.model.profiles import get_profile
+    from charm_megatron.devices import get_profile
 
     h20 = get_profile("h20-table4")
     sh = h20.fit["shape"]

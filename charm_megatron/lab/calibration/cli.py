@@ -23,10 +23,10 @@ from charm_megatron.commands.flags import (
     settings_from_args,
     values_from_args,
 )
+from charm_megatron.devices import DEVICES_ENV, PROFILES, builtin_profiles, get_profile
 from charm_megatron.model.auto import ENV
 from charm_megatron.model.cluster import LINK_ORDERS, Cluster, default_cluster_for
 from charm_megatron.model.predict import Prediction, predict, predict_all, ring_ccr
-from charm_megatron.model.profiles import PROFILES, get_profile
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
 from charm_megatron.plan.roles import check_roles
@@ -63,8 +63,9 @@ _DEFAULT_GRID = (8192, 16384, 32768, 65536, 131072, 262144)
 
 def register(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default=None, metavar="NAME|FILE",
-                        help=f"named cluster ({', '.join(PROFILES)}) or a profile file "
-                             "(.json, from --calibrate)")
+                        help=f"named cluster ({', '.join(builtin_profiles())}, or a device "
+                             f"added on {DEVICES_ENV}) or a profile file (.json, from "
+                             "--calibrate)")
     parser.add_argument("--list-profiles", action="store_true", help="print the profiles")
     parser.add_argument("--topology", default=None,
                         help="hardware groups, e.g. 2x8, 4x8, 0-3,4-7 (default: the profile's)")
@@ -183,14 +184,18 @@ def _best(preds: dict[str, Prediction]) -> str:
 
 
 def _print_profiles() -> None:
-    for prof in PROFILES.values():
+    try:
+        profiles = list(PROFILES.values())  # a bad CHARM_DEVICES: say what, no traceback
+    except ValueError as exc:
+        raise SystemExit(f"charm-megatron model --list-profiles: {exc}") from None
+    for prof in profiles:
         print(f"{prof.name:12} topology {prof.topology:5} {prof.cluster.describe()}")
         print(f"{'':12} {prof.source}")
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from charm_megatron.devices import dumps, save_profile
     from charm_megatron.lab.calibration.calibrate import calibrate
-    from charm_megatron.model.profile_io import dumps, save_profile
 
     try:
         prof = calibrate(args.calibrate, name=args.name, cores=args.cores,

@@ -135,7 +135,7 @@ class TimedBackend:
         """The timed device of a performance-model profile (a built-in name such as ``h100``,
         or a profile file written by ``scripts/gpu_check.py``). Without ``links`` the device
         cannot tell how long its transfers move, so SM contention is left out."""
-        from charm_megatron.model.profiles import get_profile
+        from charm_megatron.devices import get_profile
 
         return cls(get_profile(profile).cluster, dilation=dilation,
                    scale=WireScale(batch_scale, rows_scale), sm_contention=sm_contention,

@@ -171,7 +171,7 @@ def holdout(_: str = "") -> str:
     """Fit on the 2x2 files, judge every 2x4 point (none of them seen by the fit)."""
     from charm_megatron.lab.calibration import accuracy
     from charm_megatron.lab.calibration.measured import load_points
-    from charm_megatron.lab.calibration.refit import cpu_testbed
+    from charm_megatron.lab.devices.cpu_testbed import cpu_testbed
 
     files = sorted(glob.glob(BENCH_GLOB))
     train = [f for f in files if Path(f).name.startswith("2x2")]

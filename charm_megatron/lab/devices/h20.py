@@ -1,0 +1,27 @@
+"""``h20``: 2 nodes x 8 H20. Table 2's links; the cross rate scaled by the fraction of Table
+2's rate the ``h100`` ring reached (same RDMA NIC class, same test); attention rate assumed (no
+published curve), tile and head-dim shape as H100's."""
+
+from __future__ import annotations
+
+from charm_megatron.lab.calibration import paper
+from charm_megatron.lab.calibration.refit import kernel_shape, rnd
+from charm_megatron.lab.devices.h100 import nic_fraction
+from charm_megatron.lab.devices.inputs import Inputs
+from charm_megatron.model.cluster import Cluster, Profile
+
+
+def recipe(built: dict[str, Profile], inputs: Inputs) -> Profile:
+    peak, cross, intra = paper.TABLE2["H20"]
+    eff = nic_fraction(built)
+    h20 = Cluster(intra_gbps=intra, cross_gbps=rnd(cross * eff), tflops=rnd(0.6 * peak),
+                  nic="rank", latency_us=10.0, merge_gbps=1000.0, op_overhead_us=10.0,
+                  intra_port_gbps=450.0, comm_slowdown=paper.OVERLAP_COMPUTE_SLOWDOWN,
+                  **kernel_shape())
+    return Profile(
+        "h20", h20, "2x8",
+        f"2 nodes x 8 H20: NVLink {intra} GB/s per message (Table 2), 450 GB/s per port; one "
+        f"RDMA NIC per GPU at Table 2's {cross} GB/s x {eff:.2f} (the fraction the H100 ring "
+        f"reached; no H20 ring data with a stated problem size); attention assumed 60 % of the "
+        f"{peak} TFLOP/s peak (no published curve), tile and head-dim shape as H100's",
+        {"method": "no fit: Table 2 and the H100 profile's ring-derived NIC fraction"})
