@@ -423,8 +423,10 @@ def _run_emulated_gpu(args, cfg: BenchConfig, job, dropped, emulate) -> int:
         results, info = runners.run_netns(job, emulate[0], emulate[1], cross, intra, args.nic,
                                          **kw, **kw_links)
     else:
+        # The profile's per-message latency, dilated like the rest of device time: the
+        # model charges it to every message (model/sim.py), so do the links.
         results, info = runners.run_software(job, emulate[0], emulate[1], cross, intra,
-                                            args.nic, **kw)
+                                            args.nic, **kw, latency_s=device.wire_latency_s)
     info.device = "emulated"
     info.cross_rate, info.cross_rate_source = device.device_cross_Bps, f"device model {device.profile}"
     info.cross_burst = int(info.cross_burst * device.bytes_scale)  # in real bytes

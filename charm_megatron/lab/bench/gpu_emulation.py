@@ -103,6 +103,13 @@ class DeviceSetup:
         ``F`` times fewer bytes, ``D`` times slower."""
         return device_Bps / (self.bytes_scale * self.dilation)
 
+    @property
+    def wire_latency_s(self) -> float:
+        """The emulated links' per-message latency in wall seconds: the profile's
+        ``latency_us`` (the model's, which the software links add to every message), ``D``
+        times longer like all device time; the wire scale does not touch it."""
+        return self.cluster.latency_us * 1e-6 * self.dilation
+
     def backend(self, rank: int):
         """CP-local rank ``rank``'s timed device (imports torch); the hardware groups say
         which of its messages cross, so for how long their bytes move."""

@@ -1,11 +1,11 @@
 """The software link model as the executor's transport in a bench rank (fallback without
 network namespaces).
 
-:class:`charm_megatron.lab.emulate.SoftwareLinks` books every transfer on a modelled link and makes
-``wait()`` return no earlier than the link could have delivered it. :func:`install` registers
+:class:`charm_megatron.lab.emulate.SoftwareLinks` books every message on modelled links and makes
+``wait()`` return no earlier than they could have delivered it. :func:`install` registers
 this rank's :class:`charm_megatron.lab.emulate.LinkTransport` (torch.distributed's
-``batch_isend_irecv`` underneath, each op's gloo handle booked on the link its peer sits behind:
-send, this rank's egress; receive, its ingress) as the transport ``software_links`` and selects
+``batch_isend_irecv`` underneath, each op paired with its peer's side and booked on the
+sender's egress and the receiver's ingress) as the transport ``software_links`` and selects
 it for the process (``CHARM_TRANSPORT``), so every ``cp_attention`` call whose options come
 from the environment moves its bytes through it (ops/transport.py).
 

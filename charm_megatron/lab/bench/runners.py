@@ -107,11 +107,15 @@ def _tcp_summary(before: list[dict], after: list[dict]) -> dict[str, int]:
 
 
 def run_software(job: Job, groups: int, per_group: int, cross: str, intra: str | None, nic: str,
-                 *, timeout_s: float, pg_timeout_s: float, log=print) -> tuple[list, RunInfo]:
-    """Ranks over loopback with the software link model throttling this package's P2P."""
+                 *, timeout_s: float, pg_timeout_s: float, log=print,
+                 latency_s: float = 0.0) -> tuple[list, RunInfo]:
+    """Ranks over loopback with the software link model throttling this package's P2P
+    (``latency_s``: wall seconds added to every message's arrival, the emulated GPU cluster's
+    profile latency; a CPU run's real loopback has its own)."""
     world = groups * per_group
     with tempfile.TemporaryDirectory(prefix="charm-bench-links-") as state:
-        spec = SoftwareLinks(groups, per_group, cross, intra, nic, state_dir=state)
+        spec = SoftwareLinks(groups, per_group, cross, intra, nic, state_dir=state,
+                             latency_s=latency_s)
         with run_profile(job, nic=nic, cross_Bps=parse_rate(cross),
                          intra_Bps=parse_rate(intra) if intra else None, cross_burst=0,
                          intra_burst=0, cores=_cores(world, job.cfg.threads),

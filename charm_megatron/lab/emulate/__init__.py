@@ -5,9 +5,10 @@
   NICs; a host name per node. Needs root and
   iproute2: :func:`available` says whether it works here.
 * :func:`run_ranks_in_cluster` - run a function on every rank inside the cluster (gloo).
-* :class:`LinkModel` / :class:`SoftwareLinks` - the fallback without namespaces: ``wait()``
-  returns no earlier than ``bytes/rate`` after posting, per shared link; a rank's links are
-  the executor's transport :class:`LinkTransport` (ops/transport.py).
+* :class:`LinkModel` / :class:`SoftwareLinks` - the fallback without namespaces: a send and
+  its receive complete no earlier than the message could arrive over the sender's egress and
+  the receiver's ingress, from the later of the two posts (the performance model's rule); a
+  rank's links are the executor's transport :class:`LinkTransport` (ops/transport.py).
 
 Importing this package does not import torch.
 """

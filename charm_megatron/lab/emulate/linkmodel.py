@@ -1,48 +1,94 @@
 """A software link model: the fallback when network namespaces are not available (no root).
 
-The real transfer happens at loopback speed; :class:`LinkModel` only makes ``wait()`` return no
-earlier than the link could have delivered the bytes: ``max(now, link busy until) + bytes/rate``
-at posting time, with the "busy until" counter shared by everything posted on the link (threads,
-streams, and with ``shared_path`` also the processes of one node). Limits (see
-docs/topology.md): it does not model CPU contention or TCP fair sharing, and it can hide
-transfers that only progress inside ``wait()`` (the real bytes moved earlier, for free).
+The real bytes move at loopback speed (gloo); the model only makes each transfer's ``wait()``
+return no earlier than modelled links could have delivered it. It is the emulated GPU
+cluster's default link backend (docs/emulator.md) and mirrors the performance model
+(``model/sim.py``), so that both give one message the same arrival time.
+
+**A message.** ``src``'s k-th send to ``dst`` on one communicator and tag is ``dst``'s k-th
+receive from ``src`` there (the order in which torch / gloo pair them). It needs two links:
+the sender's *egress* and the receiver's *ingress* (below). It starts when both sides have
+posted and both links are free, occupies both at once for ``bytes / rate``, and arrives
+``latency_s`` after its last byte left::
+
+    start    = max(send posted, receive posted, egress busy until, ingress busy until)
+    arrival  = start + bytes / rate + latency_s       (egress and ingress busy until start + bytes / rate)
+
+The booking is made by whichever side posts second, at its post (the first leaves its post
+time in the pair's mailbox), so links serve messages in the order they start. Both sides'
+``wait()`` return no earlier than the arrival: a send completes when its bytes have arrived
+(as the model completes a batch when all its messages arrived, and as NCCL's point-to-point
+does), so a waited send whose receiver has not posted yet blocks until it does (bounded by
+the wait's ``timeout`` or ``SoftwareLinks.pair_timeout_s``, then :class:`TimeoutError`).
+
+This is *cut-through*, not store-and-forward: the model's message is one flow over the
+sender's out-link and the receiver's in-link at once, taking ``latency + bytes / rate`` (not
+twice the bytes' time). The model waits the latency *before* moving the bytes, the links
+here add it after; with first-come service that is the same arrival (every link's time line
+is shifted by the latency), so on an emulated GPU cluster the model is told
+``link_order="fifo"`` (lab/bench/cli.py).
+
+**Links** (:class:`SoftwareLinks`): across nodes, ``nic="rank"`` gives each rank an egress
+and an ingress of ``cross_rate``; ``nic="node"`` gives each node one of each, shared by all
+its ranks (the model's ``("xout", group)`` / ``("xin", group)``). Inside a node every rank
+has an intra egress and ingress of ``intra_rate`` (the model's ports); with
+``intra_rate=None`` intra-node messages are free (no latency either). A link's state is one
+"busy until" counter, in this process (threads share it) or, with ``state_dir``, in an
+``flock``-ed file every process of the machine shares (``time.monotonic`` is machine-wide);
+the pairs' mailboxes live there too (``pair-<src>-<dst>-<channel>.fifo``, 32 bytes per
+message). Ranks in separate processes need ``state_dir``.
+
+Where it differs from the model (``model/sim.py``): a message reserves both links whole for
+``bytes / rate`` from one start, where the model's flow takes whatever rate both links have
+left (a port wider than one message, ``intra_port_gbps``, carries two messages at once there;
+here they queue at the link's one rate), and a message waiting for its receiver's ingress
+keeps the sender's egress idle until it starts (later messages there queue behind it); the model activates a stream's batches one after another, here each
+op is booked when posted; no intra bus, ``cross_via_intra``, burst buckets or concurrency
+penalty. The emulator's own limits (docs/topology.md): no CPU contention in a network stack
+or TCP fair sharing, and a transfer that only progresses inside ``wait()`` is not penalised.
+
+:class:`LinkModel` alone (``reserve`` / ``wrap`` / ``isend`` / ``irecv``) is one link seen by
+its poster: ``max(now, busy until) + bytes/rate + latency`` at posting, no pairing.
 """
 
 from __future__ import annotations
 
+import datetime
 import fcntl
+import hashlib
+import math
 import os
 import struct
 import threading
 import time
-from dataclasses import dataclass
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 from charm_megatron.lab.emulate.cluster import NIC_MODELS
 from charm_megatron.lab.emulate.rates import parse_rate
 
-__all__ = ["LinkModel", "LinkTransport", "RankLinks", "SoftwareLinks", "ThrottledWork"]
+__all__ = ["LinkModel", "LinkTransport", "LinkWork", "RankLinks", "SoftwareLinks",
+           "ThrottledWork", "book_message"]
 
 _STATE = struct.Struct("=dQQ")  # busy_until (monotonic s), bytes posted, transfers posted
+_HEAD = struct.Struct("=QQ")  # a pair's sends posted, receives posted
+_SLOT = struct.Struct("=dddQ")  # send posted, receive posted, arrival (NaN: not yet), bytes
 
 
-class LinkModel:
-    """One modelled link of ``rate`` (tc units or bytes/s) plus a fixed ``latency_s``.
+class _Locked:
+    """A thread lock plus, with ``path``, an ``flock`` on that file: one section at a time
+    among the threads of this process and every process that opens the same file."""
 
-    ``shared_path``: a file holding the link's counter so that several processes share one link
-    (e.g. the ranks of a node on one NIC); ``time.monotonic`` is machine-wide, so deadlines agree
-    across processes. Without it the counter lives in this process (threads share it).
-    """
+    keep_open = True  # False: open the file for each section (a mailbox per pair and channel)
 
-    def __init__(self, rate: str | float, *, latency_s: float = 0.0,
-                 shared_path: str | None = None, name: str = "") -> None:
-        self.rate = parse_rate(rate)
-        self.latency_s = float(latency_s)
-        self.shared_path = shared_path
-        self.name = name
+    def __init__(self, path: str | None) -> None:
+        self.path = path
         self._lock = threading.Lock()
-        self._local = [0.0, 0, 0]
         self._fd: int | None = None
+        self._pid = 0
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -54,33 +100,73 @@ class LinkModel:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def _update(self, nbytes: int | None) -> tuple[float, int, int]:
-        """Book ``nbytes`` (None: only read) and return the new (busy_until, bytes, count)."""
-        now = time.monotonic()
+    @contextmanager
+    def _held(self) -> Iterator[int | None]:
         with self._lock:
-            if self.shared_path is None:
-                busy, total, count = self._local
-                if nbytes is not None:
-                    self._local = [max(now, busy) + nbytes / self.rate, total + nbytes, count + 1]
-                return tuple(self._local)  # type: ignore[return-value]
-            if self._fd is None:
-                self._fd = os.open(self.shared_path, os.O_RDWR | os.O_CREAT, 0o600)
-            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            if self.path is None:
+                yield None
+                return
+            if self._fd is None or self._pid != os.getpid():  # a forked copy: own description
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+                self._pid = os.getpid()
+            fd = self._fd
+            fcntl.flock(fd, fcntl.LOCK_EX)
             try:
-                raw = os.pread(self._fd, _STATE.size, 0)
-                busy, total, count = _STATE.unpack(raw) if len(raw) == _STATE.size else (0.0, 0, 0)
-                if nbytes is None:
-                    return busy, total, count
-                state = (max(now, busy) + nbytes / self.rate, total + nbytes, count + 1)
-                os.pwrite(self._fd, _STATE.pack(*state), 0)
-                return state
+                yield fd
             finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                if not self.keep_open:
+                    os.close(fd)
+                    self._fd = None
+
+
+class LinkModel(_Locked):
+    """One modelled link of ``rate`` (tc units or bytes/s) plus a fixed ``latency_s``.
+
+    ``shared_path``: a file holding the link's counter so that several processes share one link
+    (e.g. the ranks of a node on one NIC); ``time.monotonic`` is machine-wide, so deadlines agree
+    across processes. Without it the counter lives in this process (threads share it).
+    """
+
+    def __init__(self, rate: str | float, *, latency_s: float = 0.0,
+                 shared_path: str | None = None, name: str = "") -> None:
+        super().__init__(shared_path)
+        self.rate = parse_rate(rate)
+        self.latency_s = float(latency_s)
+        self.shared_path = shared_path
+        self.name = name
+        self._local = (0.0, 0, 0)
+
+    def _read(self, fd: int | None) -> tuple[float, int, int]:
+        if fd is None:
+            return self._local
+        raw = os.pread(fd, _STATE.size, 0)
+        return _STATE.unpack(raw) if len(raw) == _STATE.size else (0.0, 0, 0)
+
+    def _write(self, fd: int | None, state: tuple[float, int, int]) -> None:
+        if fd is None:
+            self._local = state
+        else:
+            os.pwrite(fd, _STATE.pack(*state), 0)
+
+    def _update(self, nbytes: int | None) -> tuple[float, int, int]:
+        """Book ``nbytes`` now (None: only read) and return the new (busy_until, bytes, count)."""
+        with self._held() as fd:
+            busy, total, count = self._read(fd)
+            if nbytes is None:
+                return busy, total, count
+            state = (max(time.monotonic(), busy) + nbytes / self.rate, total + nbytes, count + 1)
+            self._write(fd, state)
+            return state
 
     def reserve(self, nbytes: int) -> float:
         """Book ``nbytes`` on the link now; the ``time.monotonic()`` when they have arrived."""
         busy, _, _ = self._update(int(nbytes))
         return busy + self.latency_s
+
+    @property
+    def busy_until(self) -> float:
+        return self._update(None)[0]
 
     @property
     def bytes_posted(self) -> int:
@@ -96,19 +182,95 @@ class LinkModel:
         return ThrottledWork(work, self.reserve(nbytes))
 
     def isend(self, tensor: Any, dst: int, group: Any = None, tag: int = 0) -> ThrottledWork:
-        """``dist.isend`` on this link (``dst``: global rank)."""
+        """``dist.isend`` on this link (``dst``: global rank), unpaired (see module doc)."""
         import torch.distributed as dist
 
         return self.wrap(dist.isend(tensor, dst, group=group, tag=tag), _nbytes(tensor))
 
     def irecv(self, tensor: Any, src: int, group: Any = None, tag: int = 0) -> ThrottledWork:
-        """``dist.irecv`` on this link (``src``: global rank); the receiver's view of the link."""
+        """``dist.irecv`` on this link (``src``: global rank); the receiver's view of the link
+        alone (:class:`RankLinks` pairs it with the sender's)."""
         import torch.distributed as dist
 
         return self.wrap(dist.irecv(tensor, src, group=group, tag=tag), _nbytes(tensor))
 
     def __repr__(self) -> str:
         return f"LinkModel({self.name or 'link'}, {self.rate:.3g} B/s)"
+
+
+def book_message(egress: LinkModel, ingress: LinkModel, earliest: float, nbytes: int,
+                 latency_s: float) -> float:
+    """Book one message on both its links at once (module doc): it starts at ``earliest`` or
+    when both are free, whichever is later; returns its arrival (``time.monotonic`` s)."""
+    if egress is ingress:
+        raise ValueError("a message needs two links (the sender's egress, the receiver's ingress)")
+    with egress._held() as fo, ingress._held() as fi:  # always egress first: no lock cycle
+        busy_o, bytes_o, n_o = egress._read(fo)
+        busy_i, bytes_i, n_i = ingress._read(fi)
+        start = max(earliest, busy_o, busy_i)
+        end_o, end_i = start + nbytes / egress.rate, start + nbytes / ingress.rate
+        egress._write(fo, (end_o, bytes_o + nbytes, n_o + 1))
+        ingress._write(fi, (end_i, bytes_i + nbytes, n_i + 1))
+    return max(end_o, end_i) + latency_s
+
+
+class _PairBox(_Locked):
+    """The mailbox of one (src, dst, channel): slot k holds the k-th send's and the k-th
+    receive's post times, the sender's byte count, and the message's arrival once booked.
+    Its file is opened per use: a long run makes new communicators, so new mailboxes."""
+
+    keep_open = False
+
+    def __init__(self, path: str | None) -> None:
+        super().__init__(path)
+        self._head = [0, 0]
+        self._slots: dict[int, list] = {}
+
+    def _get(self, fd: int | None, k: int) -> list:
+        if fd is None:
+            return list(self._slots.get(k, (math.nan, math.nan, math.nan, 0)))
+        raw = os.pread(fd, _SLOT.size, _HEAD.size + k * _SLOT.size)
+        return list(_SLOT.unpack(raw)) if len(raw) == _SLOT.size else [math.nan] * 3 + [0]
+
+    def _put(self, fd: int | None, k: int, slot: list) -> None:
+        if fd is None:
+            self._slots[k] = slot
+        else:
+            os.pwrite(fd, _SLOT.pack(*slot), _HEAD.size + k * _SLOT.size)
+
+    def _counts(self, fd: int | None) -> list[int]:
+        if fd is None:
+            return self._head
+        raw = os.pread(fd, _HEAD.size, 0)
+        return list(_HEAD.unpack(raw)) if len(raw) == _HEAD.size else [0, 0]
+
+    def post(self, send: bool, now: float, nbytes: int,
+             book: Callable[[float, int], float]) -> int:
+        """One side posts its next op on the pair: it takes the next slot of its side; if the
+        other side is there already, ``book(start, bytes)`` books the message. Returns k."""
+        with self._held() as fd:
+            counts = self._counts(fd)
+            side = 0 if send else 1
+            k = counts[side]
+            counts[side] += 1
+            if fd is None:
+                self._head = counts
+            else:
+                os.pwrite(fd, _HEAD.pack(*counts), 0)
+            slot = self._get(fd, k)
+            slot[side] = now
+            if send:
+                slot[3] = int(nbytes)
+            other = slot[1 - side]
+            if not math.isnan(other):
+                slot[2] = book(max(now, other), int(slot[3]))
+            self._put(fd, k, slot)
+            return k
+
+    def arrival(self, k: int) -> float | None:
+        with self._held() as fd:
+            t = self._get(fd, k)[2]
+        return None if math.isnan(t) else t
 
 
 class ThrottledWork:
@@ -118,17 +280,22 @@ class ThrottledWork:
         self.work = work
         self.deadline = deadline
 
-    def wait(self, timeout: Any = None) -> bool:
-        """Wait for the real transfer, then for the modelled link (``timeout`` goes to the real
-        handle, e.g. a ``datetime.timedelta`` for torch ``Work``)."""
+    def attach(self, work: Any) -> ThrottledWork:
+        self.work = work
+        return self
+
+    def _wait_real(self, timeout: Any) -> None:
         if self.work is not None:
             if timeout is None:
                 self.work.wait()
             else:
                 self.work.wait(timeout)
-        remaining = self.deadline - time.monotonic()
-        if remaining > 0:
-            time.sleep(remaining)
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Wait for the real transfer, then for the modelled link (``timeout`` goes to the real
+        handle, e.g. a ``datetime.timedelta`` for torch ``Work``)."""
+        self._wait_real(timeout)
+        _sleep_until(self.deadline)
         return True
 
     def is_completed(self) -> bool:
@@ -136,11 +303,82 @@ class ThrottledWork:
         return bool(done) and time.monotonic() >= self.deadline
 
     def __getattr__(self, name: str) -> Any:
+        if name == "work":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
         return getattr(self.work, name)
+
+
+class LinkWork(ThrottledWork):
+    """One side of a paired message: ``wait()`` returns no earlier than the message's arrival,
+    which exists once both sides posted (module doc). ``deadline`` is ``None`` until then."""
+
+    def __init__(self, work: Any, box: _PairBox, index: int, what: str,
+                 timeout_s: float) -> None:
+        super().__init__(work, math.nan)
+        self.box, self.index, self.what, self.timeout_s = box, index, what, timeout_s
+        self._arrival: float | None = None
+
+    @property  # type: ignore[override]
+    def deadline(self) -> float | None:
+        if self._arrival is None:
+            self._arrival = self.box.arrival(self.index)
+        return self._arrival
+
+    @deadline.setter
+    def deadline(self, value: float) -> None:
+        pass  # set by the booking, not by the base class
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Wait for the real transfer, then (bounded by ``timeout``, a ``timedelta`` or
+        seconds, else ``timeout_s``) for the other side's post, then for the arrival."""
+        self._wait_real(timeout)
+        bound = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        limit = time.monotonic() + float(bound if bound is not None else self.timeout_s)
+        pause = 0.0005
+        while (arrival := self.deadline) is None:
+            if time.monotonic() > limit:
+                raise TimeoutError(
+                    f"software link model: {self.what} was not matched within "
+                    f"{bound if bound is not None else self.timeout_s:g} s: the peer never "
+                    "posted its side (a rank that died or is stuck, sends and receives that "
+                    "do not pair, or ranks in separate processes whose SoftwareLinks has no "
+                    "state_dir)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+        _sleep_until(arrival)
+        return True
+
+    def is_completed(self) -> bool:
+        done = self.work is None or self.work.is_completed()
+        arrival = self.deadline
+        return bool(done) and arrival is not None and time.monotonic() >= arrival
+
+
+def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.monotonic()
+    if remaining > 0:
+        time.sleep(remaining)
 
 
 def _nbytes(tensor: Any) -> int:
     return int(tensor.numel() * tensor.element_size())
+
+
+def _channel(group: Any, tag: int) -> str:
+    """A name for a communicator and tag that every rank computes alike (for file names)."""
+    name = "world"
+    if group is not None:
+        import torch.distributed as dist
+
+        if not (dist.is_initialized() and group is dist.group.WORLD):
+            name = getattr(group, "group_name", None) or type(group).__name__
+    return hashlib.sha1(f"{name}/{int(tag)}".encode()).hexdigest()[:16]
+
+
+# Links and mailboxes of this process, by (scope, name): every RankLinks of one SoftwareLinks
+# (threads) uses the same objects; with a state_dir those hold files the processes share.
+_SHARED: dict[tuple[str, str], Any] = {}
+_SHARED_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -149,9 +387,12 @@ class SoftwareLinks:
 
     ``nic="node"``: a node's ranks share one egress and one ingress link of ``cross_rate``;
     ``nic="rank"``: each rank has its own. Intra-node transfers use a per-rank link of
-    ``intra_rate``, or are not throttled when it is ``None``. ``state_dir`` (a directory every
-    rank can write, e.g. a ``tempfile.mkdtemp()`` made by the launcher) holds the shared
-    counters; it is required for ``nic="node"`` with ranks in separate processes.
+    ``intra_rate``, or are not throttled when it is ``None``. ``latency_s``: added to every
+    throttled message's arrival (the bench's emulated GPU cluster passes its profile's
+    ``latency_us`` x the dilation). ``state_dir`` (a directory every rank can write, e.g. a
+    ``tempfile.mkdtemp()`` made by the launcher) holds the shared counters and the pairs'
+    mailboxes: required when ranks run in separate processes. ``pair_timeout_s`` bounds a
+    ``wait()`` on the other side's post when the caller gives no timeout. Module doc: the rule.
     """
 
     groups: int
@@ -161,24 +402,55 @@ class SoftwareLinks:
     nic: str = "node"
     state_dir: str | None = None
     latency_s: float = 0.0
+    pair_timeout_s: float = 300.0
+    # Tells this spec's in-process links apart from another's when there is no state_dir.
+    token: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False, repr=False)
+
+    def _shared(self, name: str, make: Callable[[str | None], Any]) -> Any:
+        scope = f"mem:{self.token}"
+        if self.state_dir:  # a directory made again under the same name is another scope
+            st = os.stat(self.state_dir)
+            scope = f"{self.state_dir}:{st.st_dev}:{st.st_ino}"
+        with _SHARED_LOCK:
+            obj = _SHARED.get((scope, name))
+            if obj is None:
+                path = os.path.join(self.state_dir, name) if self.state_dir else None
+                obj = _SHARED[(scope, name)] = make(path)
+            return obj
+
+    def _link(self, rate: str | float, kind: str, who: str) -> LinkModel:
+        return self._shared(f"{kind}-{who}.link", lambda path: LinkModel(
+            rate, latency_s=self.latency_s, shared_path=path, name=f"{kind} {who}"))
+
+    def node(self, rank: int) -> int:
+        return rank // self.ranks_per_group
+
+    def links(self, src: int, dst: int) -> tuple[LinkModel, LinkModel] | None:
+        """The (egress, ingress) a message from ``src`` to ``dst`` takes; None: not throttled."""
+        if self.node(src) == self.node(dst):
+            if self.intra_rate is None:
+                return None
+            return (self._link(self.intra_rate, "intra-out", f"rank{src}"),
+                    self._link(self.intra_rate, "intra-in", f"rank{dst}"))
+        out, into = (f"node{self.node(src)}", f"node{self.node(dst)}") if self.nic == "node" \
+            else (f"rank{src}", f"rank{dst}")
+        return (self._link(self.cross_rate, "cross-out", out),
+                self._link(self.cross_rate, "cross-in", into))
+
+    def pair(self, src: int, dst: int, channel: str) -> _PairBox:
+        return self._shared(f"pair-{src}-{dst}-{channel}.fifo", _PairBox)
 
     def for_rank(self, rank: int) -> RankLinks:
-        """The links ``rank`` uses; call it once per process."""
+        """The links ``rank`` uses."""
         if self.nic not in NIC_MODELS:
             raise ValueError(f"nic must be 'node' or 'rank', got {self.nic!r}")
-        g = rank // self.ranks_per_group
-        owner = f"node{g}" if self.nic == "node" else f"rank{rank}"
-
-        def link(rate: str | float, kind: str, who: str) -> LinkModel:
-            path = os.path.join(self.state_dir, f"{kind}-{who}.link") if self.state_dir else None
-            return LinkModel(rate, latency_s=self.latency_s, shared_path=path, name=f"{kind} {who}")
-
+        owner = f"node{self.node(rank)}" if self.nic == "node" else f"rank{rank}"
         intra = None
         if self.intra_rate is not None:
-            intra = (link(self.intra_rate, "intra-out", f"rank{rank}"),
-                     link(self.intra_rate, "intra-in", f"rank{rank}"))
-        return RankLinks(self, rank, link(self.cross_rate, "cross-out", owner),
-                         link(self.cross_rate, "cross-in", owner), intra)
+            intra = (self._link(self.intra_rate, "intra-out", f"rank{rank}"),
+                     self._link(self.intra_rate, "intra-in", f"rank{rank}"))
+        return RankLinks(self, rank, self._link(self.cross_rate, "cross-out", owner),
+                         self._link(self.cross_rate, "cross-in", owner), intra)
 
 
 class RankLinks:
@@ -190,28 +462,52 @@ class RankLinks:
         self.cross_out, self.cross_in, self.intra = cross_out, cross_in, intra
 
     def same_node(self, peer: int) -> bool:
-        m = self.spec.ranks_per_group
-        return peer // m == self.rank // m
+        return self.spec.node(peer) == self.spec.node(self.rank)
 
     def link(self, peer: int, outgoing: bool) -> LinkModel | None:
-        """The link a transfer to (``outgoing``) or from ``peer`` is booked on; None = free."""
+        """This rank's link a transfer to (``outgoing``) or from ``peer`` uses; None = free."""
         if self.same_node(peer):
             return None if self.intra is None else self.intra[0 if outgoing else 1]
         return self.cross_out if outgoing else self.cross_in
 
-    def wrap(self, work: Any, nbytes: int, peer: int, outgoing: bool) -> ThrottledWork:
-        link = self.link(peer, outgoing)
-        return ThrottledWork(work, 0.0) if link is None else link.wrap(work, nbytes)
+    def post(self, nbytes: int, peer: int, outgoing: bool, group: Any = None,
+             tag: int = 0) -> ThrottledWork:
+        """Post one side of a message *before* the real op is posted (so the peer can never
+        see the bytes before the mailbox entry); ``attach`` the real handle after."""
+        src, dst = (self.rank, peer) if outgoing else (peer, self.rank)
+        links = self.spec.links(src, dst)
+        if links is None:
+            return ThrottledWork(None, 0.0)
+        channel = _channel(group, tag)
+        box = self.spec.pair(src, dst, channel)
+        latency = self.spec.latency_s
+
+        def book(start: float, size: int) -> float:
+            return book_message(links[0], links[1], start, size, latency)
+
+        k = box.post(outgoing, time.monotonic(), int(nbytes), book)
+        what = (f"rank {self.rank}'s " + (f"send #{k} to rank {dst}" if outgoing
+                                          else f"receive #{k} from rank {src}")
+                + f" (channel {channel})")
+        return LinkWork(None, box, k, what, self.spec.pair_timeout_s)
+
+    def wrap(self, work: Any, nbytes: int, peer: int, outgoing: bool, group: Any = None,
+             tag: int = 0) -> ThrottledWork:
+        """Post and attach in one step (the real op is already posted: the peer may wait a
+        moment in its ``wait()`` for this side's entry)."""
+        return self.post(nbytes, peer, outgoing, group, tag).attach(work)
 
     def isend(self, tensor: Any, dst: int, group: Any = None, tag: int = 0) -> ThrottledWork:
         import torch.distributed as dist
 
-        return self.wrap(dist.isend(tensor, dst, group=group, tag=tag), _nbytes(tensor), dst, True)
+        handle = self.post(_nbytes(tensor), dst, True, group, tag)
+        return handle.attach(dist.isend(tensor, dst, group=group, tag=tag))
 
     def irecv(self, tensor: Any, src: int, group: Any = None, tag: int = 0) -> ThrottledWork:
         import torch.distributed as dist
 
-        return self.wrap(dist.irecv(tensor, src, group=group, tag=tag), _nbytes(tensor), src, False)
+        handle = self.post(_nbytes(tensor), src, False, group, tag)
+        return handle.attach(dist.irecv(tensor, src, group=group, tag=tag))
 
     def transport(self, inner: Any = None) -> LinkTransport:
         """The executor's transport over these links (:class:`LinkTransport`)."""
@@ -219,11 +515,11 @@ class RankLinks:
 
 
 class LinkTransport:
-    """A transport (ops/transport.py) that books every op on its modelled link: the executor's
-    batches go through ``inner`` (default: torch.distributed), and each op's handle is wrapped
-    by :meth:`RankLinks.wrap` (send: this rank's egress to the peer; receive: its ingress), so
-    its ``wait()`` returns no earlier than the link could have delivered it. gloo only: it
-    needs one handle per op (NCCL gives one per batch)."""
+    """A transport (ops/transport.py) that books every op on its modelled links: each op of a
+    batch is posted to :class:`RankLinks` (its side of the message, module doc), then the batch
+    goes through ``inner`` (default: torch.distributed) and each real handle is attached, so
+    its ``wait()`` returns no earlier than the message could have arrived. gloo only: it needs
+    one handle per op (NCCL gives one per batch)."""
 
     name = "software_links"
 
@@ -235,12 +531,12 @@ class LinkTransport:
         self.links, self.inner = links, inner
 
     def post(self, ops: list) -> list[ThrottledWork]:
+        handles = [self.links.post(op.nbytes, op.peer, op.send, op.group) for op in ops]
         works = list(self.inner.post(ops))
         if len(works) != len(ops):
             raise RuntimeError("software link model: the backend coalesced a P2P batch; it "
                                "only works with gloo (one work handle per operation)")
-        return [self.links.wrap(work, op.nbytes, op.peer, op.send)
-                for work, op in zip(works, ops)]
+        return [h.attach(w) for h, w in zip(handles, works)]
 
     def __repr__(self) -> str:
         return f"LinkTransport(rank {self.links.rank})"
