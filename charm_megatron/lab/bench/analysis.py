@@ -33,7 +33,10 @@ from dataclasses import dataclass, field
 
 from charm_megatron.lab.bench.config import PASSES, BenchConfig, Point, element_size
 from charm_megatron.lab.bench.gpu_emulation import CPU_LIMITED
-from charm_megatron.lab.reports.bench_csv import COLUMNS  # noqa: F401  (the CSV's columns)
+from charm_megatron.lab.reports.bench_csv import (  # noqa: F401  (COLUMNS: the CSV's columns)
+    COLUMNS,
+    off_model,
+)
 from charm_megatron.plan.cost import Problem, call_parts
 from charm_megatron.plan.registry import ALGORITHM_NAMES, build_plan, uses_topology
 from charm_megatron.plan.roles import RoleShape
@@ -264,8 +267,10 @@ def _model_columns(cfg: BenchConfig, point: Point, algo: str, p: str,
     pred = predict(algo, hw, problem, cluster, cfg.causal, tune=True, **own)
     model_s = {"fwd": pred.forward.time_s, "bwd": pred.backward.time_s,
                "fwdbwd": pred.total_s}[p]
-    out = {"model_ms": model_s * 1e3,
-           "vs_model": (median_ms / 1e3) / model_s if model_s > 0 else ""}
+    vs_model = (median_ms / 1e3) / model_s if model_s > 0 else None
+    flag = off_model(vs_model)
+    out = {"model_ms": model_s * 1e3, "vs_model": "" if vs_model is None else vs_model,
+           "off_model": "" if flag is None else flag}
     # The device's compute is the model's by construction (the timed device prices tiles with
     # its formulas), so an emulated run takes its compute-only time, and ring's CCR, from the
     # model instead of timing ablated runs: the bound = max(the busiest rank's device

@@ -8,10 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from charm_megatron.lab.bench.gpu_emulation import CPU_LIMITED
+from charm_megatron.lab.reports.bench_csv import MODEL_TOLERANCE
 from charm_megatron.model.cluster import Cluster
-
-#: How far from the model a measured time may be before the checks point at it.
-MODEL_TOLERANCE = 0.10
 
 
 def analytic_ring(cluster: Cluster, problem, n: int, causal: bool, direction: str,

@@ -33,10 +33,11 @@ CPU_LIMITED = 0.70
 #: The dilation floor: below it the emulator's own per-message cost (about 1 ms of wall time
 #: per message on these machines) would exceed ~20 us of device time.
 MIN_DILATION = 50.0
-#: ``--dilation auto`` stretches the smallest ring step of a run (the model's, on the device)
-#: to at least this many wall seconds: each step of a CP call waits on every rank, and a step
-#: with 16-32 processes on 2 cores costs ~10-20 ms of scheduling (docs/emulator.md), so a step
-#: of 0.5 s keeps that within a few per cent.
+#: ``--dilation auto`` stretches the shortest dependent unit of a run's contenders (the
+#: model's, on the device; :func:`auto_dilation`) to at least this many wall seconds: each
+#: step of a CP call waits on every rank, and a step with 16-32 processes on 2 cores costs
+#: ~10-20 ms of scheduling (docs/emulator.md), so a step of 0.5 s keeps that within a few
+#: per cent.
 STEP_WALL_S = 0.5
 MAX_DILATION = 5000.0
 #: Default size of a q block on the wire: large enough that per-message costs stay small next to
@@ -128,18 +129,52 @@ class DeviceSetup:
 
 
 def auto_dilation(cluster: Cluster, points: Sequence, groups: Sequence[Sequence[int]],
-                  causal: bool, elem: int) -> float:
-    """The dilation of ``--dilation auto``: the smallest ring step of the points (the model's
-    ring forward on the device, over its ``n`` steps) stretched to :data:`STEP_WALL_S`,
-    within [:data:`MIN_DILATION`, :data:`MAX_DILATION`], rounded to two significant digits."""
-    from charm_megatron.model import predict
-    from charm_megatron.plan.cost import Problem
+                  causal: bool, elem: int, algos: Sequence[str] = ("ring",)) -> float:
+    """The dilation of ``--dilation auto``: the shortest dependent unit of any contender of the
+    run (``algos``, registered algorithms; those whose entry refuses a point are skipped there)
+    at any point, stretched to :data:`STEP_WALL_S`, within [:data:`MIN_DILATION`,
+    :data:`MAX_DILATION`], rounded to two significant digits.
 
-    n = sum(len(g) for g in groups)
-    step = min(predict("ring", groups, Problem(p.batch, p.seq, p.heads, p.kv_heads,
-                                               p.head_dim, elem), cluster, causal).forward.time_s
-               for p in points) / n
-    d = min(MAX_DILATION, max(MIN_DILATION, STEP_WALL_S / step)) if step > 0 else MIN_DILATION
+    A contender's dependent unit at a point is the model's time of one direction on the device
+    (forward, then backward) over the number of dependent units of that direction's plan: its
+    critical path (:func:`~charm_megatron.plan.validate.validate`'s longest chain of
+    data-dependent messages) plus one, the work before the first message of the chain. Ring's
+    forward has ``n - 1`` such messages, so its unit is its forward time over ``n``, its step,
+    as the dilation was sized before it looked at the other contenders; a contender with fewer,
+    longer-reaching messages (CHARM+'s two-level schedule) has shorter units when its time is
+    shorter, and every unit pays the emulator's fixed cost per dependent step (issue 41). No
+    contender with a unit (``algos`` empty or all refused): ring's."""
+    from charm_megatron.model import predict
+    from charm_megatron.model.predict import call_traits, role_shape
+    from charm_megatron.plan import registry
+    from charm_megatron.plan.cost import Problem
+    from charm_megatron.plan.validate import validate
+
+    g = tuple(tuple(int(r) for r in grp) for grp in groups)
+    n = sum(len(grp) for grp in g)
+    contenders = [a for a in dict.fromkeys(algos) if a in registry.ALGORITHM_NAMES] or ["ring"]
+    depth: dict[int, tuple[object, int]] = {}  # id(plan) -> (plan, units): plans are shared
+
+    def units(plan) -> int:
+        if id(plan) not in depth:
+            depth[id(plan)] = (plan, validate(plan).critical_path + 1)
+        return depth[id(plan)][1]
+
+    unit = math.inf
+    for p in points:
+        problem = Problem(p.batch, p.seq, p.heads, p.kv_heads, p.head_dim, elem)
+        for algo in contenders:
+            if registry.refusal(algo, call_traits(g, problem)) is not None:
+                continue
+            pred = predict(algo, g, problem, cluster, causal)
+            fwd, bwd = registry.plans(algo, g, causal, shape=role_shape(problem),
+                                      tiles=problem.tiles(n, causal))
+            unit = min(unit, pred.forward.time_s / units(fwd),
+                       pred.backward.time_s / units(bwd))
+    if not math.isfinite(unit):  # every contender refused every point
+        return auto_dilation(cluster, points, groups, causal, elem) if contenders != ["ring"] \
+            else MIN_DILATION
+    d = min(MAX_DILATION, max(MIN_DILATION, STEP_WALL_S / unit)) if unit > 0 else MIN_DILATION
     digits = 10 ** (len(str(int(d))) - 2)
     return float(round(d / digits) * digits)
 
@@ -181,10 +216,12 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
               wire_bytes: int = DEFAULT_WIRE_BYTES, dilation: float | None = None,
               cross_Bps: float | None = None, intra_Bps: float | None = None,
               sm_contention: bool = True, nic: str | None = None,
-              divides: Sequence[int] = (), link_order: str | None = None) -> DeviceSetup:
+              divides: Sequence[int] = (), link_order: str | None = None,
+              algos: Sequence[str] = ("ring",)) -> DeviceSetup:
     """The emulated cluster of a bench run on a ``grid`` of (nodes, GPUs per node): the wire
     scale given (checked against every point) or chosen (:func:`choose_scale`), the dilation
-    given or ``auto`` (``None``: :func:`auto_dilation` on the run's real links)."""
+    given or ``auto`` (``None``: :func:`auto_dilation` on the run's real links, sized on the
+    shortest dependent unit of the run's contenders ``algos``)."""
     world = grid[0] * grid[1]
     batch, rows = wire_scale or choose_scale(points, world, elem, wire_bytes, divides)
     for p in points:
@@ -196,7 +233,7 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
     if dilation is None:
         links = DeviceSetup(profile, cross_Bps=cross_Bps, intra_Bps=intra_Bps, nic=nic,
                             link_order=link_order)
-        dilation = auto_dilation(links.model_cluster, points, groups, causal, elem)
+        dilation = auto_dilation(links.model_cluster, points, groups, causal, elem, algos)
     return DeviceSetup(profile, dilation, batch, rows, cross_Bps, intra_Bps, sm_contention,
                        groups, nic, link_order)
 

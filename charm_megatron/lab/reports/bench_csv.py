@@ -6,7 +6,8 @@ it, so the column names live here and nowhere else. Reports, the model's measure
 the scripts read the CSV through :func:`read_rows` and use the fields, never string keys.
 
 Files written before a column existed are read too: a missing or empty cell is ``None`` (a
-missing ``kv_heads`` is ``heads``). Only ``point``, ``algo`` and ``pass`` must be present.
+missing ``kv_heads`` is ``heads``, a missing ``off_model`` is :func:`off_model` of
+``vs_model``). Only ``point``, ``algo`` and ``pass`` must be present.
 """
 
 from __future__ import annotations
@@ -22,6 +23,19 @@ from pathlib import Path
 
 #: field name -> column name where the column is not a Python identifier
 _COLUMN_OF = {"pass_": "pass"}
+
+#: How far from the model (``|vs_model - 1|``) an emulated time may be before its row is
+#: flagged ``off_model`` (issue 41): such a row is not quoted as a headline.
+MODEL_TOLERANCE = 0.10
+#: The mark the reports put after a flagged row's time, and the footnote that explains it.
+OFF_MODEL_MARK = "\u2020"
+OFF_MODEL_NOTE = f"{OFF_MODEL_MARK} more than 10 % off the model: not a headline"
+
+
+def off_model(vs_model: float | None) -> bool | None:
+    """``True`` when an emulated time is more than :data:`MODEL_TOLERANCE` off the model's
+    (``vs_model``: measured / model), ``None`` without a model ratio."""
+    return None if vs_model is None else abs(vs_model - 1) > MODEL_TOLERANCE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +105,7 @@ class BenchRow:
     cpu_limited: bool | None = None
     model_ms: float | None = None
     vs_model: float | None = None
+    off_model: bool | None = None  # |vs_model - 1| > MODEL_TOLERANCE: never a headline
     analytic_ring_ms: float | None = None
     # The wire dtype of partial results (--partials): input or fp32.
     partials: str | None = None
@@ -102,6 +117,11 @@ class BenchRow:
     def ok(self) -> bool:
         """The row was timed (not skipped)."""
         return self.status == "ok"
+
+    @property
+    def mark(self) -> str:
+        """:data:`OFF_MODEL_MARK` for a row flagged ``off_model``, else nothing."""
+        return OFF_MODEL_MARK if self.off_model else ""
 
     @property
     def pas(self) -> str:
@@ -117,6 +137,8 @@ class BenchRow:
             values[f.name] = None if text in (None, "") else _PARSERS[f.name](text)
         if values["kv_heads"] is None:
             values["kv_heads"] = values["heads"]
+        if values["off_model"] is None:  # files written before the column
+            values["off_model"] = off_model(values["vs_model"])
         missing = [_COLUMN_OF.get(n, n) for n in ("point", "algo", "pass_") if values[n] is None]
         if missing:
             raise ValueError(f"bench row without {', '.join(missing)}: {dict(cells)}")

@@ -20,7 +20,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from charm_megatron.lab.reports.bench_csv import BenchRow, by_algo_pass, read_rows
+from charm_megatron.lab.reports.bench_csv import OFF_MODEL_NOTE, BenchRow, by_algo_pass, read_rows
 
 #: The paper's TASP forward ms per Table 5 row (topology, batch, seq): its RM+ stand-in (the
 #: paper has no TASP backward). Ring and CHARM+ are :data:`charm_megatron.lab.calibration.paper.TABLE5`.
@@ -43,6 +43,12 @@ def _x(v: float | None, spec: str = ".2f") -> str:
     return "-" if v is None else f"{v:{spec}}x"
 
 
+def _table(lines: list[str], rows: Sequence[BenchRow | None]) -> str:
+    """The table's lines, then :data:`OFF_MODEL_NOTE` if a row shown is flagged off_model."""
+    note = any(r is not None and r.off_model for r in rows)
+    return "\n".join(lines) + "\n" + (f"\n{OFF_MODEL_NOTE}\n" if note else "")
+
+
 # ---- table5 ------------------------------------------------------------------------------
 
 def table5(out: str | Path, algos: Sequence[str] = ("ring", "rmplus", "charm"),
@@ -57,6 +63,7 @@ def table5(out: str | Path, algos: Sequence[str] = ("ring", "rmplus", "charm"),
         + ["CHARM+ speed-up (paper)", "CHARM+ / model", "CHARM+ / bound (model / bound)",
            "busiest core"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    shown: list[BenchRow | None] = []
     for row in paper.TABLE5:
         path = run_csv(Path(out), f"{row.topology}-b{row.b}-s{row.s}")
         if path is None:
@@ -67,12 +74,14 @@ def table5(out: str | Path, algos: Sequence[str] = ("ring", "rmplus", "charm"),
             ring, rmplus, charm = (got.get((a, p)) for a in ("ring", "rmplus", "charm"))
             if ring is None or charm is None:
                 continue
+            shown += [ring, charm] + ([rmplus] if rm else [])
             cells = [row.topology, str(row.b), f"{row.s:,}", p,
-                     f"{ring.median_ms:.1f} ({p_ring})"]
+                     f"{ring.median_ms:.1f}{ring.mark} ({p_ring})"]
             if rm:
                 tasp = TASP_FWD[(row.topology, row.b, row.s)] if p == "fwd" else "-"
-                cells.append((f"{rmplus.median_ms:.1f}" if rmplus else "-") + f" ({tasp})")
-            cells.append(f"{charm.median_ms:.1f} ({p_charm})")
+                cells.append((f"{rmplus.median_ms:.1f}{rmplus.mark}" if rmplus else "-")
+                             + f" ({tasp})")
+            cells.append(f"{charm.median_ms:.1f}{charm.mark} ({p_charm})")
             if vs_paper:
                 cells.append(_x(charm.median_ms / p_charm))
             cells += [f"{ring.median_ms / charm.median_ms:.2f}x ({p_ring / p_charm:.2f}x)",
@@ -80,13 +89,15 @@ def table5(out: str | Path, algos: Sequence[str] = ("ring", "rmplus", "charm"),
                       f"{_x(charm.vs_bound)} ({_x(charm.model_ms / charm.bound_ms)})",
                       f"{charm.busiest_core_pct:.0f} %"]
             lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return _table(lines, shown)
 
 
 # ---- table4 ------------------------------------------------------------------------------
 
-def _cell(ms: dict[str, float], algo: str, paper_ms: float | None) -> str:
-    return "-" if algo not in ms or paper_ms is None else f"{ms[algo]:.2f} ({paper_ms})"
+def _cell(got: dict[str, BenchRow], algo: str, paper_ms: float | None) -> str:
+    if algo not in got or paper_ms is None:
+        return "-"
+    return f"{got[algo].median_ms:.2f}{got[algo].mark} ({paper_ms})"
 
 
 def _speedup(ms: dict[str, float], paper_ring: float, algo: str, paper_ms: float | None) -> str:
@@ -106,6 +117,7 @@ def table4(out: str | Path) -> str:
         "CHARM+ | CHARM+ / bound | busiest core |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    shown: list[BenchRow | None] = []
     for row in paper.TABLE4:
         path = run_csv(Path(out), f"{row.gpu.lower()}-{row.topology}")
         if path is None:
@@ -114,6 +126,7 @@ def table4(out: str | Path) -> str:
         if "ring" not in got:
             continue
         ms = {a: r.median_ms for a, r in got.items()}
+        shown += [got[a] for a in ("ring", "rmplus", "charm") if a in got]
         vs_model = ", ".join(f"{got[a].vs_model:.2f}" if a in got else "-"
                              for a in ("ring", "rmplus", "charm"))
         charm = got.get("charm")
@@ -121,19 +134,19 @@ def table4(out: str | Path) -> str:
                           if charm is not None and row.charm is not None else "-")
         charm_vs_bound = _x(charm.vs_bound) if charm is not None else "-"
         lines.append(
-            f"| {row.topology} {row.gpu} | {row.s} | {_cell(ms, 'ring', row.ring)} | "
-            f"{_cell(ms, 'rmplus', row.rmplus)} | {_cell(ms, 'charm', row.charm)} | "
+            f"| {row.topology} {row.gpu} | {row.s} | {_cell(got, 'ring', row.ring)} | "
+            f"{_cell(got, 'rmplus', row.rmplus)} | {_cell(got, 'charm', row.charm)} | "
             f"{_speedup(ms, row.ring, 'rmplus', row.rmplus)} | "
             f"{_speedup(ms, row.ring, 'charm', row.charm)} | "
             f"{ms['ring'] / row.ring:.2f}x | {charm_vs_paper} | {vs_model} | {charm_vs_bound} | "
             f"{got['ring'].busiest_core_pct:.0f} % |")
-    return "\n".join(lines) + "\n"
+    return _table(lines, shown)
 
 
 # ---- llama -------------------------------------------------------------------------------
 
 def _ms(row: BenchRow | None) -> str:
-    return f"{row.median_ms:.1f}" if row else "-"
+    return f"{row.median_ms:.1f}{row.mark}" if row else "-"
 
 
 def llama(paths: Sequence[str | Path]) -> str:
@@ -150,20 +163,22 @@ def llama(paths: Sequence[str | Path]) -> str:
              "| CHARM+ / model | CHARM+ / bound (model / bound) | ring / model | ring / textbook "
              "| busiest core |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    shown: list[BenchRow | None] = []
     for rows in sorted(runs, key=order):
         for pas in ("fwd", "bwd"):
             ring, rmplus, charm = (rows.get((a, pas)) for a in ("ring", "rmplus", "charm"))
             if ring is None or charm is None:
                 continue
+            shown += [ring, rmplus, charm]
             r_ms, c_ms = ring.median_ms, charm.median_ms
             textbook = _x(r_ms / ring.analytic_ring_ms) if ring.analytic_ring_ms else "-"
             lines.append(
                 f"| {ring.topology} | {ring.heads}/{ring.kv_heads} | {ring.seq:,} | {pas} "
-                f"| {r_ms:.1f} | {_ms(rmplus)} | {c_ms:.1f} | {r_ms / c_ms:.2f}x "
+                f"| {_ms(ring)} | {_ms(rmplus)} | {_ms(charm)} | {r_ms / c_ms:.2f}x "
                 f"| {_x(charm.vs_model)} | {_x(charm.vs_bound)} "
                 f"({_x(charm.model_ms / charm.bound_ms)}) | {_x(ring.vs_model)} | {textbook} "
                 f"| {ring.busiest_core_pct:.0f} % |")
-    return "\n".join(lines) + "\n"
+    return _table(lines, shown)
 
 
 # ---- the subcommands ---------------------------------------------------------------------

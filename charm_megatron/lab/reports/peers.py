@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from charm_megatron.lab.reports.bench_csv import BenchRow, by_algo, read_rows
+from charm_megatron.lab.reports.bench_csv import OFF_MODEL_NOTE, BenchRow, by_algo, read_rows
 
 ORDER = ("ring", "rmplus", "charm", "allgather", "a2a", "a2a+p2p", "auto")
 #: auto / fastest above this is bold (charm_megatron.lab.bench.analysis.AUTO_SLACK: issue 12's 5 %).
@@ -91,6 +91,7 @@ def table(points: Sequence[PeerPoint], labels: Sequence[str] | None = None,
                  "auto / fastest"]
     head += ["busiest core"] if core else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    flagged = False
     for point, label in zip(points, labels):
         r = point.rows
         cells = []
@@ -101,7 +102,8 @@ def table(points: Sequence[PeerPoint], labels: Sequence[str] | None = None,
             elif not x.ok:  # refused by the bench (heads that do not divide)
                 cells.append(x.status or "-")
             else:
-                cell = (f"{x.median_ms:.{digits}f} ({x.bound_ms:.{digits}f}) "
+                flagged = flagged or bool(x.off_model)
+                cell = (f"{x.median_ms:.{digits}f}{x.mark} ({x.bound_ms:.{digits}f}) "
                         f"{x.speedup_vs_ring:.2f}x")
                 if pick_in_auto and algo == "auto":
                     cell += f" ({x.auto_pick or '-'})"
@@ -124,7 +126,7 @@ def table(points: Sequence[PeerPoint], labels: Sequence[str] | None = None,
             pct = point.any.busiest_core_pct  # measured only on emulated GPU runs
             cells.append(f"{pct:.0f} %" if pct is not None else "-")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + (f"\n{OFF_MODEL_NOTE}\n" if flagged else "")
 
 
 def make(paths: Sequence[str | Path], labels: Sequence[str] | None = None,

@@ -22,7 +22,7 @@ import json
 import os
 from collections.abc import Sequence
 
-from charm_megatron.lab.reports.bench_csv import BenchRow, read_rows
+from charm_megatron.lab.reports.bench_csv import OFF_MODEL_NOTE, BenchRow, read_rows
 
 Run = tuple[str, list[BenchRow]]
 
@@ -65,6 +65,7 @@ def table(runs: Sequence[Run], passes: Sequence[str]) -> str:
         if a == "auto":
             head += ["auto pick", "auto / fastest"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    flagged = False
     for label, rows in runs:
         index = {(r.point, r.algo, r.pass_): r for r in rows}
         for p in sorted({r.point for r in rows}):
@@ -76,19 +77,22 @@ def table(runs: Sequence[Run], passes: Sequence[str]) -> str:
                 heads = (f"{ring.heads}{f'/{kv}' if kv != ring.heads else ''}"
                          f"x{ring.head_dim} {ring.dtype or ''}").strip()
                 cells = [label, str(ring.seq), heads, ps, _fmt(ring.ring_ccr, ".2f"),
-                         _fmt(ring.median_ms, ".0f"), _fmt(ring.vs_bound, ".2f")]
+                         _fmt(ring.median_ms, ".0f") + ring.mark, _fmt(ring.vs_bound, ".2f")]
+                flagged = flagged or bool(ring.off_model)
                 for a in algos:
                     r = index.get((p, a, ps))
                     if r is None or not r.ok:
                         cells += ["skipped" if r is not None else "-", "-", "-", "-"]
                         cells += ["-", "-"] if a == "auto" else []
                         continue
-                    cells += [_fmt(r.median_ms, ".0f"), _fmt(r.speedup_vs_ring, ".2f") + "x",
+                    flagged = flagged or bool(r.off_model)
+                    cells += [_fmt(r.median_ms, ".0f") + r.mark,
+                              _fmt(r.speedup_vs_ring, ".2f") + "x",
                               _fmt(r.vs_bound, ".2f"), _ceiling(ring, r)]
                     if a == "auto":
                         cells += [r.auto_pick or "-", _versus(r)]
                 lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + (["", OFF_MODEL_NOTE] if flagged else []))
 
 
 def _ceiling(ring: BenchRow, row: BenchRow) -> str:
