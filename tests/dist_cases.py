@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from charm_megatron import cp_attention
+from charm_megatron import CPOptions, cp_attention
 from charm_megatron.kernels.reference import ReferenceBackend
 from charm_megatron.layout import shard
 
@@ -131,8 +131,9 @@ def bad_input(rank: int, world: int, case: str):
 
 def run_matrix(rank: int, world: int, cases: list[tuple], rows_per_rank: int = 8,
                head_dim: int = 16, heads: int = 8):
-    """Run many (algo, topology, causal, dtype, hkv[, roles]) cases in one process group
-    (``roles``: cp_attention's role mix; absent: its default), ``rows_per_rank`` sequence rows
+    """Run many (algo, topology, causal, dtype, hkv[, roles or settings]) cases in one process
+    group (``roles``: cp_attention's role mix, or a tuple of ``(setting, value)`` pairs;
+    absent: the defaults), ``rows_per_rank`` sequence rows
     on each rank, ``heads`` query heads.
 
     Returns per case the max relative errors vs the float64 reference and vs ring's result on
@@ -144,7 +145,9 @@ def run_matrix(rank: int, world: int, cases: list[tuple], rows_per_rank: int = 8
     s, b, hq, d = rows_per_rank * world, 2, heads, head_dim
     for case in cases:
         algo, topology, causal, dtype, hkv = case[:5]
-        extra = {"roles": case[5]} if len(case) > 5 else {}
+        extra = {} if len(case) < 6 else ({"options": CPOptions(**dict(case[5]))}
+                                          if isinstance(case[5], tuple)
+                                          else {"roles": case[5]})
         dt = DTYPES[dtype]
         q, k, v, dout = (t.to(dt).double() for t in make_inputs(7, s, b, hq, hkv, d))
         scale = d ** -0.5

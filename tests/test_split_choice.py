@@ -21,13 +21,15 @@ PROBLEM = Problem(2, 3072, 8, 2, 64, 4)
 
 def choose_split_visiting(groups, problem, cluster, **settings):
     """(forward, backward): whether CHARM+'s auto split of visiting kv is on, timed on
-    ``cluster``."""
+    ``cluster`` (the paper's CHARM+, no head all-to-all, unless ``settings`` say)."""
+    settings.setdefault("head_parallel", 1)
     fwd, bwd = variants("charm", groups, problem, cluster, split_visiting="auto",
                         split_counterpart_q="off", **settings)
     return fwd.split_visiting, bwd.split_visiting
 
 
 def choose_split_counterpart_q(groups, problem, cluster, **settings):
+    settings.setdefault("head_parallel", 1)
     fwd, bwd = variants("charm", groups, problem, cluster, split_visiting="off",
                         split_counterpart_q="auto", **settings)
     return fwd.split_counterpart_q, bwd.split_counterpart_q

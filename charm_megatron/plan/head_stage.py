@@ -43,7 +43,8 @@ from charm_megatron.plan.core import (
 )
 from charm_megatron.plan.vocab import OWN, RESULT, Direction, Half, Kind, Loc, Stream
 
-__all__ = ["HeadStage", "lift_rank", "copy_passes", "stage_kinds", "stage_plans", "stage_refusal"]
+__all__ = ["HeadStage", "copy_passes", "flat_super_groups", "lift_rank", "stage_kinds",
+           "stage_plans", "stage_refusal", "super_groups"]
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -103,17 +104,35 @@ def stage_refusal(groups: Groups, n: int, hq: int | None, hkv: int | None,
 
 
 # ------------------------------------------------------------------------------- the lift
-def lift_rank(inner: Callable, a: int) -> Callable:
-    """A builder of ``n``-rank plans from ``inner``, a builder over one flat group of
-    ``m = n/a`` ranks: CP rank ``g*a + k`` runs inner rank ``g``'s ops with every peer and
-    owner ``p`` renamed ``p*a + k`` (lane ``k``). ``a`` may be a function of the groups."""
+def flat_super_groups(groups: Groups, a: int) -> Groups:
+    """One flat group of the ``n / a`` super-blocks (a ring across the groups)."""
+    return (tuple(range(sum(len(g) for g in groups) // a)),)
+
+
+def super_groups(groups: Groups, a: int) -> Groups:
+    """The super-blocks grouped as their ranks are: topology group ``i`` of ``s`` consecutive
+    ranks holds the ``s / a`` consecutive super-blocks of its sub-groups (a head all-to-all
+    inside each group keeps a super-block's rows on one node)."""
+    out, first = [], 0
+    for g in groups:
+        m = len(g) // a
+        out.append(tuple(range(first, first + m)))
+        first += m
+    return tuple(out)
+
+
+def lift_rank(inner: Callable, a: int | Callable[[Groups], int],
+              inner_groups: Callable[[Groups, int], Groups] = flat_super_groups) -> Callable:
+    """A builder of ``n``-rank plans from ``inner``, a builder over the ``m = n/a``
+    super-blocks grouped by ``inner_groups`` (default: one flat group): CP rank ``g*a + k``
+    runs inner rank ``g``'s ops with every peer and owner ``p`` renamed ``p*a + k`` (lane
+    ``k``). ``a`` may be a function of the groups."""
     def build(rank: int, groups: Groups, causal: bool, direction: Direction,
               variant: object = None):
         size = a(groups) if callable(a) else a
-        n = sum(len(g) for g in groups)
-        m, k = n // size, rank % size
-        built = inner(rank // size, (tuple(range(m)),), causal, direction, variant)
+        built = inner(rank // size, inner_groups(groups, size), causal, direction, variant)
         ops = built[0] if isinstance(built, tuple) else built
+        k = rank % size
         return [_lift(op, size, k) for op in ops]
     return build
 

@@ -59,17 +59,22 @@ class Setting:
         return {_ON, _OFF} <= set(self.choices)
 
     def parse(self, value: object, where: str = "") -> enum.Enum:
-        """The member of :attr:`kind` that ``value`` names: a member, its string value, or, for
-        a kind with ``on`` / ``off`` members, True / False. ``ValueError`` naming ``where``
-        (e.g. ``"cp_attention"``), the setting, its variable and the choices otherwise."""
+        """The member of :attr:`kind` that ``value`` names: a member, its string value (or
+        an int naming a numeric value), or, for a kind with ``on`` / ``off`` members, True /
+        False. ``ValueError`` naming ``where`` (e.g. ``"cp_attention"``), the setting, its
+        variable and the choices otherwise."""
         if isinstance(value, self.kind):
             return value
+        name = value
         if isinstance(value, bool):
             if self.switch:
                 return self.kind(_ON if value else _OFF)
-        elif isinstance(value, str):
+            name = None  # a bool is not a number here
+        elif isinstance(value, int):  # a numeric setting (head_parallel=4) by its number
+            name = str(value)
+        if isinstance(name, str):
             for member in self.kind:
-                if member.value == value:
+                if member.value == name:
                     return member
         prefix = f"{where}: " if where else ""
         env = f" ({self.env})" if self.env else ""

@@ -117,6 +117,29 @@ class SplitMode(_Named):
     ON = "on"
 
 
+class HeadParallel(_Named):
+    """CHARM+'s head-parallel degree ``d``: a head all-to-all in sub-groups of ``d``
+    consecutive ranks of each topology group before the plan (``1``: none, the CHARM+ of
+    the paper), or ``auto``: the performance model's pick per call (``1`` where no model
+    times the plans). ``d`` must divide the group size and both head counts."""
+
+    AUTO = "auto"
+    D1 = "1"
+    D2 = "2"
+    D3 = "3"
+    D4 = "4"
+    D6 = "6"
+    D8 = "8"
+    D12 = "12"
+    D16 = "16"
+    D32 = "32"
+
+    @property
+    def degree(self) -> int | None:
+        """The degree as a number (``None`` for ``auto``)."""
+        return None if self is HeadParallel.AUTO else int(self.value)
+
+
 class Half(enum.Enum):
     """Rows of a block: all, the first half, or the second half (Megatron's two chunks)."""
 

@@ -32,14 +32,16 @@ from charm_megatron.plan.entries import (
     VariantContext,
     assemble,
 )
+from charm_megatron.plan.head_stage import lift_rank, super_groups
 from charm_megatron.plan.memory import BOUND, max_peak, peak
-from charm_megatron.plan.roles import Decision, RoleChoice
+from charm_megatron.plan.roles import Decision, RoleChoice, RoleShape
 from charm_megatron.plan.settings import Setting, Values
-from charm_megatron.plan.vocab import Direction, PassOrder, RoleMix, SplitMode
+from charm_megatron.plan.vocab import Direction, HeadParallel, PassOrder, RoleMix, SplitMode
 
-__all__ = ["CHARM", "CharmVariant", "PASS_ORDER", "RMPLUS", "ROLES", "SETTINGS",
-           "SPLIT_COUNTERPART_Q", "SPLIT_MARGIN", "SPLIT_VISITING", "charm_rank",
-           "charm_variants", "within_memory_bound"]
+__all__ = ["CHARM", "CHARM_SETTINGS", "CharmVariant", "HEAD_PARALLEL", "PASS_ORDER", "RMPLUS",
+           "ROLES", "SETTINGS", "SPLIT_COUNTERPART_Q", "SPLIT_MARGIN", "SPLIT_VISITING",
+           "charm_finish", "charm_rank", "charm_variants", "head_parallel_refusal",
+           "within_memory_bound"]
 
 PASS_ORDER = Setting(
     "pass_order", PassOrder, PassOrder.SPLIT,
@@ -62,6 +64,15 @@ SPLIT_COUNTERPART_Q = Setting(
     "halves, its partial going home per half (docs/algorithm.md)",
     env="CHARM_SPLIT_COUNTERPART_Q")
 SETTINGS = (PASS_ORDER, ROLES, SPLIT_VISITING, SPLIT_COUNTERPART_Q)
+HEAD_PARALLEL = Setting(
+    "head_parallel", HeadParallel, HeadParallel.AUTO,
+    "charm: head all-to-all in sub-groups of this many ranks of each topology group before "
+    "the plan (1: none; auto: the performance model's pick per call, 1 without one; must "
+    "divide the group size and both head counts; docs/algorithm.md)",
+    env="CHARM_HEAD_PARALLEL")
+#: CHARM+'s settings: RM+'s and the head-parallel degree (RM+ over one flat group keeps
+#: none: a head all-to-all there is a2a+p2p's job).
+CHARM_SETTINGS = (*SETTINGS, HEAD_PARALLEL)
 
 #: A split plan is chosen only where it is predicted at least this much faster than whole
 #: blocks. The model's errors against measurement are larger than a few per cent
@@ -77,7 +88,9 @@ class CharmVariant:
     for; ``split_visiting`` (pass-kv) / ``split_counterpart_q`` (pass-q): the visiting kv /
     the counterpart's q crosses in two row halves where every tile needs it whole
     (docs/algorithm.md, *Visiting kv in two halves*, *Counterpart q in two halves*);
-    ``lean`` / ``early_returns``: the memory variants (:func:`within_memory_bound`)."""
+    ``lean`` / ``early_returns``: the memory variants (:func:`within_memory_bound`);
+    ``head_parallel``: the head all-to-all's degree (1: none), the same in both directions
+    (the backward runs on the heads layout the forward kept)."""
 
     order: PassOrder = PassOrder.SPLIT
     roles: RoleChoice = RoleChoice()
@@ -85,6 +98,7 @@ class CharmVariant:
     split_counterpart_q: bool = False
     lean: bool = False
     early_returns: bool = False
+    head_parallel: int = 1
 
     def __post_init__(self) -> None:
         # A plain string is accepted and stored as its member (the builders compare by `is`).
@@ -93,7 +107,15 @@ class CharmVariant:
 
 def charm_rank(rank: int, groups: Groups, causal: bool, direction: Direction,
                variant: CharmVariant) -> tuple[list[Op], list[Decision]]:
-    """The registry's builder: rank ``rank``'s ops and the role of each of its exchanges."""
+    """The registry's builder: rank ``rank``'s ops and the role of each of its exchanges.
+    With a head-parallel degree ``d > 1``: CHARM+ over the super-blocks of each lane,
+    grouped as their ranks are (plan/head_stage.py, :func:`lift_rank`); the role decisions
+    are then the lane's (printouts name super-block ranks)."""
+    d = variant.head_parallel
+    if d > 1:
+        inner = replace(variant, head_parallel=1)
+        ops = lift_rank(charm_rank, d, super_groups)(rank, groups, causal, direction, inner)
+        return ops, []
     st = RankState(rank, groups, causal, direction, roles=variant.roles, lean=variant.lean,
                    early_returns=variant.early_returns, order=variant.order,
                    split_visiting=variant.split_visiting,
@@ -110,11 +132,88 @@ def charm_variants(values: Values, ctx: VariantContext) -> tuple[CharmVariant, C
     rarely touch the same plan), and whole blocks without a timer. One group has no cross
     round to split: never. A pure function of its arguments, so every rank decides alike."""
     base = CharmVariant(values[PASS_ORDER.name], RoleChoice(values[ROLES.name], ctx.shape))
+    hp = values.get(HEAD_PARALLEL.name, HeadParallel.D1)
+    if hp.degree is not None:
+        why = head_parallel_refusal(ctx.groups, hp.degree, ctx.shape)
+        if why is not None and _kv_heads_shared(hp.degree, ctx.shape):
+            raise NotImplementedError(
+                f"charm head_parallel={hp.degree} needs the {ctx.shape.hkv} kv heads shared "
+                f"by the ranks of each sub-group of {hp.degree}; sharing kv heads is not "
+                f"implemented yet: choose a head_parallel that divides the kv heads, 1 or "
+                f"auto")
+        if why is not None:
+            raise ValueError(why)
+        return _with_splits(values, replace(base, head_parallel=hp.degree), ctx)
+    degrees = [d for d in _degrees(ctx.groups) if head_parallel_refusal(ctx.groups, d,
+                                                                         ctx.shape) is None]
+    if ctx.timer is None or ctx.shape is None or len(degrees) == 1:
+        return _with_splits(values, base, ctx)
+    # auto: the degree whose forward plus backward is predicted fastest (one degree for
+    # both directions: the backward runs on the heads layout the forward kept). Ties keep
+    # the smaller degree.
+    timer = ctx.timer
+    best, best_s = None, float("inf")
+    for d in degrees:
+        fwd, bwd = _with_splits(values, replace(base, head_parallel=d), ctx)
+        s = timer.seconds(_plan(Direction.FORWARD, ctx, fwd)) + \
+            timer.seconds(_plan(Direction.BACKWARD, ctx, bwd))
+        if s < best_s:
+            best, best_s = (fwd, bwd), s
+    assert best is not None
+    return best
+
+
+def _with_splits(values: Values, base: CharmVariant,
+                 ctx: VariantContext) -> tuple[CharmVariant, CharmVariant]:
+    """``base`` in each direction with its splits as the settings (and the model) say."""
     visiting = _split(values[SPLIT_VISITING.name], "split_visiting", base, ctx)
     counterpart_q = _split(values[SPLIT_COUNTERPART_Q.name], "split_counterpart_q", base, ctx)
     fwd, bwd = (replace(base, split_visiting=v, split_counterpart_q=q)
                 for v, q in zip(visiting, counterpart_q))
     return fwd, bwd
+
+
+def _degrees(groups: Groups) -> list[int]:
+    """The degrees worth trying on ``groups``: 1 and every declared degree that divides the
+    smallest group."""
+    size = min(len(g) for g in groups)
+    return [1] + [m.degree for m in HeadParallel
+                  if m.degree is not None and 1 < m.degree <= size and size % m.degree == 0]
+
+
+def head_parallel_refusal(groups: Groups, d: int, shape: RoleShape | None) -> str | None:
+    """Why CHARM+ cannot run a head all-to-all of degree ``d`` on ``groups`` for ``shape``
+    (``None``: it can; shape-free: only the groups are checked). The sub-groups are ``d``
+    consecutive ranks inside one topology group, so every group must be consecutive ranks
+    with a size that divides by ``d``; both head counts must divide by ``d`` (GQA's kv heads
+    are split, never shared: kv heads fewer than ``d`` are not supported yet)."""
+    if d == 1:
+        return None
+    fix = "choose a head_parallel (CHARM_HEAD_PARALLEL) that does, 1 or auto"
+    first = 0
+    for g in groups:
+        if g != tuple(range(first, first + len(g))) or len(g) % d:
+            return (f"charm head_parallel={d} runs its head all-to-all in sub-groups of {d} "
+                    f"consecutive ranks inside each topology group, but the groups are "
+                    f"{[list(x) for x in groups]}: each must be consecutive ranks whose count "
+                    f"divides by {d}; {fix}")
+        first += len(g)
+    if shape is None:
+        return None
+    bad = [f"{name} {h}" for name, h in (("q heads", shape.hq), ("kv heads", shape.hkv))
+           if h % d]
+    if bad:
+        return (f"charm head_parallel={d} splits the heads {d} ways, but "
+                f"{' and '.join(bad)} {'do' if len(bad) > 1 else 'does'} not divide by {d}; "
+                f"{fix}")
+    return None
+
+
+def _kv_heads_shared(d: int, shape: RoleShape | None) -> bool:
+    """Whether degree ``d`` would need kv heads shared among ranks: the q heads divide by
+    ``d`` but the kv heads are fewer than ``d`` and divide it (GQA with few kv heads)."""
+    return (shape is not None and shape.hq % d == 0 and shape.hkv < d
+            and d % shape.hkv == 0)
 
 
 def _split(mode: SplitMode, field: str, base: CharmVariant,
@@ -149,7 +248,15 @@ def _plan(direction: Direction, ctx: VariantContext, variant: CharmVariant) -> P
 def _plan_cached(direction: Direction, ctx: VariantContext, variant: CharmVariant) -> Plan:
     # The rule times plans with two or more groups, which only charm builds.
     plan = assemble("charm", charm_rank, direction, ctx.groups, ctx.causal, variant)
-    return within_memory_bound(plan, ctx, variant)
+    return charm_finish(plan, ctx, variant)
+
+
+def charm_finish(plan: Plan, ctx: VariantContext, variant: CharmVariant) -> Plan:
+    """The registry's finish rule: :func:`within_memory_bound`, then the head all-to-all's
+    degree on the plan (what the executor, the model and the validator read)."""
+    plan = within_memory_bound(plan, ctx, variant)
+    plan.head_group = variant.head_parallel
+    return plan
 
 
 def within_memory_bound(plan: Plan, ctx: VariantContext, variant: CharmVariant) -> Plan:
@@ -197,5 +304,6 @@ RMPLUS = Algorithm(
     settings=SETTINGS, variants=charm_variants, finish=within_memory_bound)
 CHARM = Algorithm(
     "charm", charm_rank, uses_topology=True,
-    description="CHARM+: RM+ inside each topology group, queries across groups",
-    settings=SETTINGS, variants=charm_variants, finish=within_memory_bound)
+    description="CHARM+: RM+ inside each topology group, queries across groups (optionally "
+                "after a head all-to-all inside each group: head_parallel)",
+    settings=CHARM_SETTINGS, variants=charm_variants, finish=charm_finish)

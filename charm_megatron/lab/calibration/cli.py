@@ -87,7 +87,7 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="sweep sequence lengths (comma list, k suffix allowed; "
                              "default 8k..256k) and print a table")
     parser.add_argument("--ranks", action="store_true", help="per-rank busy / idle detail")
-    add_setting_args(parser, ("roles", "split_visiting", "split_counterpart_q"))
+    add_setting_args(parser, ("roles", "split_visiting", "split_counterpart_q", "head_parallel"))
     parser.add_argument("--compare-roles", default=None, metavar="MIX[,MIX]",
                         help="with --grid: also predict charm under these role mixes (e.g. "
                              "paper) and print their speed-ups next to --roles' columns")
