@@ -38,7 +38,7 @@ from charm_megatron.plan.roles import Decision, RoleChoice, RoleShape
 from charm_megatron.plan.settings import Setting, Values
 from charm_megatron.plan.vocab import Direction, HeadParallel, PassOrder, RoleMix, SplitMode
 
-__all__ = ["CHARM", "CHARM_SETTINGS", "CharmVariant", "HEAD_PARALLEL", "PASS_ORDER", "RMPLUS",
+__all__ = ["CHARM", "SETTINGS_WITH_HEADS", "CharmVariant", "HEAD_PARALLEL", "PASS_ORDER", "RMPLUS",
            "ROLES", "SETTINGS", "SPLIT_COUNTERPART_Q", "SPLIT_MARGIN", "SPLIT_VISITING",
            "charm_finish", "charm_rank", "charm_variants", "head_parallel_refusal",
            "within_memory_bound"]
@@ -72,7 +72,7 @@ HEAD_PARALLEL = Setting(
     env="CHARM_HEAD_PARALLEL")
 #: CHARM+'s settings: RM+'s and the head-parallel degree (RM+ over one flat group keeps
 #: none: a head all-to-all there is a2a+p2p's job).
-CHARM_SETTINGS = (*SETTINGS, HEAD_PARALLEL)
+SETTINGS_WITH_HEADS = (*SETTINGS, HEAD_PARALLEL)
 
 #: A split plan is chosen only where it is predicted at least this much faster than whole
 #: blocks. The model's errors against measurement are larger than a few per cent
@@ -306,4 +306,4 @@ CHARM = Algorithm(
     "charm", charm_rank, uses_topology=True,
     description="CHARM+: RM+ inside each topology group, queries across groups (optionally "
                 "after a head all-to-all inside each group: head_parallel)",
-    settings=CHARM_SETTINGS, variants=charm_variants, finish=charm_finish)
+    settings=SETTINGS_WITH_HEADS, variants=charm_variants, finish=charm_finish)
