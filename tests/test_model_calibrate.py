@@ -160,12 +160,13 @@ def test_auto_follows_the_profile_a_user_calibrated(tmp_path: Path) -> None:
     prob = Problem(1, 16384, 8, 8, 128, 2)
     fast = TRUTH.with_(cross_gbps=400.0, intra_gbps=400.0)
     slow = TRUTH.with_(cross_gbps=0.5, intra_gbps=50.0)
-    # Among the paper's algorithms (at this MHA shape a head all-to-all would beat both).
+    # Among the paper's algorithms (at this MHA shape a head all-to-all would beat both, TE's
+    # or CHARM+'s own: head_parallel=1 keeps the paper's CHARM+).
     paper = ("ring", "rmplus", "charm")
     assert choose_algo_cached(groups, prob, auto_cluster(fast), causal=True,
-                              algos=paper) != "charm"
+                              algos=paper, head_parallel=1) != "charm"
     assert choose_algo_cached(groups, prob, auto_cluster(slow), causal=True,
-                              algos=paper) == "charm"
+                              algos=paper, head_parallel=1) == "charm"
 
 
 def test_environment_profile_reaches_choose_algo_and_the_cli(
@@ -184,7 +185,10 @@ def test_environment_profile_reaches_choose_algo_and_the_cli(
     def choice() -> str:  # among the paper's algorithms, as CHARM_AUTO_ALGOS says
         opts = CPOptions.from_env()
         return choose_algo_cached(groups, prob, auto_cluster(opts.model_profile),
-                                  causal=True, algos=opts.auto_algos)
+                                  causal=True, algos=opts.auto_algos,
+                                  head_parallel=opts.head_parallel)
+
+    monkeypatch.setenv("CHARM_HEAD_PARALLEL", "1")  # the paper's CHARM+
 
     monkeypatch.setenv("CHARM_AUTO_ALGOS", "ring,rmplus,charm")
 

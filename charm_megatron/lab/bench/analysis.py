@@ -93,9 +93,12 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
                hw_groups: Sequence[Sequence[int]], causal: bool, point: Point, dtype: str,
                nic: str, roles: str = "bytes",
                window: tuple[int, int] | None = None,
-               wide_partials: bool = False) -> dict[tuple[str, int], float]:
+               wide_partials: bool = False,
+               cluster: object | None = None) -> dict[tuple[str, int], float]:
     """Bytes per direction of every cross-node link for one call of ``algo``'s plan (with the
-    role mix ``roles``, for this point's head shape; under ``window``, its windowed plan).
+    role mix ``roles``, for this point's head shape; under ``window``, its windowed plan;
+    with ``cluster``, the plan a call with that profile runs: its ``auto`` settings, e.g.
+    CHARM+'s head-parallel degree, decided by the model on it).
 
     Keys: ``("out", owner)`` / ``("in", owner)``, owner = node index (``nic="node"``: a node's
     ranks share its link) or rank (``nic="rank"``). Message sizes come from
@@ -107,8 +110,13 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
     shape = RoleShape(problem.hq, problem.hkv, problem.d, problem.elem, problem.dv,
                       problem.wide_partials)
     n = sum(len(g) for g in plan_groups)
+    timer = None
+    if cluster is not None:
+        from charm_megatron.model import ClusterTimer
+
+        timer = ClusterTimer(cluster, problem, tuple(tuple(g) for g in hw_groups))
     plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal, roles=roles,
-                      shape=shape, tiles=problem.tiles(n, causal))
+                      shape=shape, tiles=problem.tiles(n, causal), timer=timer)
     group_of = {r: gi for gi, g in enumerate(hw_groups) for r in g}
 
     def owner(r: int) -> int:
@@ -128,12 +136,14 @@ def busiest_link_bytes(algo: str, plan_groups: Sequence[Sequence[int]],
                        hw_groups: Sequence[Sequence[int]], causal: bool, point: Point,
                        dtype: str, nic: str, roles: str = "bytes",
                        window: tuple[int, int] | None = None,
-                       wide_partials: bool = False) -> dict[str, float]:
-    """Bytes over the most loaded cross-link direction, per pass (fwd, bwd, fwdbwd)."""
+                       wide_partials: bool = False,
+                       cluster: object | None = None) -> dict[str, float]:
+    """Bytes over the most loaded cross-link direction, per pass (fwd, bwd, fwdbwd);
+    ``cluster``: as :func:`link_loads`'."""
     fwd = link_loads(algo, "forward", plan_groups, hw_groups, causal, point, dtype, nic, roles,
-                     window, wide_partials)
+                     window, wide_partials, cluster)
     bwd = link_loads(algo, "backward", plan_groups, hw_groups, causal, point, dtype, nic, roles,
-                     window, wide_partials)
+                     window, wide_partials, cluster)
     both: dict[tuple[str, int], float] = defaultdict(float)
     for d in (fwd, bwd):
         for k, v in d.items():
@@ -193,10 +203,14 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
             bytes_by_pass = None
             if algo != "torch" and info.hw_groups and len(info.hw_groups) > 1:
                 plan_groups = charm_groups if uses_topology(plan_algo) else flat
+                # On the emulated cluster the ranks decide auto settings on the device's
+                # model, so the bytes are those of the plan they ran.
                 bytes_by_pass = busiest_link_bytes(plan_algo, plan_groups, info.hw_groups,
                                                    cfg.causal, point, cfg.dtype, info.nic or "node",
                                                    cfg.roles, cfg.problem_window(),
-                                                   cfg.wide_partials)
+                                                   cfg.wide_partials,
+                                                   cfg.device.model_cluster
+                                                   if cfg.device is not None else None)
             for p in passes:
                 row = {**base, "algo": algo, "pass": p, "status": "ok",
                        "note": rec0["notes"].get(algo, "")}
