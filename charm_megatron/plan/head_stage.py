@@ -43,7 +43,7 @@ from charm_megatron.plan.core import (
 )
 from charm_megatron.plan.vocab import OWN, RESULT, Direction, Half, Kind, Loc, Stream
 
-__all__ = ["HeadStage", "copy_passes", "flat_super_groups", "lift_rank", "stage_kinds",
+__all__ = ["HeadStage", "copy_passes", "flat_super_groups", "lift_ops", "lift_rank", "stage_kinds",
            "stage_plans", "stage_refusal", "super_groups"]
 
 Groups = tuple[tuple[int, ...], ...]
@@ -132,9 +132,14 @@ def lift_rank(inner: Callable, a: int | Callable[[Groups], int],
         size = a(groups) if callable(a) else a
         built = inner(rank // size, inner_groups(groups, size), causal, direction, variant)
         ops = built[0] if isinstance(built, tuple) else built
-        k = rank % size
-        return [_lift(op, size, k) for op in ops]
+        return lift_ops(ops, size, rank % size)
     return build
+
+
+def lift_ops(ops: list[Op], a: int, k: int) -> list[Op]:
+    """An inner rank's ``ops`` as lane ``k``'s CP rank runs them: every peer and owner ``p``
+    renamed ``p*a + k``."""
+    return [_lift(op, a, k) for op in ops]
 
 
 def _lift(op: Op, a: int, k: int) -> Op:

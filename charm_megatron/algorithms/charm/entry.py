@@ -32,7 +32,7 @@ from charm_megatron.plan.entries import (
     VariantContext,
     assemble,
 )
-from charm_megatron.plan.head_stage import lift_rank, super_groups
+from charm_megatron.plan.head_stage import lift_ops, super_groups
 from charm_megatron.plan.memory import BOUND, max_peak, peak
 from charm_megatron.plan.roles import Decision, RoleChoice, RoleShape
 from charm_megatron.plan.settings import Setting, Values
@@ -109,13 +109,14 @@ def charm_rank(rank: int, groups: Groups, causal: bool, direction: Direction,
                variant: CharmVariant) -> tuple[list[Op], list[Decision]]:
     """The registry's builder: rank ``rank``'s ops and the role of each of its exchanges.
     With a head-parallel degree ``d > 1``: CHARM+ over the super-blocks of each lane,
-    grouped as their ranks are (plan/head_stage.py, :func:`lift_rank`); the role decisions
-    are then the lane's (printouts name super-block ranks)."""
+    grouped as their ranks are (plan/head_stage.py, :func:`lift_ops`); the role decisions
+    are then the lane's (they name super-blocks)."""
     d = variant.head_parallel
     if d > 1:
         inner = replace(variant, head_parallel=1)
-        ops = lift_rank(charm_rank, d, super_groups)(rank, groups, causal, direction, inner)
-        return ops, []
+        ops, decisions = charm_rank(rank // d, super_groups(groups, d), causal, direction,
+                                    inner)
+        return lift_ops(ops, d, rank % d), decisions
     st = RankState(rank, groups, causal, direction, roles=variant.roles, lean=variant.lean,
                    early_returns=variant.early_returns, order=variant.order,
                    split_visiting=variant.split_visiting,

@@ -26,7 +26,7 @@ from charm_megatron.commands.flags import (
 from charm_megatron.devices import DEVICES_ENV, PROFILES, builtin_profiles, get_profile
 from charm_megatron.model.auto import ENV
 from charm_megatron.model.cluster import LINK_ORDERS, Cluster, default_cluster_for
-from charm_megatron.model.predict import Prediction, predict, predict_all, ring_ccr
+from charm_megatron.model.predict import Prediction, predict, predict_all, ring_ccr, variants
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
 from charm_megatron.plan.roles import check_roles
@@ -88,6 +88,10 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "default 8k..256k) and print a table")
     parser.add_argument("--ranks", action="store_true", help="per-rank busy / idle detail")
     add_setting_args(parser, ("roles", "split_visiting", "split_counterpart_q", "head_parallel"))
+    parser.add_argument("--tune", action="store_true",
+                        help="decide the settings left to the model (auto: CHARM+'s splits and "
+                             "head_parallel) on this cluster, as a call with this profile runs "
+                             "them (default: off, as a call without a profile)")
     parser.add_argument("--compare-roles", default=None, metavar="MIX[,MIX]",
                         help="with --grid: also predict charm under these role mixes (e.g. "
                              "paper) and print their speed-ups next to --roles' columns")
@@ -274,8 +278,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"# ring CCR (compute time / communication time, each alone): forward "
           f"{ccr_f.ratio:.2f} ({_ms(ccr_f.compute_s)} / {_ms(ccr_f.comm_s)} ms), backward "
           f"{ccr_b.ratio:.2f} ({_ms(ccr_b.compute_s)} / {_ms(ccr_b.comm_s)} ms)")
-    preds = predict_all(groups, problem, cluster, args.causal, **settings_from_args(args))
+    preds = predict_all(groups, problem, cluster, args.causal, tune=args.tune,
+                        **settings_from_args(args))
     ring = preds["ring"]
+    if args.tune and "charm" in preds:
+        fwd, bwd = variants("charm", groups, problem, cluster, causal=args.causal,
+                            **settings_from_args(args))
+        print(f"# charm as a call with this profile runs it: head_parallel={fwd.head_parallel}, "
+              f"split_visiting {fwd.split_visiting}/{bwd.split_visiting}, split_counterpart_q "
+              f"{fwd.split_counterpart_q}/{bwd.split_counterpart_q} (fwd/bwd)")
     print(f"{'':8} {'time ms':^29}   {'speedup over ring':^17}   {'busy':^9}   "
           f"{'MiB sent per rank (max)':^27}")
     print(f"{'algo':8} {'fwd':>9} {'bwd':>9} {'fwd+bwd':>9}   {'fwd':>5} {'bwd':>5} {'total':>5}   "
@@ -316,11 +327,12 @@ def _grid(args: argparse.Namespace, groups: list[list[int]], cluster: Cluster,
         problem = _problem(args, seq)
         cf = ring_ccr(groups, problem, cluster, args.causal, "forward").ratio
         cb = ring_ccr(groups, problem, cluster, args.causal, "backward").ratio
-        preds = predict_all(groups, problem, cluster, args.causal, ALGOS, **settings)
+        preds = predict_all(groups, problem, cluster, args.causal, ALGOS, tune=args.tune,
+                            **settings)
         ring, rmp, ch = preds["ring"], preds["rmplus"], preds["charm"]
         cells = ""
         for m in compare:
-            other = predict("charm", groups, problem, cluster, args.causal,
+            other = predict("charm", groups, problem, cluster, args.causal, tune=args.tune,
                             **{**settings, "roles": m})
             cells += (f"  {ring.forward.time_s / other.forward.time_s:>{len(m) + 12}.2f}"
                       f" {ring.backward.time_s / other.backward.time_s:5.2f}"
