@@ -31,3 +31,31 @@ def test_bound_gap_rows_are_at_or_above_their_bound(monkeypatch):
         assert 0 < bound <= model * 1.0001
         assert abs(ratio - model / bound) < 0.02
         assert all(re.fullmatch(r"-?\d+%|-", c) for c in cells[6:])
+
+
+def test_head_parallel_report_puts_auto_at_or_below_the_paper_charm_and_above_its_bound():
+    from charm_megatron.lab.reports import head_parallel
+
+    lines = head_parallel.table("h200", ["2x8"], ["rank"], only="Qwen")
+    (row,) = [line for line in lines if line.startswith("| 2x8")]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[2] == "Qwen 28/4 32k" and cells[4] == "-"  # a2a+p2p refuses 4 kv heads on 8
+    one, auto = float(cells[5]), float(cells[6].split()[0])
+    assert auto <= one and re.fullmatch(r"\d+\.\d \((1|2|4)\)", cells[6])
+    assert all(float(c[:-1]) >= 1.0 for c in cells[9:11])  # never below its bound
+
+
+def test_head_parallel_report_pairs_each_emulated_run_with_its_degree_one_run():
+    from pathlib import Path
+
+    from charm_megatron.lab.reports import head_parallel
+
+    docs = sorted(str(p) for p in (Path(__file__).parents[1] / "docs" / "performance" /
+                                   "head-parallel").glob("*.csv"))
+    lines = head_parallel.emulated(docs)
+    rows = [line for line in lines if line.startswith("| llama") or line.startswith("| qwen")]
+    assert len(rows) == len(docs) // 2
+    for line in rows:
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        one, auto = float(cells[4].split()[0].rstrip("†")), float(cells[5].split()[0].rstrip("†"))
+        assert f"{one / auto:.2f}x" == cells[7]

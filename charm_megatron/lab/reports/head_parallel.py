@@ -8,6 +8,11 @@ call with that profile runs it), the two ratios the issue asks for, and how far 
 CHARM+ sits above its own lower bound per pass: the larger of its plans' compute alone and its
 busiest cross link's bytes at the link's rate (as ``report bound-gap`` computes it).
 Forward plus backward milliseconds.
+
+``--emulated CSV...``: the emulated check instead. Each ``NAME.csv`` is a bench run with
+CHARM+ at ``head_parallel=auto`` (beside ring, and ``a2a+p2p`` where it runs); its
+``NAME-d1.csv`` the same point with CHARM+ alone at ``--setting head_parallel=1``. Device ms
+per forward + backward, the contender's bound in brackets, and CHARM+'s measured / model.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from charm_megatron.lab.bench.analysis import busiest_link_bytes
 from charm_megatron.lab.bench.config import Point
+from charm_megatron.lab.reports.bench_csv import BenchRow, by_algo, read_rows
 from charm_megatron.model import Cluster, get_profile, predict
 from charm_megatron.model.predict import variants
 from charm_megatron.plan import registry
@@ -55,6 +62,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "rate); comma list")
     parser.add_argument("--only", default=None, metavar="TEXT",
                         help="only the shapes whose label contains TEXT")
+    parser.add_argument("--emulated", nargs="+", default=None, metavar="CSV",
+                        help="emulated runs instead: NAME.csv (charm auto) beside NAME-d1.csv "
+                             "(charm head_parallel=1)")
 
 
 def _groups(topo: str) -> list[list[int]]:
@@ -111,7 +121,46 @@ def table(profile: str, topologies: list[str], nics: list[str],
     return out
 
 
+def _cell(row: BenchRow | None) -> str:
+    if row is None or row.median_ms is None:
+        return "-"
+    mark = "†" if row.off_model else ""
+    bound = "" if row.bound_ms is None else f" ({row.bound_ms:.2f})"
+    return f"{row.median_ms:.2f}{mark}{bound}"
+
+
+def emulated(paths: list[str]) -> list[str]:
+    """The emulated check's Markdown lines: one row per ``NAME.csv`` with a ``NAME-d1.csv``."""
+    out = ["| point | GPUs / NIC | ring | a2a+p2p | charm d=1 | charm auto | auto vs a2a+p2p | "
+           "auto vs d=1 | charm auto measured / model |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    by_name = {Path(p).stem: p for p in paths}
+    for name, path in sorted(by_name.items()):
+        if name.endswith("-d1") or f"{name}-d1" not in by_name:
+            continue
+        rows = by_algo(read_rows(path), "fwdbwd", ok_only=True)
+        one = by_algo(read_rows(by_name[f"{name}-d1"]), "fwdbwd", ok_only=True).get("charm")
+        ring, a2a, auto = rows.get("ring"), rows.get("a2a+p2p"), rows.get("charm")
+        first = next(iter(rows.values()))
+
+        def ratio(a: BenchRow | None, b: BenchRow | None) -> str:
+            if a is None or b is None or not a.median_ms or not b.median_ms:
+                return "-"
+            return f"{a.median_ms / b.median_ms:.2f}x"
+
+        vs_model = "-" if auto is None or auto.vs_model is None else f"{auto.vs_model:.2f}"
+        out.append(f"| {name} ({first.device_model}) | {first.topology} / {first.nic} | "
+                   f"{_cell(ring)} | {_cell(a2a)} | {_cell(one)} | {_cell(auto)} | "
+                   f"{ratio(a2a, auto)} | {ratio(one, auto)} | {vs_model} |")
+    out.append("")
+    out.append("† more than 10 % off the model: not a headline")
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.emulated:
+        print("\n".join(emulated(args.emulated)))
+        return 0
     print("\n".join(table(args.profile, args.topologies.split(","), args.nics.split(","),
                           args.only)))
     return 0
