@@ -32,6 +32,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="the Llama-3-like rows instead of the paper's Table 5 rows")
     parser.add_argument("--partials", choices=("input", "fp32"), default="fp32",
                         help="the dtype partial results travel in (default fp32, the paper's)")
+    parser.add_argument("--nic", choices=("rank", "node"), default=None,
+                        help="the NIC model (default: the profile's)")
 
 
 def rows(llama: bool) -> Iterator[tuple[str, Problem, bool, str]]:
@@ -49,13 +51,16 @@ def rows(llama: bool) -> Iterator[tuple[str, Problem, bool, str]]:
 class _Row:
     """One row's bound and model time per pass, on any variant of the cluster."""
 
-    def __init__(self, topo: str, prob: Problem, causal: bool, nic: str) -> None:
+    def __init__(self, topo: str, prob: Problem, causal: bool, cluster: Cluster) -> None:
         nodes, per = (int(x) for x in topo.split("x"))
         self.groups = [list(range(i * per, (i + 1) * per)) for i in range(nodes)]
         self.prob, self.causal = prob, causal
         point = Point(0, prob.b, prob.s, prob.hq, prob.hkv, prob.d)
+        # the bytes of the plan the model times: its auto settings (head_parallel, splits)
+        # decided on the cluster
         self.links = busiest_link_bytes("charm", self.groups, self.groups, causal, point,
-                                        "bf16", nic, wide_partials=prob.wide_partials)
+                                        "bf16", cluster.nic, wide_partials=prob.wide_partials,
+                                        cluster=cluster)
 
     def excess(self, cluster: Cluster, attr: str) -> tuple[float, float, float]:
         """``(time, bound, time - bound)`` of one direction (``forward`` / ``backward``)."""
@@ -70,9 +75,11 @@ class _Row:
         return t, bound, t - bound
 
 
-def table(profile: str, llama: bool, partials: str) -> list[str]:
-    """The report's Markdown lines."""
+def table(profile: str, llama: bool, partials: str, nic: str | None = None) -> list[str]:
+    """The report's Markdown lines (``nic``: the NIC model, default the profile's)."""
     base = get_profile(profile).cluster
+    if nic is not None:
+        base = base.with_(nic=nic)
     wide = partials == "fp32"
     out = [f"# CHARM+ on {profile} ({base.describe()}); partials {partials}; ms; "
            "'less X': the share of the excess over the bound that goes when X is removed",
@@ -83,7 +90,7 @@ def table(profile: str, llama: bool, partials: str) -> list[str]:
                 base.with_(comm_slowdown=0.0)]
     for topo, prob, causal, label in rows(llama):
         prob = Problem(prob.b, prob.s, prob.hq, prob.hkv, prob.d, prob.elem, wide_partials=wide)
-        row = _Row(topo, prob, causal, base.nic)
+        row = _Row(topo, prob, causal, base)
         for p, attr in PASSES:
             t, bound, over = row.excess(base, attr)
             shares = [f"{(over - row.excess(cl, attr)[2]) / over:.0%}" if over > 1e-9 else "-"
@@ -94,5 +101,5 @@ def table(profile: str, llama: bool, partials: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    print("\n".join(table(args.profile, args.llama, args.partials)))
+    print("\n".join(table(args.profile, args.llama, args.partials, args.nic)))
     return 0
