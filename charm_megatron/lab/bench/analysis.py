@@ -94,11 +94,13 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
                nic: str, roles: str = "bytes",
                window: tuple[int, int] | None = None,
                wide_partials: bool = False,
-               cluster: object | None = None) -> dict[tuple[str, int], float]:
+               cluster: object | None = None,
+               settings: dict[str, object] | None = None) -> dict[tuple[str, int], float]:
     """Bytes per direction of every cross-node link for one call of ``algo``'s plan (with the
     role mix ``roles``, for this point's head shape; under ``window``, its windowed plan;
     with ``cluster``, the plan a call with that profile runs: its ``auto`` settings, e.g.
-    CHARM+'s head-parallel degree, decided by the model on it).
+    CHARM+'s head-parallel degree, decided by the model on it; ``settings``: the run's
+    algorithm settings by name, ``--setting`` included).
 
     Keys: ``("out", owner)`` / ``("in", owner)``, owner = node index (``nic="node"``: a node's
     ranks share its link) or rank (``nic="rank"``). Message sizes come from
@@ -115,8 +117,9 @@ def link_loads(algo: str, direction: str, plan_groups: Sequence[Sequence[int]],
         from charm_megatron.model import ClusterTimer
 
         timer = ClusterTimer(cluster, problem, tuple(tuple(g) for g in hw_groups))
-    plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal, roles=roles,
-                      shape=shape, tiles=problem.tiles(n, causal), timer=timer)
+    plan = build_plan(algo, direction, [list(g) for g in plan_groups], causal,
+                      shape=shape, tiles=problem.tiles(n, causal), timer=timer,
+                      **{**(settings or {}), "roles": roles})
     group_of = {r: gi for gi, g in enumerate(hw_groups) for r in g}
 
     def owner(r: int) -> int:
@@ -137,13 +140,14 @@ def busiest_link_bytes(algo: str, plan_groups: Sequence[Sequence[int]],
                        dtype: str, nic: str, roles: str = "bytes",
                        window: tuple[int, int] | None = None,
                        wide_partials: bool = False,
-                       cluster: object | None = None) -> dict[str, float]:
+                       cluster: object | None = None,
+                       settings: dict[str, object] | None = None) -> dict[str, float]:
     """Bytes over the most loaded cross-link direction, per pass (fwd, bwd, fwdbwd);
-    ``cluster``: as :func:`link_loads`'."""
+    ``cluster``, ``settings``: as :func:`link_loads`'."""
     fwd = link_loads(algo, "forward", plan_groups, hw_groups, causal, point, dtype, nic, roles,
-                     window, wide_partials, cluster)
+                     window, wide_partials, cluster, settings)
     bwd = link_loads(algo, "backward", plan_groups, hw_groups, causal, point, dtype, nic, roles,
-                     window, wide_partials, cluster)
+                     window, wide_partials, cluster, settings)
     both: dict[tuple[str, int], float] = defaultdict(float)
     for d in (fwd, bwd):
         for k, v in d.items():
@@ -210,7 +214,8 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                                                    cfg.roles, cfg.problem_window(),
                                                    cfg.wide_partials,
                                                    cfg.device.model_cluster
-                                                   if cfg.device is not None else None)
+                                                   if cfg.device is not None else None,
+                                                   dict(cfg.settings))
             for p in passes:
                 row = {**base, "algo": algo, "pass": p, "status": "ok",
                        "note": rec0["notes"].get(algo, "")}
