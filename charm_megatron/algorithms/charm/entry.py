@@ -3,6 +3,8 @@ the memory bound on the assembled plan (docs/algorithm.md, *RM+*, *CHARM+*).
 
 * settings (:data:`SETTINGS`, shared by ``rmplus`` and ``charm``): the pass order, the role
   mix, and whether visiting kv (pass-kv) / a counterpart's q (pass-q) cross in row halves;
+  CHARM+ adds :data:`HEAD_PARALLEL`, a head all-to-all of degree ``d`` inside each topology
+  group before the plan (:data:`SETTINGS_WITH_HEADS`);
 * :class:`CharmVariant`: what one direction's builder runs, made from the settings by
   :func:`charm_variants`: a split set to ``auto`` is the performance model's per-direction
   pick (a timer given), else off;
@@ -10,7 +12,8 @@ the memory bound on the assembled plan (docs/algorithm.md, *RM+*, *CHARM+*).
   :class:`~charm_megatron.algorithms.charm.state.RankState`, whose program
   :func:`~charm_megatron.algorithms.charm.program.rank_program` builds;
 * :func:`within_memory_bound`: the plan, or its lighter-memory variant where it would hold
-  more than :data:`~charm_megatron.plan.memory.BOUND` x ring's peak.
+  more than :data:`~charm_megatron.plan.memory.BOUND` x ring's peak; :func:`charm_finish`
+  adds the head all-to-all's degree to the plan.
 
 Plan layer: no torch.
 """
@@ -131,7 +134,10 @@ def charm_variants(values: Values, ctx: VariantContext) -> tuple[CharmVariant, C
     differs from whole blocks and ``ctx.timer`` says it is more than :data:`SPLIT_MARGIN`
     faster (each split judged with the other off: a cross round is pass-kv or pass-q, so they
     rarely touch the same plan), and whole blocks without a timer. One group has no cross
-    round to split: never. A pure function of its arguments, so every rank decides alike."""
+    round to split: never. ``head_parallel``: a degree is checked and used in both
+    directions; ``auto`` is the degree (splits decided for each) whose forward plus backward
+    ``ctx.timer`` predicts fastest, 1 without a timer or a shape. A pure function of its
+    arguments, so every rank decides alike."""
     base = CharmVariant(values[PASS_ORDER.name], RoleChoice(values[ROLES.name], ctx.shape))
     hp = values.get(HEAD_PARALLEL.name, HeadParallel.D1)
     if hp.degree is not None:
