@@ -348,9 +348,10 @@ def check_merge(case, device: str, gen) -> dict:
             "ok": ok}
 
 
-def fit_profile(table: list[dict], over: dict, base_name: str, device_name: str):
+def fit_terms(table: list[dict]) -> tuple[dict[str, object], int]:
+    """The kernel curve's cluster terms (``tflops``, rows, head-dim factors, backward factor)
+    fitted on a kernel table, and the head dim its rate is quoted at."""
     from charm_megatron.lab.calibration.refit import fit_kernel_curve
-    from charm_megatron.model import get_profile
 
     dims = sorted({r["d"] for r in table})
     ref_d = 128 if 128 in dims else dims[-1]
@@ -361,15 +362,36 @@ def fit_profile(table: list[dict], over: dict, base_name: str, device_name: str)
     tflops, rows = fitted[ref_d]
     factors = tuple((float(d), float(f"{fitted[d][0] / tflops:.4g}")) for d in dims)
     bwd = statistics.median(r["bwd_ms"] / r["fwd_ms"] for r in table)
+    return {"tflops": _r4(tflops), "kernel_q_rows": _r4(rows), "kernel_k_rows": _r4(rows),
+            "head_dim_factors": factors, "bwd_factor": _r4(bwd)}, ref_d
 
-    def r4(x: float) -> float:
-        return float(f"{x:.4g}")
 
+def _r4(x: float) -> float:
+    return float(f"{x:.4g}")
+
+
+def measured_curves(per_backend: dict[str, list[dict]], device_name: str) -> tuple:
+    """A measured :class:`~charm_megatron.model.kernel_rates.KernelRates` per backend whose
+    short table has rows (what a profile's ``kernels`` carries; issue 38)."""
+    from charm_megatron.model.kernel_rates import KernelRates
+
+    out = []
+    for name, table in sorted(per_backend.items()):
+        if not table:
+            continue
+        terms, ref_d = fit_terms(table)
+        out.append(KernelRates(name, "measured", f"measured by scripts/gpu_check.py on "
+                               f"{device_name} (short grid, head dim {ref_d} rate)", **terms))
+    return tuple(out)
+
+
+def fit_profile(table: list[dict], over: dict, base_name: str, device_name: str):
+    from charm_megatron.model import get_profile
+
+    terms, ref_d = fit_terms(table)
     base = get_profile(base_name)
-    cl = replace(base.cluster, tflops=r4(tflops),
-                 kernel_q_rows=r4(rows), kernel_k_rows=r4(rows), head_dim_factors=factors,
-                 bwd_factor=r4(bwd), op_overhead_us=r4(over["op_overhead_us"]),
-                 merge_gbps=r4(over["merge_gbps"]))
+    cl = replace(base.cluster, **terms, op_overhead_us=_r4(over["op_overhead_us"]),
+                 merge_gbps=_r4(over["merge_gbps"]))
     return base, cl, {"ref_head_dim": ref_d, "kernel_table": table, "overheads": over,
                       "device": device_name}
 
@@ -450,9 +472,16 @@ def main(argv: list[str] | None = None) -> int:
                kernel_rates_by_backend=per_backend, kernel_choices=picked,
                checks=[r for r in results if not r["ok"]] or f"{len(results)} ok")
     name = args.name or f"{base.name}-measured"
+    # Every backend measured here gets a measured curve; the base's curves of the others
+    # (assumed ones, e.g. FlashAttention-3 where it does not import) are kept as they were.
+    measured = measured_curves(per_backend, dev_name)
+    done = {k.name for k in measured}
+    kernels = measured + tuple(k for k in base.kernels if k.name not in done)
+    own = {c["picked"] for c in picked} if picked else set()
     prof = Profile(name, cl, base.topology,
                    f"compute terms measured by scripts/gpu_check.py on {dev_name}; links from "
-                   f"profile {base.name}", fit)
+                   f"profile {base.name}", fit, kernel=own.pop() if len(own) == 1 else "",
+                   kernels=kernels)
     save_profile(prof, args.out)
     print(f"# wrote {args.out}: {cl.describe()}")
     print(f"# total {time.perf_counter() - t0:.0f} s")

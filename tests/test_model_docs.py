@@ -101,6 +101,10 @@ def test_gpu_check_script_runs_on_cpu(tmp_path: Path) -> None:
     prof = load_profile(out)
     assert prof.fit["checks_ok"] is True and prof.fit["kernel_table"]
     assert prof.cluster.tflops > 0 and prof.cluster.op_overhead_us > 0
+    # Every backend that passed its checks has a measured rate curve in the profile.
+    measured = {k.name: k for k in prof.kernels if k.status == "measured"}
+    assert set(measured) == set(prof.fit["kernel_rates_by_backend"]) and measured
+    assert all(k.tflops > 0 and k.bwd_factor > 0 for k in measured.values())
 
 
 def test_gpu_overheads_script_runs_on_cpu(tmp_path: Path) -> None:

@@ -180,7 +180,11 @@ class Profile:
     """A named cluster with its default topology and where the numbers come from.
 
     ``fit`` is what a calibration recorded (data it was fitted on, residuals; JSON-able);
-    ``origin`` the file it was read from (``None``: built in).
+    ``origin`` the file it was read from (``None``: built in). ``kernel`` names the attention
+    kernel whose curve ``cluster`` prices tiles with (``""``: unnamed), ``kernels`` the other
+    kernels' curves on this device
+    (:class:`~charm_megatron.model.kernel_rates.KernelRates`; what TransformerEngine's
+    contenders run, for one).
     """
 
     name: str
@@ -189,6 +193,8 @@ class Profile:
     source: str
     fit: dict = field(default_factory=dict, compare=False, hash=False)
     origin: str | None = field(default=None, compare=False, hash=False)
+    kernel: str = ""
+    kernels: tuple = field(default=(), compare=False, hash=False)
 
 
 # The generic guess: a modern GPU node (NVLink-class intra links, one ~200 Gb/s NIC per GPU).

@@ -37,6 +37,8 @@ from charm_megatron.lab.reports.bench_csv import (  # noqa: F401  (COLUMNS: the 
     COLUMNS,
     off_model,
 )
+from charm_megatron.model.te_contenders import TE_NAMES
+from charm_megatron.model.te_contenders import get as te_get
 from charm_megatron.plan.cost import Problem, call_parts
 from charm_megatron.plan.registry import ALGORITHM_NAMES, build_plan, uses_topology
 from charm_megatron.plan.roles import RoleShape
@@ -202,8 +204,13 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                                  "note": rec0["skipped"][algo]})
                 continue
             key = f"{algo}/full"
-            # auto runs its pick's plans: its bytes and its bound are the pick's.
+            # auto runs its pick's plans: its bytes and its bound are the pick's; a te-*
+            # contender runs the plan that moves its blocks, with its wire dtype, on TE's
+            # kernel curve.
             plan_algo = picks.get(algo, algo)
+            run = _as_run(cfg, algo)
+            if algo in TE_NAMES:
+                plan_algo = te_get(algo).algo
             bytes_by_pass = None
             if algo != "torch" and info.hw_groups and len(info.hw_groups) > 1:
                 plan_groups = charm_groups if uses_topology(plan_algo) else flat
@@ -212,10 +219,8 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                 bytes_by_pass = busiest_link_bytes(plan_algo, plan_groups, info.hw_groups,
                                                    cfg.causal, point, cfg.dtype, info.nic or "node",
                                                    cfg.roles, cfg.problem_window(),
-                                                   cfg.wide_partials,
-                                                   cfg.device.model_cluster
-                                                   if cfg.device is not None else None,
-                                                   dict(cfg.settings))
+                                                   run.wide_partials, run.cluster,
+                                                   run.settings)
             for p in passes:
                 row = {**base, "algo": algo, "pass": p, "status": "ok",
                        "note": rec0["notes"].get(algo, "")}
@@ -226,7 +231,7 @@ def analyse(cfg: BenchConfig, points: Sequence[Point], per_rank: Sequence[dict],
                                ring_comm_ms=ccr[p][2] * 1e3)
                 if cfg.device is not None and algo != "torch":
                     row.update(_model_columns(cfg, point, plan_algo, p, charm_groups, info,
-                                              row["median_ms"]))
+                                              row["median_ms"], run))
                 row.update(_bound(wall, cpu, plan_algo, p, info, bytes_by_pass,
                                   row["median_ms"], row.get("compute_only_ms")))
                 if algo in picks:
@@ -269,19 +274,45 @@ def _device_columns(cfg: BenchConfig, per_rank: Sequence[dict], pos: int) -> dic
             "cpu_limited": (busiest > CPU_LIMITED) if busiest is not None else ""}
 
 
+@dataclass(frozen=True)
+class _Run:
+    """How a contender's plan ran: the partials' wire dtype, the device (``None``: not
+    emulated) and the settings given to it."""
+
+    wide_partials: bool
+    cluster: object
+    settings: dict
+    te: bool = False
+
+
+def _as_run(cfg: BenchConfig, algo: str) -> _Run:
+    """Ours run with the bench's ``--partials`` and ``--setting`` values on the device; a
+    ``te-*`` contender with TE's wire dtype, no settings, on the device on TE's kernel."""
+    device = cfg.device
+    if algo in TE_NAMES:
+        return _Run(te_get(algo).partials == "fp32",
+                    None if device is None else device.with_links(device.te_cluster()), {},
+                    te=True)
+    return _Run(cfg.wide_partials, None if device is None else device.model_cluster,
+                dict(cfg.settings))
+
+
 def _model_columns(cfg: BenchConfig, point: Point, algo: str, p: str,
-                   charm_groups: list[list[int]], info: RunInfo, median_ms: float) -> dict:
+                   charm_groups: list[list[int]], info: RunInfo, median_ms: float,
+                   run: _Run | None = None) -> dict:
     """The model's prediction of ``algo`` at ``point`` on the run's device (the same profile,
-    the same links, the hardware groups) and, for ring, the textbook ring (issue 23's checks:
-    within 10 %, or the difference explained)."""
+    the same links, the hardware groups; ``run``: how the contender ran it, ours by default)
+    and, for ring, the textbook ring (issue 23's checks: within 10 %, or the difference
+    explained)."""
     from charm_megatron.model import predict
 
-    cluster = cfg.device.model_cluster
+    run = run if run is not None else _as_run(cfg, algo)
+    cluster = run.cluster
     hw = info.hw_groups or [list(range(info.world))]
     problem = Problem(point.batch, point.seq, point.heads, point.kv_heads, point.head_dim,
                       elem=element_size(cfg.dtype), window=cfg.problem_window(),
-                      wide_partials=cfg.wide_partials)
-    settings = {**dict(cfg.settings), "roles": cfg.roles}
+                      wide_partials=run.wide_partials)
+    settings = {**run.settings, "roles": cfg.roles}
     own = {k: v for k, v in settings.items() if k in _settings_of(algo)}
     pred = predict(algo, hw, problem, cluster, cfg.causal, tune=True, **own)
     model_s = {"fwd": pred.forward.time_s, "bwd": pred.backward.time_s,
@@ -306,7 +337,7 @@ def _model_columns(cfg: BenchConfig, point: Point, algo: str, p: str,
                        "forward" if p == "fwd" else "backward")
         out.update(ring_ccr=ccr.ratio, ring_compute_ms=ccr.compute_s * 1e3,
                    ring_comm_ms=ccr.comm_s * 1e3)
-    if algo == "ring" and problem.window is None:  # the textbook ring has no window
+    if algo == "ring" and problem.window is None and not run.te:  # the textbook ring
         from charm_megatron.lab.bench.emulator_checks import analytic_ring
 
         n = info.world

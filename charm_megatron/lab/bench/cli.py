@@ -41,6 +41,7 @@ from charm_megatron.lab.bench.measure import Job
 from charm_megatron.lab.bench.report import format_table, plot, write_csv, write_json
 from charm_megatron.lab.emulate import LINK_MODELS, NIC_MODELS, available, parse_rate, parse_size
 from charm_megatron.lab.emulate.rates import format_rate
+from charm_megatron.model.te_contenders import TE_NAMES
 from charm_megatron.plan.registry import ALGORITHM_NAMES
 from charm_megatron.plan.vocab import Dtype
 
@@ -336,7 +337,7 @@ def _device_setup(args, cfg: BenchConfig, points) -> DeviceSetup:
                      # come, first served, which the model is told (docs/emulator.md).
                      link_order="fifo" if args.emulate_backend in ("auto", "software") else None,
                      # auto sizes the dilation on the shortest dependent unit of the contenders
-                     algos=[a for a in cfg.algos if a in ALGORITHM_NAMES])
+                     algos=[a for a in cfg.algos if a in ALGORITHM_NAMES or a in TE_NAMES])
 
 
 def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:

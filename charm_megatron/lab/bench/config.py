@@ -8,14 +8,17 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from charm_megatron.lab.bench.gpu_emulation import DeviceSetup
+from charm_megatron.model.te_contenders import TE_NAMES
 from charm_megatron.plan.registry import NameView, names
 from charm_megatron.plan.vocab import Dtype
 
 #: The contenders: the registered algorithms, and ``torch`` (PyTorch's own CP ring).
 ALGOS = NameView(lambda: (*names(), "torch"))
-#: What ``--algos`` accepts: the contenders, and ``auto`` (cp_attention's own pick, timed and
-#: reported beside the others; not in the default line-up).
-ALGO_CHOICES = NameView(lambda: (*names(), "auto", "torch"))
+#: What ``--algos`` accepts: the contenders, ``auto`` (cp_attention's own pick, timed and
+#: reported beside the others; not in the default line-up) and TransformerEngine's CP types as
+#: shipped (``te-p2p``, ...: :mod:`charm_megatron.model.te_contenders`; not in the default
+#: line-up either).
+ALGO_CHOICES = NameView(lambda: (*names(), "auto", "torch", *TE_NAMES))
 PASSES = ("fwd", "bwd", "fwdbwd")
 DTYPES = ("fp32", "bf16", "fp16")
 

@@ -320,14 +320,57 @@ def _refusal(algo: str, topology: str | None, point: Point, packed: bool,
                                     point.kv_heads, packed=packed, windowed=window is not None))
 
 
+def _te_contender(algo: str, topology: str, point: Point, cfg: BenchConfig,
+                  packed: dict | None, backend, lineup: Lineup) -> None:
+    """TransformerEngine's CP type ``algo`` as shipped (:mod:`charm_megatron.model.
+    te_contenders`): refused where TE refuses it, else the plan that moves its blocks with
+    its wire dtype, on ``backend`` (the timed device on TE's kernel curve; the kernels here
+    on the CPU testbed)."""
+    from charm_megatron.model.te_contenders import get as te_get
+    from charm_megatron.model.te_contenders import te_refusal
+    from charm_megatron.plan.registry import CallTraits
+    from charm_megatron.topology import Topology
+
+    c = te_get(algo)
+    world = dist.get_world_size()
+    groups = (Topology.parse(topology, world).groups if topology and uses_topology(c.algo)
+              and topology not in ("auto", "node", "numa") else (tuple(range(world)),))
+    why = te_refusal(algo, CallTraits(tuple(tuple(g) for g in groups), point.heads,
+                                      point.kv_heads, packed=packed is not None,
+                                      windowed=cfg.window is not None))
+    if why is None and c.collective and backend is not None:
+        why = (f"TransformerEngine's {c.cp_comm_type} moves its bytes in NCCL ring collectives; "
+               "the emulated cluster times point-to-point plans only (the model prices it: "
+               "charm-megatron report te)")
+    if why is not None:
+        lineup.skipped[algo] = why
+        return
+    contender = PlanContender(c.algo, topology, cfg.causal, packed, backend=backend,
+                              window=cfg.wire_window(), partials=c.partials)
+    contender.name = algo
+    lineup.contenders[algo] = contender
+    kernel = ("TE's kernel curve" if backend is not None else "this machine's kernel")
+    how = (" (point-to-point: TE's NCCL collectives are not timed as such)" if c.collective
+           else "")
+    lineup.notes[algo] = (f"TransformerEngine cp_comm_type {c.cp_comm_type} as shipped: our "
+                          f"{c.algo} plan with its wire dtypes{how}, on {kernel}")
+
+
 def line_up(cfg: BenchConfig, topology: str, point: Point, device: torch.device,
-            torch_probe: dict, packed: dict | None = None, backend=None) -> Lineup:
+            torch_probe: dict, packed: dict | None = None, backend=None,
+            te_backend=None) -> Lineup:
     """Every algorithm of ``cfg.algos`` that runs here at ``point``. ``torch_probe`` caches
     :func:`probe_torch` per head shape (a collective: every rank calls this alike); ``packed``
     holds the point's ``cu_seqlens`` in packed mode; ``backend``: the timed device of an
-    emulated GPU cluster (the plan contenders run on it; torch's cannot)."""
+    emulated GPU cluster (the plan contenders run on it; torch's cannot); ``te_backend``: the
+    same device on TransformerEngine's kernel curve (the ``te-*`` contenders')."""
+    from charm_megatron.model.te_contenders import TE_NAMES
+
     lineup = Lineup({}, {}, {})
     for algo in cfg.algos:
+        if algo in TE_NAMES:
+            _te_contender(algo, topology, point, cfg, packed, te_backend, lineup)
+            continue
         if algo == "auto":
             auto = AutoContender(topology, cfg.causal, point, DTYPES[cfg.dtype], packed,
                                  roles=cfg.roles, settings=cfg.settings, backend=backend,

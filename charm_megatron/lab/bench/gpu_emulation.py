@@ -90,11 +90,22 @@ class DeviceSetup:
             return self.intra_Bps
         return self.cluster.intra_gbps * 1e9
 
+    def te_cluster(self) -> Cluster:
+        """The device profile's cluster on TransformerEngine's kernel curve (the ``te-*``
+        contenders' device; the profile's own where it has no such curve)."""
+        from charm_megatron.model.te_contenders import te_cluster
+
+        return te_cluster(get_profile(self.profile))
+
     @property
     def model_cluster(self) -> Cluster:
         """The device profile with this run's real link rates: what the emulated cluster is
         (the model's prediction of a run, and what its calls' ``auto`` settings time with)."""
-        return self.cluster.with_(cross_gbps=self.device_cross_Bps / 1e9,
+        return self.with_links(self.cluster)
+
+    def with_links(self, cluster: Cluster) -> Cluster:
+        """``cluster`` (the device, or the device on another kernel) with this run's links."""
+        return cluster.with_(cross_gbps=self.device_cross_Bps / 1e9,
                                   intra_gbps=self.device_intra_Bps / 1e9,
                                   nic=self.nic or self.cluster.nic,
                                   link_order=self.link_order)
@@ -111,14 +122,17 @@ class DeviceSetup:
         times longer like all device time; the wire scale does not touch it."""
         return self.cluster.latency_us * 1e-6 * self.dilation
 
-    def backend(self, rank: int):
+    def backend(self, rank: int, *, te_kernel: bool = False):
         """CP-local rank ``rank``'s timed device (imports torch); the hardware groups say
-        which of its messages cross, so for how long their bytes move."""
+        which of its messages cross, so for how long their bytes move. ``te_kernel``: the
+        device on TransformerEngine's kernel curve (:meth:`te_cluster`), for the ``te-*``
+        contenders."""
         from charm_megatron.lab.emulate.device import LinkClock, TimedBackend, WireScale
 
         links = LinkClock(rank, self.hw_groups, self.device_intra_Bps, self.device_cross_Bps,
                           self.cluster.latency_us * 1e-6)
-        return TimedBackend(self.cluster, dilation=self.dilation,
+        return TimedBackend(self.te_cluster() if te_kernel else self.cluster,
+                            dilation=self.dilation,
                             scale=WireScale(self.batch_scale, self.rows_scale),
                             sm_contention=self.sm_contention, links=links)
 
@@ -129,7 +143,8 @@ class DeviceSetup:
 
 
 def auto_dilation(cluster: Cluster, points: Sequence, groups: Sequence[Sequence[int]],
-                  causal: bool, elem: int, algos: Sequence[str] = ("ring",)) -> float:
+                  causal: bool, elem: int, algos: Sequence[str] = ("ring",),
+                  te: Cluster | None = None) -> float:
     """The dilation of ``--dilation auto``: the shortest dependent unit of any contender of the
     run (``algos``, registered algorithms; those whose entry refuses a point are skipped there)
     at any point, stretched to :data:`STEP_WALL_S`, within [:data:`MIN_DILATION`,
@@ -143,16 +158,23 @@ def auto_dilation(cluster: Cluster, points: Sequence, groups: Sequence[Sequence[
     as the dilation was sized before it looked at the other contenders; a contender with fewer,
     longer-reaching messages (CHARM+'s two-level schedule) has shorter units when its time is
     shorter, and every unit pays the emulator's fixed cost per dependent step (issue 41). No
-    contender with a unit (``algos`` empty or all refused): ring's."""
+    contender with a unit (``algos`` empty or all refused): ring's. ``te``: the device on
+    TransformerEngine's kernel, which the ``te-*`` of ``algos`` run their plans on."""
     from charm_megatron.model import predict
     from charm_megatron.model.predict import call_traits, role_shape
+    from charm_megatron.model.te_contenders import TE_NAMES, te_problem
+    from charm_megatron.model.te_contenders import get as te_get
     from charm_megatron.plan import registry
     from charm_megatron.plan.cost import Problem
     from charm_megatron.plan.validate import validate
 
     g = tuple(tuple(int(r) for r in grp) for grp in groups)
     n = sum(len(grp) for grp in g)
-    contenders = [a for a in dict.fromkeys(algos) if a in registry.ALGORITHM_NAMES] or ["ring"]
+    # (label, our plan, the cluster it runs on): a te-* contender is its plan on TE's kernel.
+    contenders = [(a, a, cluster) for a in dict.fromkeys(algos) if a in registry.ALGORITHM_NAMES]
+    if te is not None:
+        contenders += [(a, te_get(a).algo, te) for a in dict.fromkeys(algos) if a in TE_NAMES]
+    contenders = contenders or [("ring", "ring", cluster)]
     depth: dict[int, tuple[object, int]] = {}  # id(plan) -> (plan, units): plans are shared
 
     def units(plan) -> int:
@@ -162,18 +184,19 @@ def auto_dilation(cluster: Cluster, points: Sequence, groups: Sequence[Sequence[
 
     unit = math.inf
     for p in points:
-        problem = Problem(p.batch, p.seq, p.heads, p.kv_heads, p.head_dim, elem)
-        for algo in contenders:
+        base = Problem(p.batch, p.seq, p.heads, p.kv_heads, p.head_dim, elem)
+        for label, algo, cl in contenders:
+            problem = te_problem(label, base) if label in TE_NAMES else base
             if registry.refusal(algo, call_traits(g, problem)) is not None:
                 continue
-            pred = predict(algo, g, problem, cluster, causal)
+            pred = predict(algo, g, problem, cl, causal)
             fwd, bwd = registry.plans(algo, g, causal, shape=role_shape(problem),
                                       tiles=problem.tiles(n, causal))
             unit = min(unit, pred.forward.time_s / units(fwd),
                        pred.backward.time_s / units(bwd))
     if not math.isfinite(unit):  # every contender refused every point
-        return auto_dilation(cluster, points, groups, causal, elem) if contenders != ["ring"] \
-            else MIN_DILATION
+        return auto_dilation(cluster, points, groups, causal, elem) \
+            if [c[0] for c in contenders] != ["ring"] else MIN_DILATION
     d = min(MAX_DILATION, max(MIN_DILATION, STEP_WALL_S / unit)) if unit > 0 else MIN_DILATION
     digits = 10 ** (len(str(int(d))) - 2)
     return float(round(d / digits) * digits)
@@ -233,7 +256,8 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
     if dilation is None:
         links = DeviceSetup(profile, cross_Bps=cross_Bps, intra_Bps=intra_Bps, nic=nic,
                             link_order=link_order)
-        dilation = auto_dilation(links.model_cluster, points, groups, causal, elem, algos)
+        dilation = auto_dilation(links.model_cluster, points, groups, causal, elem, algos,
+                                 links.with_links(links.te_cluster()))
     return DeviceSetup(profile, dilation, batch, rows, cross_Bps, intra_Bps, sm_contention,
                        groups, nic, link_order)
 

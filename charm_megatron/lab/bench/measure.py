@@ -36,6 +36,7 @@ from charm_megatron.lab.bench.gpu_emulation import CoreMeter
 from charm_megatron.lab.bench.memory import PeakMeter
 from charm_megatron.lab.bench.packing import cumulative, doc_lengths
 from charm_megatron.lab.bench.progress import Progress
+from charm_megatron.model.te_contenders import TE_NAMES
 from charm_megatron.ops.options import CPOptions
 from charm_megatron.topology import resolve_topology
 
@@ -232,11 +233,14 @@ def rank_main(rank: int, world: int, job: Job) -> dict[str, Any]:
     torch_probe: dict = {}  # PyTorch CP's way of running, per head shape (a collective probe)
     # One timed device per rank for the whole run (an emulated GPU cluster), else the kernels.
     backend = cfg.device.backend(rank) if cfg.device is not None else None
+    # TransformerEngine's contenders time their tiles on TE's kernel curve.
+    te_backend = (cfg.device.backend(rank, te_kernel=True)
+                  if cfg.device is not None and any(a in TE_NAMES for a in cfg.algos) else None)
     try:
         points_out = [
             _measure_point(job, point, line_up(cfg, job.topology, point, device, torch_probe,
                                                _packed(point, cfg, world, device),
-                                               backend=backend),
+                                               backend=backend, te_backend=te_backend),
                            rank, world, device, progress)
             for point in job.points]
     finally:

@@ -26,7 +26,9 @@ from charm_megatron.commands.flags import (
 from charm_megatron.devices import DEVICES_ENV, PROFILES, builtin_profiles, get_profile
 from charm_megatron.model.auto import ENV
 from charm_megatron.model.cluster import LINK_ORDERS, Cluster, default_cluster_for
+from charm_megatron.model.kernel_rates import KERNEL_FIELDS, cluster_on, kernels_of
 from charm_megatron.model.predict import Prediction, predict, predict_all, ring_ccr, variants
+from charm_megatron.model.te_contenders import TE_KERNEL, predict_te_all, te_cluster
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.registry import ALGORITHM_NAMES as ALGOS
 from charm_megatron.plan.roles import check_roles
@@ -88,6 +90,14 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "default 8k..256k) and print a table")
     parser.add_argument("--ranks", action="store_true", help="per-rank busy / idle detail")
     add_setting_args(parser, ("roles", "split_visiting", "split_counterpart_q", "head_parallel"))
+    parser.add_argument("--kernel", default=None, metavar="NAME",
+                        help="price our tiles on the profile's rate curve of this kernel (e.g. "
+                             "cudnn, fa3; default: the profile's own, aten-flash on the GPU "
+                             "profiles)")
+    parser.add_argument("--te", action=argparse.BooleanOptionalAction, default=None,
+                        help="also print TransformerEngine's CP types as shipped (te-p2p, "
+                             "te-a2a, te-a2a+p2p, te-allgather) on TE's kernel curve (default: "
+                             "on when the profile has one)")
     parser.add_argument("--tune", action="store_true",
                         help="decide the settings left to the model (auto: CHARM+'s splits and "
                              "head_parallel) on this cluster, as a call with this profile runs "
@@ -137,6 +147,14 @@ def _parse_seqs(text: str) -> list[int]:
 
 def resolve(args: argparse.Namespace) -> tuple[str, list[list[int]], Cluster, str]:
     """(label, hardware groups, cluster, how the cluster was chosen) from the arguments."""
+    topo, groups, cluster, how, _ = resolve_with_te(args)
+    return topo, groups, cluster, how
+
+
+def resolve_with_te(args: argparse.Namespace
+                    ) -> tuple[str, list[list[int]], Cluster, str, Cluster | None]:
+    """:func:`resolve`, and the cluster TransformerEngine's contenders run on (the same links
+    and overheads on TE's kernel curve; ``None``: not asked for, or no profile has one)."""
     from charm_megatron.topology.core import Topology
 
     overrides: dict[str, object] = {field: getattr(args, flag[2:].replace("-", "_"))
@@ -144,15 +162,25 @@ def resolve(args: argparse.Namespace) -> tuple[str, list[list[int]], Cluster, st
     overrides["nic"] = args.nic
     overrides["link_order"] = args.link_order
     overrides["cross_via_intra"] = args.cross_via_intra
-    name, origin = args.profile, ""
+    name, origin, te = args.profile, "", None
     if not name and os.environ.get(ENV):
         name, origin = os.environ[ENV], f" (from {ENV})"
     if name:
         prof = get_profile(name)  # a name or a file; ValueError says which exist
         topo = Topology.parse(args.topology or prof.topology)
-        cluster = prof.cluster.with_(**overrides)
-        how = f"profile {prof.name}{origin}"
+        kernel = getattr(args, "kernel", None)
+        base = cluster_on(prof, kernel) if kernel else prof.cluster
+        cluster = base.with_(**overrides)
+        how = f"profile {prof.name}{origin}" + (f", our tiles on kernel {kernel}" if kernel
+                                                 else "")
+        want_te = getattr(args, "te", None)
+        if want_te or (want_te is None and TE_KERNEL in kernels_of(prof)):
+            links = {k: v for k, v in overrides.items() if k not in KERNEL_FIELDS}
+            te = te_cluster(prof).with_(**links)
     else:
+        if getattr(args, "kernel", None):
+            raise SystemExit("charm-megatron model: --kernel names a rate curve of a profile; "
+                             "give --profile")
         if not args.topology:
             raise SystemExit(f"charm-megatron model: give --profile or --topology (or set {ENV})")
         topo = Topology.parse(args.topology)
@@ -168,7 +196,7 @@ def resolve(args: argparse.Namespace) -> tuple[str, list[list[int]], Cluster, st
             overrides["cross_gbps"] = overrides["intra_gbps"]  # flat: no cross links used
         cluster = base.with_(**overrides)
     groups = [list(g) for g in topo.groups]
-    return str(topo), groups, cluster, how
+    return str(topo), groups, cluster, how, te
 
 
 def _problem(args: argparse.Namespace, seq: int) -> Problem:
@@ -256,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     if args.accuracy is not None:
         return _accuracy(args)
     try:
-        topo, groups, cluster, how = resolve(args)
+        topo, groups, cluster, how, te = resolve_with_te(args)
     except ValueError as exc:  # a bad topology or cluster field: say which, no traceback
         raise SystemExit(f"charm-megatron model: {exc}") from None
     compare = _parse_mixes(args.compare_roles)
@@ -287,18 +315,20 @@ def run(args: argparse.Namespace) -> int:
         print(f"# charm as a call with this profile runs it: head_parallel={fwd.head_parallel}, "
               f"split_visiting {fwd.split_visiting}/{bwd.split_visiting}, split_counterpart_q "
               f"{fwd.split_counterpart_q}/{bwd.split_counterpart_q} (fwd/bwd)")
-    print(f"{'':8} {'time ms':^29}   {'speedup over ring':^17}   {'busy':^9}   "
+    print(f"{'':12} {'time ms':^29}   {'speedup over ring':^17}   {'busy':^9}   "
           f"{'MiB sent per rank (max)':^27}")
-    print(f"{'algo':8} {'fwd':>9} {'bwd':>9} {'fwd+bwd':>9}   {'fwd':>5} {'bwd':>5} {'total':>5}   "
+    print(f"{'algo':12} {'fwd':>9} {'bwd':>9} {'fwd+bwd':>9}   {'fwd':>5} {'bwd':>5} {'total':>5}   "
           f"{'fwd':>4} {'bwd':>4}   {'intra fwd':>9} {'bwd':>6} {'cross fwd':>9} {'bwd':>6}")
     for algo, p in preds.items():
         f, b = p.forward, p.backward
-        print(f"{algo:8} {_ms(f.time_s):>9} {_ms(b.time_s):>9} {_ms(p.total_s):>9}   "
+        print(f"{algo:12} {_ms(f.time_s):>9} {_ms(b.time_s):>9} {_ms(p.total_s):>9}   "
               f"{ring.forward.time_s / f.time_s:5.2f} {ring.backward.time_s / b.time_s:5.2f} "
               f"{ring.total_s / p.total_s:5.2f}   {f.busy_fraction:4.0%} {b.busy_fraction:4.0%}"
               f"   {_mib(f.max_rank_intra_bytes):>9} {_mib(b.max_rank_intra_bytes):>6}"
               f" {_mib(f.max_rank_cross_bytes):>9} {_mib(b.max_rank_cross_bytes):>6}")
     print(f"# fastest (fwd+bwd): {_best(preds)}")
+    if te is not None:
+        _te_rows(args, groups, problem, te, ring, preds)
     if args.ranks:
         for algo, p in preds.items():
             for res in (p.forward, p.backward):
@@ -306,6 +336,32 @@ def run(args: argparse.Namespace) -> int:
                                  for r in res.ranks)
                 print(f"# {algo:6} {res.direction:8} busy per rank (rest idle): {cells}")
     return 0
+
+
+def _te_rows(args: argparse.Namespace, groups: list[list[int]], problem: Problem,
+             te: Cluster, ring: Prediction, ours: dict[str, Prediction]) -> None:
+    """TransformerEngine's contenders as shipped, in the table's columns (speed-ups over our
+    ring), and the fastest of ours against the fastest of theirs."""
+    prof = get_profile(args.profile or os.environ[ENV])
+    curve = kernels_of(prof).get(TE_KERNEL)
+    status = curve.status if curve is not None else "the profile's own kernel"
+    preds = predict_te_all(groups, problem, te, args.causal)
+    print(f"# TransformerEngine as shipped: its CP types on its kernel ({TE_KERNEL}, {status}; "
+          "docs/performance.md, \"TransformerEngine as shipped\")")
+    for name, p in preds.items():
+        f, b = p.forward, p.backward
+        print(f"{name:12} {_ms(f.time_s):>9} {_ms(b.time_s):>9} {_ms(p.total_s):>9}   "
+              f"{ring.forward.time_s / f.time_s:5.2f} {ring.backward.time_s / b.time_s:5.2f} "
+              f"{ring.total_s / p.total_s:5.2f}   {f.busy_fraction:4.0%} {b.busy_fraction:4.0%}"
+              f"   {_mib(f.max_rank_intra_bytes):>9} {_mib(b.max_rank_intra_bytes):>6}"
+              f" {_mib(f.max_rank_cross_bytes):>9} {_mib(b.max_rank_cross_bytes):>6}")
+    if not preds:
+        print("# TransformerEngine refuses this call with every CP type")
+        return
+    best_te, best = _best(preds), _best(ours)
+    print(f"# fastest TransformerEngine: {best_te} ({_ms(preds[best_te].total_s)} ms); the "
+          f"fastest of ours, {best} ({_ms(ours[best].total_s)} ms), runs "
+          f"{preds[best_te].total_s / ours[best].total_s:.2f}x its speed (fwd+bwd)")
 
 
 def _grid(args: argparse.Namespace, groups: list[list[int]], cluster: Cluster,

@@ -16,6 +16,11 @@ Nothing here is fitted; :mod:`charm_megatron.lab.calibration.refit` fits the pro
 * :data:`FA2_FWD_BWD_UTILISATION` - FlashAttention-2's forward and backward utilisation on A100
   (Dao, 2023, arXiv:2307.08691: up to 73 % of peak forward, 63 % backward): the backward
   factor ``2.5 * 73 / 63`` (2.5: backward has 2.5x the forward's FLOPs);
+* :data:`HOPPER_KERNELS` - FlashAttention-2, cuDNN and FlashAttention-3 on one H100 SXM5 at
+  16k tokens, TFLOP/s by head dim: forward (causal) and backward (non-causal, the only
+  backward bars), as printed on the FA-3 paper's bar charts (same setup as above); the
+  ``assumed`` curves of the kernels we have not measured are our measured FA-2 curve times
+  these ratios (:mod:`charm_megatron.lab.devices.hopper_kernels`);
 * :data:`OVERLAP_COMPUTE_SLOWDOWN` - compute kernels run 18.9 % slower on average (40 % at
   worst) while communication runs on the same GPU (Lee et al., 2025, "Characterizing
   Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning",
@@ -41,6 +46,15 @@ FA2_H100_FWD: dict[int, dict[int, float]] = {
 }
 
 FA2_FWD_BWD_UTILISATION = (0.73, 0.63)
+
+# kernel -> pass -> head dim -> TFLOP/s at 16k tokens (FA-3 paper's H100 SXM5 BF16 charts:
+# forward causal; backward non-causal, no head dim 256 bars). The FA-2 entries are the ratios'
+# denominators.
+HOPPER_KERNELS: dict[str, dict[str, dict[int, float]]] = {
+    "fa2": {"fwd": {64: 299.0, 128: 335.0, 256: 298.0}, "bwd": {64: 291.0, 128: 322.0}},
+    "cudnn": {"fwd": {64: 388.0, 128: 539.0, 256: 509.0}, "bwd": {64: 433.0, 128: 516.0}},
+    "fa3": {"fwd": {64: 473.0, 128: 616.0, 256: 642.0}, "bwd": {64: 474.0, 128: 561.0}},
+}
 OVERLAP_COMPUTE_SLOWDOWN = 0.189
 
 

@@ -18,6 +18,7 @@ from charm_megatron.lab.calibration.refit import (
     rnd,
     table5_ring_error,
 )
+from charm_megatron.lab.devices.hopper_kernels import OWN_KERNEL, assumed_curves, own_curve
 from charm_megatron.lab.devices.inputs import Inputs
 from charm_megatron.model.cluster import Cluster, Profile
 
@@ -38,12 +39,15 @@ def recipe(built: dict[str, Profile], inputs: Inputs) -> Profile:
            "inputs": {"paper Table 5": "ring"}, "fit_algos": ["ring"],
            "passes": list(TABLE5_FIT_PASSES), "rms_log_error": round(math.sqrt(err), 4),
            "cross_fraction_of_table2": round(eff, 4)}
+    own = own_curve(h100, "assumed", "assumed: FlashAttention-2 on H100, the FA-3 paper's "
+                    "forward bars and FA-2's utilisation (the cluster's kernel terms)")
     return Profile(
         "h100", h100, "2x8",
         f"H100 SXM nodes of 8: NVLink {intra} GB/s per message (Table 2), 450 GB/s per port "
         f"(NVLink4); one RDMA NIC per GPU, Table 2 says {cross} GB/s, the ring columns of "
         f"Table 5 (forward) give {h100.cross_gbps:g} GB/s ({eff:.0%}; fitted, CHARM+ columns "
-        "unused); " + kernel_source(), fit)
+        "unused); " + kernel_source(), fit, kernel=OWN_KERNEL,
+        kernels=(own, *assumed_curves(own)))
 
 
 def nic_fraction(built: dict[str, Profile]) -> float:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from charm_megatron.devices import MEASUREMENTS_DIR, load_profile
+from charm_megatron.lab.devices.hopper_kernels import OWN_KERNEL, assumed_curves, own_curve
 from charm_megatron.lab.devices.inputs import Inputs
 from charm_megatron.model.cluster import Profile
 
@@ -47,8 +48,11 @@ def kernel_text(terms: dict[str, object], device: str) -> str:
 def recipe(built: dict[str, Profile], inputs: Inputs) -> Profile:
     terms, fit = measured_terms()
     h100, rel = built["h100"], measurement_file()
+    cluster = replace(h100.cluster, **terms)
+    own = own_curve(cluster, "measured", f"measured: {kernel_text(terms, fit['device'])} "
+                    f"({rel})")
     return Profile(
-        "h200", replace(h100.cluster, **terms), "2x8",
+        "h200", cluster, "2x8",
         f"this package on H200 nodes of 8: the h100 profile's links (NVLink 4, one RDMA NIC per "
         f"GPU, cross rate fitted on Table 5's ring forward) with compute measured by "
         f"scripts/gpu_check.py: {kernel_text(terms, fit['device'])}; "
@@ -56,4 +60,5 @@ def recipe(built: dict[str, Profile], inputs: Inputs) -> Profile:
         f"merges fused ({fit['overheads']['merge_path']}) at {terms['merge_gbps']:g} GB/s of "
         "partial",
         {**h100.fit, "method": h100.fit["method"] + f"; compute terms measured ({rel})",
-         "measured": {"file": rel, "device": fit["device"], "fields": list(MEASURED_FIELDS)}})
+         "measured": {"file": rel, "device": fit["device"], "fields": list(MEASURED_FIELDS)}},
+        kernel=OWN_KERNEL, kernels=(own, *assumed_curves(own)))

@@ -28,6 +28,8 @@ REPORTS: dict[str, tuple[str, str, str, str]] = {
                   "where CHARM+'s modelled time above its lower bound goes, cost by cost"),
     "head-parallel": ("charm_megatron.lab.reports.head_parallel", "register", "run",
                       "CHARM+ with head parallelism against a2a+p2p and its bound, by the model"),
+    "te": ("charm_megatron.lab.reports.te_shipped", "register", "run",
+           "our auto against TransformerEngine's CP types as shipped, by the model"),
     "memory": ("charm_megatron.lab.reports.memory", "register", "run",
                "measure peak memory of ring / RM+ / CHARM+ on local gloo ranks"),
     "docgen": ("charm_megatron.lab.reports.docgen", "register", "run",

@@ -1,0 +1,131 @@
+"""``charm-megatron report te``: our ``auto`` against TransformerEngine's CP types as shipped,
+by the model, on the grid of docs/performance.md ("TransformerEngine as shipped").
+
+For each point (topology, NIC model, shape): the fastest ``te-*`` contender TE runs there (on
+TE's kernel curve, cuDNN's: ``assumed`` unless the profile measured it), then our ``auto``
+(the fastest of ours, its settings decided on the profile as a call with it decides them) on
+our measured kernel (``aten-flash``, FlashAttention-2) and on cuDNN's curve (what our ``cudnn``
+backend runs: assumed, never run on a GPU), each with TE's time over ours (above 1: ours is
+faster). Forward plus backward milliseconds.
+
+``--emulated CSV...``: the emulated check instead: per bench CSV (one point, with ``te-*`` and
+our contenders on the same emulated cluster), the fastest ``te-*``, ours, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from pathlib import Path
+
+from charm_megatron.lab.reports.bench_csv import by_algo, read_rows
+from charm_megatron.lab.reports.head_parallel import Shape, grid_shapes
+from charm_megatron.model import get_profile
+from charm_megatron.model.kernel_rates import cluster_on, kernels_of
+from charm_megatron.model.predict import rank_algos
+from charm_megatron.model.te_contenders import TE_KERNEL, TE_NAMES, fastest_te, te_cluster
+from charm_megatron.plan.cost import Problem
+
+#: Our kernel curve that is measured, and the one we run when cuDNN's is ours too.
+OURS_MEASURED = "aten-flash"
+
+
+def te_shapes() -> Iterator[Shape]:
+    """The head-parallel grid plus a 4k sliding window at 64k (Llama-8B-like GQA)."""
+    yield from grid_shapes()
+    yield Shape("8B 32/8 64k window 4k", Problem(1, 65536, 32, 8, 128, window=(4096, 0)), True)
+
+
+def register(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--profile", default="h200",
+                        help="the device profile (default h200: the costs measured on the H200)")
+    parser.add_argument("--topologies", default="2x8,4x8", help="comma list (default 2x8,4x8)")
+    parser.add_argument("--nics", default="rank,node",
+                        help="NIC models: rank (one per GPU), node (one per node); comma list")
+    parser.add_argument("--only", default=None, metavar="TEXT",
+                        help="only the shapes whose label contains TEXT")
+    parser.add_argument("--emulated", nargs="+", default=None, metavar="CSV",
+                        help="emulated runs instead: one bench CSV per point")
+
+
+def _groups(topo: str) -> list[list[int]]:
+    nodes, per = (int(x) for x in topo.split("x"))
+    return [list(range(i * per, (i + 1) * per)) for i in range(nodes)]
+
+
+def _ratio(te, ours_s: float) -> str:
+    """TE's time over ours (``-`` where TE refuses the call)."""
+    return "-" if te is None else f"{te.total_s / ours_s:.2f}x"
+
+
+def table(profile: str, topologies: list[str], nics: list[str], only: str | None = None
+          ) -> list[str]:
+    """The model's grid as Markdown lines."""
+    prof = get_profile(profile)
+    known = kernels_of(prof)
+    status = {k: known[k].status if k in known else "absent" for k in (OURS_MEASURED, TE_KERNEL)}
+    ours_k = OURS_MEASURED if OURS_MEASURED in known else None
+    head = (f"| GPUs | NIC | shape | fastest TE ({TE_KERNEL}, {status[TE_KERNEL]}) | ours, auto "
+            f"(FA-2, {status[OURS_MEASURED]}) | TE / ours | ours on {TE_KERNEL} "
+            f"({status[TE_KERNEL]}) | TE / ours on {TE_KERNEL} |")
+    out = [head, "|---|---|---|---|---|---|---|---|"]
+    for topo in topologies:
+        groups = _groups(topo)
+        for nic in nics:
+            ours_cl = (cluster_on(prof, ours_k) if ours_k else prof.cluster).with_(nic=nic)
+            fast_cl = (cluster_on(prof, TE_KERNEL) if TE_KERNEL in known
+                       else prof.cluster).with_(nic=nic)
+            te_cl = te_cluster(prof).with_(nic=nic)
+            for shape in te_shapes():
+                if only and only not in shape.label:
+                    continue
+                p, causal = shape.problem, shape.causal
+                te = fastest_te(groups, p, te_cl, causal)
+                ours = rank_algos(groups, p, ours_cl, causal=causal, tune=True)[0]
+                fast = rank_algos(groups, p, fast_cl, causal=causal, tune=True)[0]
+                te_cell = "refused" if te is None else f"{te.algo} {te.total_s * 1e3:.1f}"
+                out.append(f"| {topo} | {nic} | {shape.label} | {te_cell} | "
+                           f"{ours[1]} {ours[0] * 1e3:.1f} | {_ratio(te, ours[0])} | "
+                           f"{fast[1]} {fast[0] * 1e3:.1f} | {_ratio(te, fast[0])} |")
+    return out
+
+
+def emulated(paths: list[str]) -> list[str]:
+    """One row per bench CSV: the fastest ``te-*`` row, the fastest of ours (``auto``'s pick
+    where it ran), and TE's time over ours; device ms per forward + backward, the bound in
+    brackets, † where the row is more than 10 % off the model."""
+    out = ["| point | GPUs / NIC | fastest TE | ours (auto) | TE / ours | ours measured / model |",
+           "|---|---|---|---|---|---|"]
+    for path in sorted(paths):
+        rows = by_algo(read_rows(path), "fwdbwd", ok_only=True)
+        tes = {a: r for a, r in rows.items() if a in TE_NAMES and r.median_ms}
+        ours = {a: r for a, r in rows.items() if a not in TE_NAMES and r.median_ms}
+        if not ours:
+            continue
+        first = next(iter(rows.values()))
+        mine_name = "auto" if "auto" in ours else min(ours, key=lambda a: ours[a].median_ms)
+        mine = ours[mine_name]
+        te_name = min(tes, key=lambda a: tes[a].median_ms) if tes else None
+
+        def cell(name: str, r) -> str:
+            mark = "†" if r.off_model else ""
+            bound = "" if r.bound_ms is None else f" ({r.bound_ms:.2f})"
+            return f"{name} {r.median_ms:.2f}{mark}{bound}"
+
+        ratio = "-" if te_name is None else f"{tes[te_name].median_ms / mine.median_ms:.2f}x"
+        vs = "-" if mine.vs_model is None else f"{mine.vs_model:.2f}"
+        out.append(f"| {Path(path).stem} ({first.device_model}) | {first.topology} / "
+                   f"{first.nic} | {'refused' if te_name is None else cell(te_name, tes[te_name])}"
+                   f" | {cell(mine_name, mine)} | {ratio} | {vs} |")
+    out.append("")
+    out.append("† more than 10 % off the model: not a headline")
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.emulated:
+        print("\n".join(emulated(args.emulated)))
+        return 0
+    print("\n".join(table(args.profile, args.topologies.split(","), args.nics.split(","),
+                          args.only)))
+    return 0
