@@ -216,3 +216,24 @@ def test_emulated_te_p2p_runs_on_te_s_kernel_within_the_model(tmp_path) -> None:
     model = predict("ring", [[0], [1]], problem, te_cluster(get_profile("h200")), True)
     assert float(te["model_ms"]) == pytest.approx(model.total_s * 1e3, rel=0.02)
     assert te["analytic_ring_ms"] == "" and ring["analytic_ring_ms"] != ""
+
+
+def test_report_te_emulated_reads_the_docs_runs(capsys) -> None:
+    """The emulated table of docs/performance.md from its CSVs: TE's fastest timed contender
+    beside our auto, and where TE's fastest is its all-gather (not timed by the emulator),
+    the model's price of it, marked."""
+    from pathlib import Path
+
+    csvs = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "docs" /
+                                   "performance" / "te").glob("*.csv"))
+    assert csvs
+    out = _out(capsys, "report", "te", "--emulated", *csvs)
+    rows = {line.split("|")[1].split()[0]: [c.strip() for c in line.split("|")]
+            for line in out.splitlines() if line.startswith("| ") and "(h200)" in line}
+    assert set(rows) == {Path(p).stem for p in csvs}
+    for cells in rows.values():
+        te_ms = float(cells[3].split()[1])
+        ours_ms = float(cells[4].split()[1].rstrip("†"))
+        assert float(cells[5].rstrip("x")) == pytest.approx(te_ms / ours_ms, abs=0.011)
+    assert "(model only)" in rows["llama8b-2x8-s65536-w4096"][3]
+    assert rows["llama8b-2x8-s32768"][3].startswith("te-a2a+p2p")
