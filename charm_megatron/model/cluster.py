@@ -67,8 +67,11 @@ class Cluster:
       and per kv row block; ``tflops`` is then the long-tile rate);
     * kernel rate against head dim: ``head_dim_factors`` pairs ``(d, factor)``, interpolated
       linearly in ``d`` (clamped at the ends); empty: no effect;
-    * ``comm_slowdown``: while a message of a rank is moving, that rank's compute runs
-      ``1 + comm_slowdown`` times slower (communication kernels take SMs and memory bandwidth);
+    * ``comm_slowdown``: while messages of a rank move, that rank's compute runs
+      ``1 + comm_slowdown * k`` times slower, ``k`` the number of its streams (communicators)
+      with a message moving (each communicator's kernel holds SMs and memory bandwidth);
+      ``comm_slowdown_streams`` caps ``k`` (``None``: no cap; ``1``: the flat slowdown of one
+      communicator whatever is in flight, the model before issue 41);
     * ``concurrency_penalty``: a link carrying ``k > 1`` messages at once delivers
       ``1 / (1 + concurrency_penalty * (k - 1))`` of its capacity in total;
     * ``cross_burst_kb`` / ``intra_burst_kb``: a token bucket per link (``tc tbf`` on the
@@ -95,6 +98,7 @@ class Cluster:
     kernel_k_rows: float = 0.0
     head_dim_factors: tuple[tuple[float, float], ...] = ()
     comm_slowdown: float = 0.0
+    comm_slowdown_streams: int | None = None
     concurrency_penalty: float = 0.0
     cross_burst_kb: float = 0.0
     intra_burst_kb: float = 0.0
@@ -120,6 +124,10 @@ class Cluster:
             v = getattr(self, name)
             if v is not None and not v > 0:
                 raise ValueError(f"{name} must be > 0 or None, got {v!r}")
+        k = self.comm_slowdown_streams
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"comm_slowdown_streams must be a whole number >= 1 or None, "
+                             f"got {k!r}")
         if self.cores is not None and self.cores < 1:
             raise ValueError(f"cores must be >= 1 or None, got {self.cores!r}")
         if self.cpu_ns_per_byte and self.cores is None:
@@ -162,7 +170,10 @@ class Cluster:
         if self.head_dim_factors:
             parts.append("head dim " + "/".join(f"{d:g}:{f:g}" for d, f in self.head_dim_factors))
         if self.comm_slowdown:
-            parts.append(f"compute +{self.comm_slowdown:.0%} under comm")
+            k = self.comm_slowdown_streams
+            per = ("" if k == 1 else " per stream" if k is None
+                   else f" per stream (at most {k})")
+            parts.append(f"compute +{self.comm_slowdown:.0%}{per} under comm")
         if self.concurrency_penalty:
             parts.append(f"concurrency penalty {self.concurrency_penalty:g}")
         if self.cross_burst_kb or self.intra_burst_kb:

@@ -5,7 +5,8 @@ The engine calls three functions at three points:
 * :func:`kernel_efficiency` when it prices a tile (kernel rate against tile size and head dim);
 * :func:`link_capacity` before each fair-share allocation (a link's total delivered rate falls
   when several messages share it);
-* :func:`compute_caps` before each allocation (compute of a rank slows while its messages move);
+* :func:`compute_caps` before each allocation (compute of a rank slows while its messages move,
+  more with each of its communicators moving data: :func:`contention`);
 * :func:`burst_buckets` once per simulation and :func:`split_burst` when a message starts
   (token-bucket links: the first bytes of a call pass at once).
 
@@ -77,20 +78,51 @@ def link_capacity(cluster: Cluster, capacity: Mapping[Hashable, float],
     return out
 
 
-def compute_caps(cluster: Cluster, jobs: Sequence[Job]) -> None:
-    """Cap each compute job at ``1 / (1 + comm_slowdown)`` while a message of its rank moves
-    (sent or received), else at full speed. Mutates the jobs' ``cap``."""
+def contention(cluster: Cluster, streams: int) -> float:
+    """How many times slower a rank computes while ``streams`` of its communicators move data:
+    ``1 + comm_slowdown * k``, ``k`` the streams counted (at most ``comm_slowdown_streams``).
+
+    Why per communicator: each NCCL communicator's kernel holds its own thread blocks (one per
+    channel) on the SMs attention runs on, and the H200 proxy measured the slowdown growing
+    with the blocks held, about 0.8 % per block (docs/gpu-check.md); ``comm_slowdown`` is one
+    communicator's share (docs/model.md, "Effects")."""
     s = cluster.comm_slowdown
-    if not s:
+    if not s or streams <= 0:
+        return 1.0
+    cap = cluster.comm_slowdown_streams
+    return 1.0 + s * (streams if cap is None else min(streams, cap))
+
+
+def slowed_s(cluster: Cluster, work_s: float, remaining: Sequence[float]) -> float:
+    """Seconds that ``work_s`` of compute at full speed takes from now when each of the rank's
+    communicators in ``remaining`` still moves data for that many seconds: slowed by
+    :func:`contention` of those still moving, which fall away one by one as each ends."""
+    t, left = 0.0, work_s
+    ends = sorted(e for e in remaining if e > 0)
+    for i, end in enumerate(ends):
+        slow = contention(cluster, len(ends) - i)
+        if left * slow <= end - t:
+            return t + left * slow
+        left -= (end - t) / slow
+        t = end
+    return t + left
+
+
+def compute_caps(cluster: Cluster, jobs: Sequence[Job]) -> None:
+    """Cap each compute job at ``1 / contention(k)`` where ``k`` is the number of distinct
+    streams (communicators) with a message of its rank moving (sent or received), full speed
+    when none moves. Mutates the jobs' ``cap``."""
+    if not cluster.comm_slowdown:
         return
-    moving: set[int] = set()
+    moving: dict[int, set[Hashable]] = {}
     for j in jobs:
         if j.tag and j.tag[0] == "msg" and j.remaining > 0:
-            moving.update(j.tag[1:3])
-    slow = 1.0 / (1.0 + s)
+            _, src, dst, stream = j.tag
+            moving.setdefault(src, set()).add(stream)
+            moving.setdefault(dst, set()).add(stream)
     for j in jobs:
         if j.tag and j.tag[0] == "compute":
-            j.cap = slow if j.tag[1] in moving else 1.0
+            j.cap = 1.0 / contention(cluster, len(moving.get(j.tag[1], ())))
 
 
 def burst_buckets(cluster: Cluster, capacity: Mapping[Hashable, float]) -> dict[Hashable, float]:

@@ -21,7 +21,8 @@ class Job:
 
     ``rate = weight * level``; ``uses`` maps resource -> consumption per unit of *rate*;
     ``cap`` bounds the rate (``inf``: only resources bound it). ``tag`` says what the job is
-    (``("compute", rank)`` or ``("msg", src, dst)``) for :mod:`charm_megatron.model.effects`.
+    (``("compute", rank)`` or ``("msg", src, dst, stream)``) for
+    :mod:`charm_megatron.model.effects`.
     """
 
     remaining: float

@@ -284,7 +284,8 @@ class _Engine(OpInterpreter[None]):
         nbytes = self._bytes(x)
         uses, cap = self._flow(sb.rank, x.peer)
 
-        tag = ("msg", sb.rank, x.peer)
+        # The stream names the communicator: SM contention counts communicators in flight.
+        tag = ("msg", sb.rank, x.peer, sb.op.stream)
 
         def start() -> None:
             if nbytes <= 0:

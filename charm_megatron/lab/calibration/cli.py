@@ -54,7 +54,11 @@ _CLUSTER_FLAGS: tuple[tuple[str, str, type, str], ...] = (
      "kernel rate vs tile size: rows of fixed cost per q side (rate / (1 + q/sq + k/sk))"),
     ("--kernel-k-rows", "kernel_k_rows", float, "same, per kv side"),
     ("--comm-slowdown", "comm_slowdown", float,
-     "compute runs 1+X times slower while the rank's messages move (e.g. 0.19)"),
+     "compute runs 1+X*k times slower while k of the rank's streams move messages "
+     "(e.g. 0.19)"),
+    ("--comm-slowdown-streams", "comm_slowdown_streams", int,
+     "count at most N streams in --comm-slowdown (1: flat, one stream's slowdown whatever "
+     "moves; default: the profile's)"),
     ("--concurrency-penalty", "concurrency_penalty", float,
      "a link with k messages delivers 1/(1+X(k-1)) of its capacity"),
     ("--cross-burst-kb", "cross_burst_kb", float, "token bucket per cross link, KiB per call"),
