@@ -193,7 +193,8 @@ class Executor(OpInterpreter[None]):
         self._own_out: tuple[Loc, _Buf, torch.Tensor] | None = None
         self._i = 0  # index of the op being interpreted
         # A timed device (lab/emulate/device.py) slows its compute while a transfer of this rank
-        # is in flight and prices the merges it is told of; real kernels have no such hooks.
+        # is in flight (per stream: it is told each batch's) and prices the merges it is told
+        # of; real kernels have no such hooks.
         self._posted = getattr(backend, "posted", None)
         self._waited = getattr(backend, "waited", None)
         self._merged = getattr(backend, "merged", None)
@@ -475,7 +476,7 @@ class Executor(OpInterpreter[None]):
         if self._posted is not None and works:
             self._posted(op.handle, [(x.peer, sum(t.numel() * t.element_size()
                                                   for t in self._view(x.loc, x.half)))
-                                     for x in (*op.sends, *op.recvs)])
+                                     for x in (*op.sends, *op.recvs)], op.stream)
 
     def copied(self, tensors: list[torch.Tensor], passes: float) -> None:
         """The caller copied ``tensors`` ``passes`` times outside any op (a head all-to-all's
@@ -504,7 +505,8 @@ class Executor(OpInterpreter[None]):
         handle = -1 - len(self.pending)  # never a plan's (plans number from 0)
         self.pending[handle] = (works, [t for _, t in sends], stream, peers)
         if self._posted is not None and works:
-            self._posted(handle, [(p, t.numel() * t.element_size()) for p, t in (*sends, *recvs)])
+            self._posted(handle, [(p, t.numel() * t.element_size()) for p, t in (*sends, *recvs)],
+                         stream)
         self._wait(handle)
 
     def _wait(self, handle: int) -> None:

@@ -20,7 +20,7 @@ def analytic_ring(cluster: Cluster, problem, n: int, causal: bool, direction: st
     one step behind, on the same link: step 0 moves kv alone, steps 1 .. n-2 move kv and dkv,
     and after the last tile each dkv takes one more hop home, which nothing overlaps. Tiles are
     priced as the model prices them (rate, tile efficiency, the fold of the result, the per-op
-    overhead); one link latency per transfer."""
+    overhead, slowed by ``comm_slowdown`` per stream moving); one link latency per transfer."""
     from charm_megatron.model import effects
 
     rows = problem.s / n
@@ -50,18 +50,21 @@ def analytic_ring(cluster: Cluster, problem, n: int, causal: bool, direction: st
     def xfer_s(nbytes: float) -> float:
         return nbytes / rate + cluster.latency_us * 1e-6
 
-    kv_x = xfer_s(problem.block_bytes("kv", n))
-    both_x = xfer_s(problem.block_bytes("kv", n) + problem.block_bytes("dkv", n)) \
-        if backward else kv_x
-    slow = 1.0 + cluster.comm_slowdown
+    kv_b, dkv_b = problem.block_bytes("kv", n), problem.block_bytes("dkv", n)
+    kv_x = xfer_s(kv_b)
+    both_x = xfer_s(kv_b + dkv_b) if backward else kv_x
+    # The streams moving during a step, by when each is done: kv alone (stream kv); backward's
+    # kv and dkv (streams kv and q) share the link, so the smaller is done after twice its
+    # bytes and the other one at the step's end. SM contention counts each stream moving.
+    moving = [both_x, xfer_s(2 * min(kv_b, dkv_b))] if backward else [kv_x]
 
-    def while_moving(c: float, xfer: float) -> float:
-        # A tile of ``c`` seconds runs ``slow`` times slower while the step's transfer moves.
-        return c * slow if c * slow <= xfer else xfer + (c - xfer / slow)
+    def while_moving(c: float, streams: list[float]) -> float:
+        # A tile of ``c`` seconds, slowed while the step's streams move (effects.slowed_s).
+        return effects.slowed_s(cluster, c, streams)
 
-    home = xfer_s(problem.block_bytes("dkv", n)) if backward else 0.0
-    return (max(while_moving(first, kv_x), kv_x)
-            + (n - 2) * max(while_moving(step, both_x), both_x) + step + home)
+    home = xfer_s(dkv_b) if backward else 0.0
+    return (max(while_moving(first, [kv_x]), kv_x)
+            + (n - 2) * max(while_moving(step, moving), both_x) + step + home)
 
 
 def check_lines(rows: Sequence[dict]) -> list[str]:

@@ -6,9 +6,9 @@ place of the attention kernels (``CPOptions(backend=TimedBackend(...))``): for e
 given it waits for the time the modelled device would take, computed by the performance
 model's formulas on the device profile (a :class:`~charm_megatron.model.cluster.Cluster`:
 ``tflops``, the backward factor, the tile-size and head-dim efficiency, the per-op overhead,
-the merge rate, the slowdown while communication is in flight), so the model and the emulator
-price a tile alike and differ only in what the model cannot see: the executor's real order of
-events, the real messages and their real contention.
+the merge rate, the slowdown per stream with communication in flight), so the model and the
+emulator price a tile alike and differ only in what the model cannot see: the executor's real
+order of events, the real messages and their real contention.
 
 * **Values mean nothing.** Outputs keep the shapes and dtypes of the real kernels' (so every
   message has its real size) but hold zeros; results of an emulated run are timings only.
@@ -103,9 +103,11 @@ class TimedBackend:
     """A kernel backend whose every op waits for the device time of ``cluster`` (see module).
 
     ``dilation``: wall seconds per device second; ``scale``: the wire-to-virtual factors;
-    ``sm_contention``: apply the profile's ``comm_slowdown`` while a transfer of this rank
-    moves (the executor says when it posts and completes one, :meth:`posted` / :meth:`waited`;
-    ``links`` says for how long its bytes move); ``False`` or no ``links`` ignores it."""
+    ``sm_contention``: apply the profile's ``comm_slowdown`` once per stream (communicator)
+    with a transfer of this rank moving, as the model does (:func:`.effects.contention`; the
+    executor says when it posts and completes one and on which stream, :meth:`posted` /
+    :meth:`waited`; ``links`` says for how long its bytes move); ``False`` or no ``links``
+    ignores it."""
 
     name = "timed"
 
@@ -124,8 +126,9 @@ class TimedBackend:
         self.sm_contention = sm_contention
         self._sleep = sleep
         self.links = links
-        # handle -> wall time until which its transfer is expected to move (contention)
-        self._moving: dict[int, float] = {}
+        # handle -> (wall time until which its transfer is expected to move, its stream):
+        # the slowdown counts the streams with something still moving (contention)
+        self._moving: dict[int, tuple[float, object]] = {}
         self.clock = DeviceClock()
 
     @classmethod
@@ -147,26 +150,32 @@ class TimedBackend:
         """The virtual problem of a call (its model problem and variant rules use it)."""
         return self.scale
 
-    def posted(self, handle: int, messages: list[tuple[int, int]]) -> None:
-        """The executor posted batch ``handle``: ``(peer, wire bytes)`` per message. Its bytes
-        move, by the device's links (:class:`LinkClock`), for the longest message's real
-        time: the span during which this rank's compute is slowed (``comm_slowdown``)."""
+    def posted(self, handle: int, messages: list[tuple[int, int]],
+               stream: object = None) -> None:
+        """The executor posted batch ``handle`` on ``stream`` (its communicator; ``None``: one
+        unnamed stream): ``(peer, wire bytes)`` per message. Its bytes move, by the device's
+        links (:class:`LinkClock`), for the longest message's real time: the span during which
+        this rank's compute is slowed (``comm_slowdown`` for this stream)."""
         if self.links is None or not (self.sm_contention and self.cluster.comm_slowdown):
             return
         seconds = max((self.links.seconds(peer, nbytes * self.scale.bytes)
                        for peer, nbytes in messages), default=0.0)
-        self._moving[handle] = time.perf_counter() + seconds * self.dilation
+        self._moving[handle] = (time.perf_counter() + seconds * self.dilation, stream)
 
     def waited(self, handle: int) -> None:
         """Batch ``handle`` completed: whatever it moved has arrived by now."""
         self._moving.pop(handle, None)
 
-    def _contended_s(self) -> float:
-        """Wall seconds from now during which some transfer of this rank still moves."""
+    def _contended_s(self) -> list[float]:
+        """Wall seconds from now during which each stream of this rank still moves bytes (one
+        entry per stream: its latest transfer's end)."""
         now = time.perf_counter()
-        for h in [h for h, end in self._moving.items() if end <= now]:
+        for h in [h for h, (end, _) in self._moving.items() if end <= now]:
             del self._moving[h]
-        return max((end - now for end in self._moving.values()), default=0.0)
+        ends: dict[object, float] = {}
+        for end, stream in self._moving.values():
+            ends[stream] = max(ends.get(stream, now), end)
+        return [end - now for end in ends.values()]
 
     # -- device time ------------------------------------------------------------------------
     def tile_seconds(self, sq: int, sk: int, b: int, hq: int, hkv: int, d: int, elem: int,
@@ -191,17 +200,14 @@ class TimedBackend:
         return seconds + self.merge_seconds(folded) + cl.op_overhead_us * 1e-6
 
     def _slowed(self, work_s: float) -> float:
-        """Device seconds of ``work_s`` of compute when it runs ``1 + comm_slowdown`` times
-        slower while this rank's transfers move (the model's effect, from the tile's start:
-        slowed for the transfers' remaining time, then at full speed)."""
-        s = self.cluster.comm_slowdown
-        if not (self.sm_contention and s) or not self._moving:
+        """Device seconds of ``work_s`` of compute while this rank's transfers move: the
+        model's effect from the tile's start (:func:`.effects.slowed_s`: ``1 + comm_slowdown
+        * k`` times slower with ``k`` streams moving, ``k`` falling as each stream's transfers
+        end, then at full speed)."""
+        if not (self.sm_contention and self.cluster.comm_slowdown) or not self._moving:
             return work_s
-        contended = self._contended_s() / self.dilation
-        slow = 1.0 + s
-        if work_s * slow <= contended:
-            return work_s * slow
-        return contended + (work_s - contended / slow)
+        remaining = [s / self.dilation for s in self._contended_s()]
+        return effects.slowed_s(self.cluster, work_s, remaining)
 
     def merge_seconds(self, nbytes: float) -> float:
         """Device seconds to accumulate ``nbytes`` of partials (virtual bytes)."""
