@@ -107,10 +107,13 @@ def te_problem(name: str, problem: Problem) -> Problem:
 
 def te_cluster(profile: Profile) -> Cluster:
     """``profile``'s cluster on TE's kernel (:data:`TE_KERNEL`), or on its own kernel when it
-    has no curve for TE's."""
-    if TE_KERNEL in kernels_of(profile):
-        return cluster_on(profile, TE_KERNEL)
-    return profile.cluster
+    has no curve for TE's; its SM contention counts one communicator at most
+    (``comm_slowdown_streams=1``): TE's ring posts a step's kv and dk, dv on one process group
+    (``flash_attn_p2p_communicate(..., cp_group, ...)``, docs/model.md "Link order") and its
+    all-to-alls and all-gathers block, so no two of its communicators move data while it
+    computes, where our plans' streams (kv, q, cross) are communicators of their own."""
+    cl = cluster_on(profile, TE_KERNEL) if TE_KERNEL in kernels_of(profile) else profile.cluster
+    return replace(cl, comm_slowdown_streams=1)
 
 
 def predict_te(name: str, groups: Sequence[Sequence[int]], problem: Problem,
