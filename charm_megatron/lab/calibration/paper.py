@@ -24,7 +24,10 @@ Nothing here is fitted; :mod:`charm_megatron.lab.calibration.refit` fits the pro
 * :data:`OVERLAP_COMPUTE_SLOWDOWN` - compute kernels run 18.9 % slower on average (40 % at
   worst) while communication runs on the same GPU (Lee et al., 2025, "Characterizing
   Compute-Communication Overlap in GPU-Accelerated Distributed Deep Learning",
-  arXiv:2507.03114; A100 / H100 / MI250 / MI210).
+  arXiv:2507.03114; A100 / H100 / MI250 / MI210). The GPU profiles charge it once per
+  communicator moving data (``Cluster.comm_slowdown_streams`` left uncapped; docs/model.md,
+  "Effects": the H200 proxy's 0.8 % per thread block puts it at about 24 blocks, one
+  communicator's kernel).
 """
 
 from __future__ import annotations
