@@ -306,18 +306,26 @@ class Lineup:
     picks: dict[str, str] = field(default_factory=dict)  # auto -> the algorithm it runs
 
 
-def _refusal(algo: str, topology: str | None, point: Point, packed: bool,
-             window) -> str | None:
-    """Why ``algo`` cannot run ``point`` (its entry's check: ``a2a`` where the heads do not
-    divide by the CP size), ``None`` if it can; the same on every rank."""
-    from charm_megatron.plan.registry import CallTraits, refusal
+def _traits(algo: str, topology: str | None, point: Point, packed: bool, window):
+    """What ``algo``'s check reads of a call at ``point`` (its groups as it sees them); the
+    same on every rank."""
+    from charm_megatron.plan.registry import CallTraits
     from charm_megatron.topology import Topology
 
     world = dist.get_world_size()
     groups = (Topology.parse(topology, world).groups if topology and uses_topology(algo)
               and topology not in ("auto", "node", "numa") else (tuple(range(world)),))
-    return refusal(algo, CallTraits(tuple(tuple(g) for g in groups), point.heads,
-                                    point.kv_heads, packed=packed, windowed=window is not None))
+    return CallTraits(tuple(tuple(g) for g in groups), point.heads, point.kv_heads,
+                      packed=packed, windowed=window is not None)
+
+
+def _refusal(algo: str, topology: str | None, point: Point, packed: bool,
+             window) -> str | None:
+    """Why ``algo`` cannot run ``point`` (its entry's check: ``a2a`` where the heads do not
+    divide by the CP size), ``None`` if it can; the same on every rank."""
+    from charm_megatron.plan.registry import refusal
+
+    return refusal(algo, _traits(algo, topology, point, packed, window))
 
 
 def _te_contender(algo: str, topology: str, point: Point, cfg: BenchConfig,
@@ -328,16 +336,9 @@ def _te_contender(algo: str, topology: str, point: Point, cfg: BenchConfig,
     on the CPU testbed)."""
     from charm_megatron.model.te_contenders import get as te_get
     from charm_megatron.model.te_contenders import te_refusal
-    from charm_megatron.plan.registry import CallTraits
-    from charm_megatron.topology import Topology
 
     c = te_get(algo)
-    world = dist.get_world_size()
-    groups = (Topology.parse(topology, world).groups if topology and uses_topology(c.algo)
-              and topology not in ("auto", "node", "numa") else (tuple(range(world)),))
-    why = te_refusal(algo, CallTraits(tuple(tuple(g) for g in groups), point.heads,
-                                      point.kv_heads, packed=packed is not None,
-                                      windowed=cfg.window is not None))
+    why = te_refusal(algo, _traits(c.algo, topology, point, packed is not None, cfg.window))
     if why is None and c.collective and backend is not None:
         why = (f"TransformerEngine's {c.cp_comm_type} moves its bytes in NCCL ring collectives; "
                "the emulated cluster times point-to-point plans only (the model prices it: "

@@ -324,12 +324,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'algo':12} {'fwd':>9} {'bwd':>9} {'fwd+bwd':>9}   {'fwd':>5} {'bwd':>5} {'total':>5}   "
           f"{'fwd':>4} {'bwd':>4}   {'intra fwd':>9} {'bwd':>6} {'cross fwd':>9} {'bwd':>6}")
     for algo, p in preds.items():
-        f, b = p.forward, p.backward
-        print(f"{algo:12} {_ms(f.time_s):>9} {_ms(b.time_s):>9} {_ms(p.total_s):>9}   "
-              f"{ring.forward.time_s / f.time_s:5.2f} {ring.backward.time_s / b.time_s:5.2f} "
-              f"{ring.total_s / p.total_s:5.2f}   {f.busy_fraction:4.0%} {b.busy_fraction:4.0%}"
-              f"   {_mib(f.max_rank_intra_bytes):>9} {_mib(b.max_rank_intra_bytes):>6}"
-              f" {_mib(f.max_rank_cross_bytes):>9} {_mib(b.max_rank_cross_bytes):>6}")
+        print(_row(algo, p, ring))
     print(f"# fastest (fwd+bwd): {_best(preds)}")
     if te is not None:
         _te_rows(args, groups, problem, te, ring, preds)
@@ -340,6 +335,16 @@ def run(args: argparse.Namespace) -> int:
                                  for r in res.ranks)
                 print(f"# {algo:6} {res.direction:8} busy per rank (rest idle): {cells}")
     return 0
+
+
+def _row(name: str, p: Prediction, ring: Prediction) -> str:
+    """One line of the single-point table: times, speed-ups over ``ring``, busy, bytes."""
+    f, b = p.forward, p.backward
+    return (f"{name:12} {_ms(f.time_s):>9} {_ms(b.time_s):>9} {_ms(p.total_s):>9}   "
+            f"{ring.forward.time_s / f.time_s:5.2f} {ring.backward.time_s / b.time_s:5.2f} "
+            f"{ring.total_s / p.total_s:5.2f}   {f.busy_fraction:4.0%} {b.busy_fraction:4.0%}"
+            f"   {_mib(f.max_rank_intra_bytes):>9} {_mib(b.max_rank_intra_bytes):>6}"
+            f" {_mib(f.max_rank_cross_bytes):>9} {_mib(b.max_rank_cross_bytes):>6}")
 
 
 def _te_rows(args: argparse.Namespace, groups: list[list[int]], problem: Problem,
@@ -353,12 +358,7 @@ def _te_rows(args: argparse.Namespace, groups: list[list[int]], problem: Problem
     print(f"# TransformerEngine as shipped: its CP types on its kernel ({TE_KERNEL}, {status}; "
           "docs/performance.md, \"TransformerEngine as shipped\")")
     for name, p in preds.items():
-        f, b = p.forward, p.backward
-        print(f"{name:12} {_ms(f.time_s):>9} {_ms(b.time_s):>9} {_ms(p.total_s):>9}   "
-              f"{ring.forward.time_s / f.time_s:5.2f} {ring.backward.time_s / b.time_s:5.2f} "
-              f"{ring.total_s / p.total_s:5.2f}   {f.busy_fraction:4.0%} {b.busy_fraction:4.0%}"
-              f"   {_mib(f.max_rank_intra_bytes):>9} {_mib(b.max_rank_intra_bytes):>6}"
-              f" {_mib(f.max_rank_cross_bytes):>9} {_mib(b.max_rank_cross_bytes):>6}")
+        print(_row(name, p, ring))
     if not preds:
         print("# TransformerEngine refuses this call with every CP type")
         return

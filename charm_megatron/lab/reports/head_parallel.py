@@ -67,7 +67,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "(charm head_parallel=1)")
 
 
-def _groups(topo: str) -> list[list[int]]:
+def topology_groups(topo: str) -> list[list[int]]:
+    """The hardware groups of ``GxM`` (``G`` groups of ``M`` consecutive ranks)."""
     nodes, per = (int(x) for x in topo.split("x"))
     return [list(range(i * per, (i + 1) * per)) for i in range(nodes)]
 
@@ -95,7 +96,7 @@ def table(profile: str, topologies: list[str], nics: list[str],
            "auto vs a2a+p2p | auto vs d=1 | /bound fwd | /bound bwd |",
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for topo in topologies:
-        groups = _groups(topo)
+        groups = topology_groups(topo)
         traits_groups = tuple(tuple(g) for g in groups)
         for nic in nics:
             cl = base.with_(nic=nic)
@@ -121,7 +122,8 @@ def table(profile: str, topologies: list[str], nics: list[str],
     return out
 
 
-def _cell(row: BenchRow | None) -> str:
+def bench_cell(row: BenchRow | None) -> str:
+    """A bench row's device ms, † when more than 10 % off the model, its bound in brackets."""
     if row is None or row.median_ms is None:
         return "-"
     mark = "†" if row.off_model else ""
@@ -150,7 +152,8 @@ def emulated(paths: list[str]) -> list[str]:
 
         vs_model = "-" if auto is None or auto.vs_model is None else f"{auto.vs_model:.2f}"
         out.append(f"| {name} ({first.device_model}) | {first.topology} / {first.nic} | "
-                   f"{_cell(ring)} | {_cell(a2a)} | {_cell(one)} | {_cell(auto)} | "
+                   f"{bench_cell(ring)} | {bench_cell(a2a)} | {bench_cell(one)} | "
+                   f"{bench_cell(auto)} | "
                    f"{ratio(a2a, auto)} | {ratio(one, auto)} | {vs_model} |")
     out.append("")
     out.append("† more than 10 % off the model: not a headline")

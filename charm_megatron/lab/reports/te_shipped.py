@@ -20,8 +20,14 @@ import argparse
 from collections.abc import Iterator
 from pathlib import Path
 
+from charm_megatron.lab.bench.config import element_size
 from charm_megatron.lab.reports.bench_csv import by_algo, read_rows
-from charm_megatron.lab.reports.head_parallel import Shape, grid_shapes
+from charm_megatron.lab.reports.head_parallel import (
+    Shape,
+    bench_cell,
+    grid_shapes,
+    topology_groups,
+)
 from charm_megatron.model import get_profile
 from charm_megatron.model.kernel_rates import cluster_on, kernels_of
 from charm_megatron.model.predict import rank_algos
@@ -34,7 +40,7 @@ from charm_megatron.model.te_contenders import (
 )
 from charm_megatron.plan.cost import Problem
 
-#: Our kernel curve that is measured, and the one we run when cuDNN's is ours too.
+#: Our tiles' measured kernel curve (FlashAttention-2 through torch).
 OURS_MEASURED = "aten-flash"
 
 
@@ -56,11 +62,6 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="emulated runs instead: one bench CSV per point")
 
 
-def _groups(topo: str) -> list[list[int]]:
-    nodes, per = (int(x) for x in topo.split("x"))
-    return [list(range(i * per, (i + 1) * per)) for i in range(nodes)]
-
-
 def _ratio(te, ours_s: float) -> str:
     """TE's time over ours (``-`` where TE refuses the call)."""
     return "-" if te is None else f"{te.total_s / ours_s:.2f}x"
@@ -78,7 +79,7 @@ def table(profile: str, topologies: list[str], nics: list[str], only: str | None
             f"({status[TE_KERNEL]}) | TE / ours on {TE_KERNEL} |")
     out = [head, "|---|---|---|---|---|---|---|---|"]
     for topo in topologies:
-        groups = _groups(topo)
+        groups = topology_groups(topo)
         for nic in nics:
             ours_cl = (cluster_on(prof, ours_k) if ours_k else prof.cluster).with_(nic=nic)
             fast_cl = (cluster_on(prof, TE_KERNEL) if TE_KERNEL in known
@@ -116,11 +117,6 @@ def emulated(paths: list[str]) -> list[str]:
         mine = ours[mine_name]
         te_name = min(tes, key=lambda a: tes[a].median_ms) if tes else None
 
-        def cell(name: str, r) -> str:
-            mark = "†" if r.off_model else ""
-            bound = "" if r.bound_ms is None else f" ({r.bound_ms:.2f})"
-            return f"{name} {r.median_ms:.2f}{mark}{bound}"
-
         # TE's contenders the emulator did not time (its all-gather) at the model's price.
         model_only = {n: p.total_s * 1e3 for n, p in _model_te(every[0]).items()
                       if n not in tes}
@@ -130,14 +126,14 @@ def emulated(paths: list[str]) -> list[str]:
             te_cell = f"{best_model} {model_only[best_model]:.2f} (model only)"
             ratio = f"{model_only[best_model] / mine.median_ms:.2f}x"
         elif te_name is not None:
-            te_cell = cell(te_name, tes[te_name])
+            te_cell = f"{te_name} {bench_cell(tes[te_name])}"
             ratio = f"{tes[te_name].median_ms / mine.median_ms:.2f}x"
         else:
             te_cell, ratio = "refused", "-"
         vs = "-" if mine.vs_model is None else f"{mine.vs_model:.2f}"
         label = Path(path).parent.name if Path(path).stem == "results" else Path(path).stem
         out.append(f"| {label} ({first.device_model}) | {first.topology} / {first.nic} | "
-                   f"{te_cell} | {cell(mine_name, mine)} | {ratio} | {vs} |")
+                   f"{te_cell} | {mine_name} {bench_cell(mine)} | {ratio} | {vs} |")
     out.append("")
     out.append("† more than 10 % off the model: not a headline")
     return out
@@ -149,8 +145,8 @@ def _model_te(row) -> dict:
     prof = get_profile(row.device_model)
     cl = te_cluster(prof).with_(nic=row.nic or None)
     problem = Problem(row.batch, row.seq, row.heads, row.kv_heads, row.head_dim,
-                      2 if row.dtype in ("bf16", "fp16") else 4, window=row.window)
-    return predict_te_all(_groups(row.topology), problem, cl, bool(row.causal))
+                      element_size(row.dtype), window=row.window)
+    return predict_te_all(topology_groups(row.topology), problem, cl, bool(row.causal))
 
 
 def run(args: argparse.Namespace) -> int:
