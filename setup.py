@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["charm_megatron", "charm_megatron.*"]),
     package_data={"charm_megatron": ["configs/*.yaml", "devices/data/*.json",
-                                    "devices/measurements/*.json"]},
+                                    "devices/measurements/*.json", "devices/measurements/*.tsv"]},
     # torch: lower bound only; CI pins the CPU build torch==2.13.0 in the Makefile.
     install_requires=["torch>=2.3", "numpy", "pyyaml", "pydantic>=2"],
     extras_require={

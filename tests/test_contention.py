@@ -189,3 +189,37 @@ def test_shipped_gpu_profiles_scale_and_te_counts_one_communicator():
         assert prof.cluster.comm_slowdown_streams is None, name
         assert te_cluster(prof).comm_slowdown_streams == 1, name
     assert get_profile("cpu-testbed").cluster.comm_slowdown == 0.0
+
+
+def test_cross_only_slowdown_counts_only_cross_transfers_alike_in_model_and_emulator(
+        monkeypatch):
+    """``comm_slowdown_links="cross"`` (the paper's implementation, h100-paper-appendix):
+    rank 0 sends on stream kv inside its group for 1.0 s and on stream q across for 0.5 s. By
+    hand only q counts: 0.5 s at 1.25x (0.4 s of work), then 0.6 s at full speed: 1.1 s
+    (counting both: 1.2667 s). The model and the timed device agree."""
+    from dataclasses import replace
+
+    hand = 0.5 + (WORK_S - 0.5 / (1 + S))
+    assert hand == pytest.approx(1.1)
+    cluster = replace(_cluster(intra_s=1.0, cross_s=0.5), comm_slowdown_links="cross")
+    rank0 = [_send(0, "kv", [1]), _send(1, "q", [2])]
+    assert _tile_busy_s(rank0, _peers(rank0), cluster, GROUPS) == pytest.approx(hand, rel=1e-9)
+    both = _tile_busy_s(rank0, _peers(rank0), replace(cluster, comm_slowdown_links="all"),
+                        GROUPS)
+    assert both > hand + 0.1
+
+    now = [100.0]
+    monkeypatch.setattr("charm_megatron.lab.emulate.device.time.perf_counter", lambda: now[0])
+    links = LinkClock(0, tuple(tuple(g) for g in GROUPS), intra_Bps=BLOCK / 1.0,
+                      cross_Bps=BLOCK / 0.5)
+    dev = TimedBackend(cluster, dilation=3.0, links=links, sleep=lambda s: None)
+    dev.posted(0, [(1, BLOCK)], "kv")
+    dev.posted(1, [(2, BLOCK)], "q")
+    rows = P.s // N
+    tile = dev.tile_seconds(rows, rows, P.b, P.hq, P.hkv, P.d, P.elem, False, False)
+    assert tile == pytest.approx(hand, rel=1e-9)
+
+
+def test_slowdown_links_must_be_all_or_cross():
+    with pytest.raises(ValueError, match="comm_slowdown_links must be one of"):
+        _cluster(1.0, 1.0).with_(comm_slowdown_links="intra")

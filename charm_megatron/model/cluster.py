@@ -21,6 +21,10 @@ NICS = ("rank", "node")
 #: one NCCL communicator runs its operations in issue order, as TransformerEngine's ring sends
 #: kv and dkv on one group; the emulator's software links book transfers so).
 LINK_ORDERS = ("fair", "fifo")
+#: Which messages slow a rank's compute (``Cluster.comm_slowdown``): ``all`` of them, or only
+#: those on ``cross`` links (an implementation whose intra-node copies hold no SMs, or whose
+#: cross transfers are the ones that hold them: the paper's, docs/model.md).
+SLOWDOWN_LINKS = ("all", "cross")
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,8 @@ class Cluster:
       with a message moving (each communicator's kernel holds SMs and memory bandwidth);
       ``comm_slowdown_streams`` caps ``k`` (``None``: no cap; ``1``: the flat slowdown of one
       communicator whatever is in flight, the model before issue 41);
+      ``comm_slowdown_links="cross"`` counts only streams with a cross-group message moving
+      (:data:`SLOWDOWN_LINKS`);
     * ``concurrency_penalty``: a link carrying ``k > 1`` messages at once delivers
       ``1 / (1 + concurrency_penalty * (k - 1))`` of its capacity in total;
     * ``cross_burst_kb`` / ``intra_burst_kb``: a token bucket per link (``tc tbf`` on the
@@ -99,6 +105,7 @@ class Cluster:
     head_dim_factors: tuple[tuple[float, float], ...] = ()
     comm_slowdown: float = 0.0
     comm_slowdown_streams: int | None = None
+    comm_slowdown_links: str = "all"
     concurrency_penalty: float = 0.0
     cross_burst_kb: float = 0.0
     intra_burst_kb: float = 0.0
@@ -107,6 +114,9 @@ class Cluster:
     def __post_init__(self) -> None:
         if self.nic not in NICS:
             raise ValueError(f"nic must be one of {NICS}, got {self.nic!r}")
+        if self.comm_slowdown_links not in SLOWDOWN_LINKS:
+            raise ValueError(f"comm_slowdown_links must be one of {SLOWDOWN_LINKS}, "
+                             f"got {self.comm_slowdown_links!r}")
         if self.link_order not in LINK_ORDERS:
             raise ValueError(f"link_order must be one of {LINK_ORDERS}, got {self.link_order!r}")
         if self.link_order == "fifo" and self.cores is not None:
@@ -173,7 +183,8 @@ class Cluster:
             k = self.comm_slowdown_streams
             per = ("" if k == 1 else " per stream" if k is None
                    else f" per stream (at most {k})")
-            parts.append(f"compute +{self.comm_slowdown:.0%}{per} under comm")
+            under = "cross comm" if self.comm_slowdown_links == "cross" else "comm"
+            parts.append(f"compute +{self.comm_slowdown:.0%}{per} under {under}")
         if self.concurrency_penalty:
             parts.append(f"concurrency penalty {self.concurrency_penalty:g}")
         if self.cross_burst_kb or self.intra_burst_kb:

@@ -110,13 +110,18 @@ def slowed_s(cluster: Cluster, work_s: float, remaining: Sequence[float]) -> flo
 
 def compute_caps(cluster: Cluster, jobs: Sequence[Job]) -> None:
     """Cap each compute job at ``1 / contention(k)`` where ``k`` is the number of distinct
-    streams (communicators) with a message of its rank moving (sent or received), full speed
-    when none moves. Mutates the jobs' ``cap``."""
+    streams (communicators) with a message of its rank moving (sent or received; with
+    ``comm_slowdown_links="cross"`` only cross-group messages count), full speed when none
+    moves. Mutates the jobs' ``cap``."""
     if not cluster.comm_slowdown:
         return
     moving: dict[int, set[Hashable]] = {}
+    cross_only = cluster.comm_slowdown_links == "cross"
     for j in jobs:
         if j.tag and j.tag[0] == "msg" and j.remaining > 0:
+            if cross_only and not any(isinstance(res, tuple) and res[0] in ("xout", "xin")
+                                      for res, _ in j.uses):
+                continue
             _, src, dst, stream = j.tag
             moving.setdefault(src, set()).add(stream)
             moving.setdefault(dst, set()).add(stream)

@@ -25,7 +25,12 @@ from charm_megatron.commands.flags import (
 )
 from charm_megatron.devices import DEVICES_ENV, PROFILES, builtin_profiles, get_profile
 from charm_megatron.model.auto import ENV
-from charm_megatron.model.cluster import LINK_ORDERS, Cluster, default_cluster_for
+from charm_megatron.model.cluster import (
+    LINK_ORDERS,
+    SLOWDOWN_LINKS,
+    Cluster,
+    default_cluster_for,
+)
 from charm_megatron.model.kernel_rates import KERNEL_FIELDS, cluster_on, kernels_of
 from charm_megatron.model.predict import Prediction, predict, predict_all, ring_ccr, variants
 from charm_megatron.model.te_contenders import TE_KERNEL, predict_te_all, te_cluster
@@ -82,6 +87,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "the order they started: one NCCL communicator, e.g. "
                              "TransformerEngine's ring; the emulator's software links); "
                              "default: the profile's")
+    parser.add_argument("--comm-slowdown-links", choices=SLOWDOWN_LINKS, default=None,
+                        help="which messages slow compute (--comm-slowdown): all, or only "
+                             "cross-group ones; default: the profile's")
     parser.add_argument("--cross-via-intra", action=argparse.BooleanOptionalAction,
                         default=None,
                         help="cross messages also use the intra ports (one PCIe link per GPU)")
@@ -165,6 +173,7 @@ def resolve_with_te(args: argparse.Namespace
                                     for flag, field, _, _ in _CLUSTER_FLAGS}
     overrides["nic"] = args.nic
     overrides["link_order"] = args.link_order
+    overrides["comm_slowdown_links"] = args.comm_slowdown_links
     overrides["cross_via_intra"] = args.cross_via_intra
     name, origin, te = args.profile, "", None
     if not name and os.environ.get(ENV):

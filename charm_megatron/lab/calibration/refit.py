@@ -4,7 +4,7 @@ sources: the paper's tables (:mod:`.paper`), one GPU measurement and the docs' b
 ``python -m charm_megatron.lab.calibration.refit [--check]`` (from the repository root) runs the
 recipes of :mod:`charm_megatron.lab.devices` (one module per device, in dependency order:
 ``h100``, ``h20``, ``l20-pcie``, ``h20-table4``, ``h100-paper``, ``h200``,
-``h100-paper-measured``, ``cpu-testbed``) and writes each profile; ``--check`` exits 1 if a
+``h100-paper-measured``, ``h100-paper-appendix``, ``cpu-testbed``) and writes each profile; ``--check`` exits 1 if a
 shipped file differs from what the sources give now. This module holds the fits the recipes
 share: FlashAttention-2's H100 kernel curve (:func:`kernel_terms`), the ring forward of Table 5
 (:func:`table5_ring_error`) and the ring column of Table 4 (:func:`fit_table4`).

@@ -22,6 +22,7 @@ from charm_megatron.lab.devices import (
     h20_table4,
     h100,
     h100_paper,
+    h100_paper_appendix,
     h100_paper_measured,
     h200,
     l20_pcie,
@@ -40,6 +41,7 @@ RECIPES: tuple[Recipe, ...] = (
     h100_paper.recipe,
     h200.recipe,
     h100_paper_measured.recipe,
+    h100_paper_appendix.recipe,
     cpu_testbed.recipe,
 )
 

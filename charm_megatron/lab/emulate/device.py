@@ -74,9 +74,13 @@ class LinkClock:
     cross_Bps: float
     latency_s: float = 0.0
 
+    def crosses(self, peer: int) -> bool:
+        """True if a message to or from ``peer`` leaves this rank's hardware group."""
+        return not any(self.rank in g and peer in g for g in self.groups)
+
     def seconds(self, peer: int, nbytes: float) -> float:
-        same = any(self.rank in g and peer in g for g in self.groups)
-        return self.latency_s + nbytes / (self.intra_Bps if same else self.cross_Bps)
+        rate = self.cross_Bps if self.crosses(peer) else self.intra_Bps
+        return self.latency_s + nbytes / rate
 
 
 @dataclass
@@ -155,9 +159,14 @@ class TimedBackend:
         """The executor posted batch ``handle`` on ``stream`` (its communicator; ``None``: one
         unnamed stream): ``(peer, wire bytes)`` per message. Its bytes move, by the device's
         links (:class:`LinkClock`), for the longest message's real time: the span during which
-        this rank's compute is slowed (``comm_slowdown`` for this stream)."""
+        this rank's compute is slowed (``comm_slowdown`` for this stream; only its cross
+        messages count with ``comm_slowdown_links="cross"``)."""
         if self.links is None or not (self.sm_contention and self.cluster.comm_slowdown):
             return
+        if self.cluster.comm_slowdown_links == "cross":  # intra copies hold no SMs here
+            messages = [(p, b) for p, b in messages if self.links.crosses(p)]
+            if not messages:
+                return
         seconds = max((self.links.seconds(peer, nbytes * self.scale.bytes)
                        for peer, nbytes in messages), default=0.0)
         self._moving[handle] = (time.perf_counter() + seconds * self.dilation, stream)

@@ -30,6 +30,8 @@ REPORTS: dict[str, tuple[str, str, str, str]] = {
                       "CHARM+ with head parallelism against a2a+p2p and its bound, by the model"),
     "te": ("charm_megatron.lab.reports.te_shipped", "register", "run",
            "our auto against TransformerEngine's CP types as shipped, by the model"),
+    "appendix": ("charm_megatron.lab.reports.appendix", "register", "run",
+                 "the paper's appendix Tables 9-10 (2x8, small to large sizes) against a profile"),
     "memory": ("charm_megatron.lab.reports.memory", "register", "run",
                "measure peak memory of ring / RM+ / CHARM+ on local gloo ranks"),
     "docgen": ("charm_megatron.lab.reports.docgen", "register", "run",
