@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from charm_megatron.model import effects
 from charm_megatron.model.cluster import Cluster
 from charm_megatron.model.fluid import Job, allocate, allocate_in_order
+from charm_megatron.model.links import Links
 from charm_megatron.plan.batches import BatchMismatch, StreamQueues, messages_between
 from charm_megatron.plan.core import (
     Comm,
@@ -133,6 +134,7 @@ class _Engine(OpInterpreter[None]):
         self.timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = 0
         self.ready: set[int] = set(range(self.n))
+        self.links = Links.of(cluster)  # the emulator's links are built from the same object
         self.capacity = self._capacities()
         self.buckets = effects.burst_buckets(cluster, self.capacity)
         # A transfer on a CPU testbed is one thread: its level is in cores (see fluid.Job).
@@ -145,17 +147,16 @@ class _Engine(OpInterpreter[None]):
 
     # ---------------------------------------------------------------- resources
     def _capacities(self) -> dict[Hashable, float]:
-        cl = self.cl
+        cl, intra, cross = self.cl, self.links.intra, self.links.cross
         cap: dict[Hashable, float] = {}
         for r in range(self.n):
-            port = cl.intra_port_gbps or cl.intra_gbps
-            cap[("iout", r)] = cap[("iin", r)] = port * 1e9
+            cap[("iout", r)] = cap[("iin", r)] = intra.port_Bps
             cap[("dev", r)] = 1.0
-            if cl.nic == "rank":
-                cap[("xout", r)] = cap[("xin", r)] = cl.cross_gbps * 1e9
+            if cross.shared_by == "rank":
+                cap[("xout", r)] = cap[("xin", r)] = cross.port_Bps
         for g in set(self.group_of.values()):
-            if cl.nic == "node":
-                cap[("xout", g)] = cap[("xin", g)] = cl.cross_gbps * 1e9
+            if cross.shared_by == "node":
+                cap[("xout", g)] = cap[("xin", g)] = cross.port_Bps
             if cl.intra_bus_gbps is not None:
                 cap[("bus", g)] = cl.intra_bus_gbps * 1e9
         cap["pool"] = float(cl.cores or 0)
@@ -169,10 +170,10 @@ class _Engine(OpInterpreter[None]):
         cap = self.flow_cap
         if gs == gd:
             uses += [(("iout", src), 1.0), (("iin", dst), 1.0)]
-            cap = min(cap, cl.intra_gbps * 1e9)
+            cap = min(cap, self.links.intra.message_Bps)
             if cl.intra_bus_gbps is not None:
                 uses.append((("bus", gs), 1.0))
-        else:
+        else:  # one message can fill a cross port (Links.of): no cap of its own
             a, b = (src, dst) if cl.nic == "rank" else (gs, gd)
             uses += [(("xout", a), 1.0), (("xin", b), 1.0)]
             if cl.cross_via_intra:
@@ -293,7 +294,8 @@ class _Engine(OpInterpreter[None]):
                 return
             self._move(effects.split_burst(self.buckets, uses, nbytes), cap, tag, arrived)
 
-        self._at(self.t + self.cl.latency_us * 1e-6, start)
+        same = self.group_of[sb.rank] == self.group_of[x.peer]
+        self._at(self.t + (self.links.intra if same else self.links.cross).latency_s, start)
 
     def _move(self, phases: list, cap: float, tag: tuple, arrived: Callable[[], None]) -> None:
         """Move a message's phases one after another (see effects.split_burst)."""
