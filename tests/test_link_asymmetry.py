@@ -260,4 +260,5 @@ def test_the_emulated_gpu_cluster_links_carry_the_profiles_latency(monkeypatch):
         cli_main(["bench", "--emulate", "2x1", "--device-model", "h100", "--dilation", "80",
                   "--batch", "1", "--seq", "4096", "--heads", "4x128", "--algos", "ring",
                   "--quiet", "--no-plot"])
-    assert got.value.args[0]["latency_s"] == pytest.approx(10e-6 * 80)
+    assert got.value.args[0]["links"].intra.latency_s == pytest.approx(10e-6 * 80)
+    assert got.value.args[0]["links"].cross.latency_s == pytest.approx(10e-6 * 80)

@@ -403,8 +403,8 @@ def _run_emulated_gpu(args, cfg: BenchConfig, job, dropped, emulate) -> int:
     device = cfg.device
     assert device is not None
     world = emulate[0] * emulate[1]
-    cross = device.wire_rate(device.device_cross_Bps)
-    intra = device.wire_rate(device.device_intra_Bps)
+    wire = device.wire_links()  # the model's description of the links, on the wire
+    cross, intra = wire.cross.message_Bps, wire.intra.message_Bps
     # No token bucket on a GPU's links: the smallest one a shaper keeps its rate with (two
     # packets of the path's MTU, or one timer tick's worth of bytes). The tbf model's intra
     # veths carry 64 KiB packets; htb's single veth per rank 1500-byte ones.
@@ -427,10 +427,11 @@ def _run_emulated_gpu(args, cfg: BenchConfig, job, dropped, emulate) -> int:
         results, info = runners.run_netns(job, emulate[0], emulate[1], cross, intra, args.nic,
                                          **kw, **kw_links)
     else:
-        # The profile's per-message latency, dilated like the rest of device time: the
-        # model charges it to every message (model/sim.py), so do the links.
+        # The software links are built from the model's own description (model/links.py):
+        # per-message rates, port aggregates (a port wider than one message carries several
+        # at once, in start order), the profile's latency dilated like all device time.
         results, info = runners.run_software(job, emulate[0], emulate[1], cross, intra,
-                                            args.nic, **kw, latency_s=device.wire_latency_s)
+                                            args.nic, **kw, links=wire)
     info.device = "emulated"
     info.cross_rate, info.cross_rate_source = device.device_cross_Bps, f"device model {device.profile}"
     info.cross_burst = int(info.cross_burst * device.bytes_scale)  # in real bytes

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from charm_megatron.devices import get_profile
 from charm_megatron.model.cluster import Cluster
+from charm_megatron.model.links import Links
 
 #: The busiest core's utilisation above which a run is marked CPU-limited (issue 23).
 CPU_LIMITED = 0.70
@@ -110,6 +111,17 @@ class DeviceSetup:
                                   nic=self.nic or self.cluster.nic,
                                   link_order=self.link_order)
 
+    def links(self) -> Links:
+        """This run's links in device time: the model's own description of
+        :attr:`model_cluster` (per-message rate, port aggregate, latency, order, per kind;
+        :class:`~charm_megatron.model.links.Links`), which the model predicts the run with."""
+        return Links.of(self.model_cluster)
+
+    def wire_links(self) -> Links:
+        """:meth:`links` on the wire: what the emulated (software) links are built from
+        (``SoftwareLinks.from_links``): rates ``F`` x ``D`` lower, latency ``D`` x longer."""
+        return self.links().on_wire(self.bytes_scale, self.dilation)
+
     def wire_rate(self, device_Bps: float) -> float:
         """The emulated link's rate (bytes/s of wire data) for a real link of ``device_Bps``:
         ``F`` times fewer bytes, ``D`` times slower."""
@@ -120,17 +132,18 @@ class DeviceSetup:
         """The emulated links' per-message latency in wall seconds: the profile's
         ``latency_us`` (the model's, which the software links add to every message), ``D``
         times longer like all device time; the wire scale does not touch it."""
-        return self.cluster.latency_us * 1e-6 * self.dilation
+        return self.wire_links().intra.latency_s
 
     def backend(self, rank: int, *, te_kernel: bool = False):
         """CP-local rank ``rank``'s timed device (imports torch); the hardware groups say
-        which of its messages cross, so for how long their bytes move. ``te_kernel``: the
-        device on TransformerEngine's kernel curve (:meth:`te_cluster`), for the ``te-*``
-        contenders."""
+        which of its messages cross, so for how long their bytes move (a message alone on its
+        ports: :meth:`links`' per-message rate and latency). ``te_kernel``: the device on
+        TransformerEngine's kernel curve (:meth:`te_cluster`), for the ``te-*`` contenders."""
         from charm_megatron.lab.emulate.device import LinkClock, TimedBackend, WireScale
 
-        links = LinkClock(rank, self.hw_groups, self.device_intra_Bps, self.device_cross_Bps,
-                          self.cluster.latency_us * 1e-6)
+        spec = self.links()
+        links = LinkClock(rank, self.hw_groups, spec.intra.one_message_Bps,
+                          spec.cross.one_message_Bps, spec.intra.latency_s)
         return TimedBackend(self.te_cluster() if te_kernel else self.cluster,
                             dilation=self.dilation,
                             scale=WireScale(self.batch_scale, self.rows_scale),

@@ -31,6 +31,7 @@ from charm_megatron.lab.emulate import (
     run_ranks_in_cluster,
 )
 from charm_megatron.local_ranks import run_ranks
+from charm_megatron.model.links import Links
 
 
 def _cores(world: int, threads: int) -> int:
@@ -108,14 +109,20 @@ def _tcp_summary(before: list[dict], after: list[dict]) -> dict[str, int]:
 
 def run_software(job: Job, groups: int, per_group: int, cross: str, intra: str | None, nic: str,
                  *, timeout_s: float, pg_timeout_s: float, log=print,
-                 latency_s: float = 0.0) -> tuple[list, RunInfo]:
+                 latency_s: float = 0.0, links: Links | None = None) -> tuple[list, RunInfo]:
     """Ranks over loopback with the software link model throttling this package's P2P
-    (``latency_s``: wall seconds added to every message's arrival, the emulated GPU cluster's
-    profile latency; a CPU run's real loopback has its own)."""
+    (``latency_s``: wall seconds added to every message's arrival; a CPU run's real loopback
+    has its own). ``links``: the emulated GPU cluster's links on the wire, the model's
+    description (``DeviceSetup.wire_links``), which then sets the links' rates, ports and
+    latency (``cross`` / ``intra`` / ``nic`` are its per-message rates and sharing, for the
+    run's record)."""
     world = groups * per_group
     with tempfile.TemporaryDirectory(prefix="charm-bench-links-") as state:
-        spec = SoftwareLinks(groups, per_group, cross, intra, nic, state_dir=state,
-                             latency_s=latency_s)
+        if links is not None:
+            spec = SoftwareLinks.from_links(groups, per_group, links, state_dir=state)
+        else:
+            spec = SoftwareLinks(groups, per_group, cross, intra, nic, state_dir=state,
+                                 latency_s=latency_s)
         with run_profile(job, nic=nic, cross_Bps=parse_rate(cross),
                          intra_Bps=parse_rate(intra) if intra else None, cross_burst=0,
                          intra_burst=0, cores=_cores(world, job.cfg.threads),
@@ -131,6 +138,9 @@ def run_software(job: Job, groups: int, per_group: int, cross: str, intra: str |
         info.notes.append(auto_note)
     info.rates = {"configured_cross": parse_rate(cross),
                   "configured_intra": parse_rate(intra) if intra else None}
+    if links is not None:  # the ports a message shares (wire bytes/s; meta.json only)
+        info.rates["configured_intra_port"] = links.intra.port_Bps
+        info.rates["configured_cross_port"] = links.cross.port_Bps
     booked = [r.get("links_booked_cross_bytes") for r in results]
     if not any(booked):
         msg = ("WARNING: the software link model booked no cross-node bytes: the executor's "

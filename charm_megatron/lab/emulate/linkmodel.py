@@ -65,17 +65,26 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from charm_megatron.lab.emulate.cluster import NIC_MODELS
 from charm_megatron.lab.emulate.rates import parse_rate
 
-__all__ = ["LinkModel", "LinkTransport", "LinkWork", "RankLinks", "SoftwareLinks",
-           "ThrottledWork", "book_message"]
+if TYPE_CHECKING:
+    from charm_megatron.model.links import Links
 
-_STATE = struct.Struct("=dQQ")  # busy_until (monotonic s), bytes posted, transfers posted
+__all__ = ["LinkModel", "LinkTransport", "LinkWork", "RankLinks", "SoftwareLinks",
+           "ThrottledWork", "book_message", "fill"]
+
+_HEADER = struct.Struct("=QQQ")  # a link's bytes posted, transfers posted, segments stored
+_SEGMENT = struct.Struct("=ddd")  # one reservation: from, until (monotonic s), bytes/s
 _HEAD = struct.Struct("=QQ")  # a pair's sends posted, receives posted
 _SLOT = struct.Struct("=dddQ")  # send posted, receive posted, arrival (NaN: not yet), bytes
+#: Reservations that ended this long before now are dropped from a link's state: a booking's
+#: start (a post time) can lag the clock by the locks it waited for, never by this much.
+KEEP_PAST_S = 1.0
+#: A rate below this fraction of a message's cap is none (what float sums leave of a full port).
+_RATE_EPS = 1e-9
 
 
 class _Locked:
@@ -121,61 +130,84 @@ class _Locked:
 
 
 class LinkModel(_Locked):
-    """One modelled link of ``rate`` (tc units or bytes/s) plus a fixed ``latency_s``.
+    """One modelled link direction (a port): each message on it reaches at most ``rate`` (tc
+    units or bytes/s), all messages at once at most ``port_rate`` (``None``: ``rate``, one
+    message fills the port), plus a fixed ``latency_s``.
 
-    ``shared_path``: a file holding the link's counter so that several processes share one link
-    (e.g. the ranks of a node on one NIC); ``time.monotonic`` is machine-wide, so deadlines agree
-    across processes. Without it the counter lives in this process (threads share it).
+    Its state is the reservations booked on it (``(from, until, bytes/s)`` segments, module
+    doc), with the bytes and transfers posted. ``shared_path``: a file holding that state so
+    that several processes share one link (e.g. the ranks of a node on one NIC);
+    ``time.monotonic`` is machine-wide, so times agree across processes. Without it the state
+    lives in this process (threads share it).
     """
 
     def __init__(self, rate: str | float, *, latency_s: float = 0.0,
-                 shared_path: str | None = None, name: str = "") -> None:
+                 shared_path: str | None = None, name: str = "",
+                 port_rate: str | float | None = None) -> None:
         super().__init__(shared_path)
         self.rate = parse_rate(rate)
+        self.port_rate = self.rate if port_rate is None else parse_rate(port_rate)
+        if not (self.rate > 0 and self.port_rate > 0):
+            raise ValueError(f"link rates must be > 0, got {rate!r} per message, "
+                             f"{port_rate!r} per port")
         self.latency_s = float(latency_s)
         self.shared_path = shared_path
         self.name = name
-        self._local = (0.0, 0, 0)
+        self._local: tuple[int, int, list[tuple[float, float, float]]] = (0, 0, [])
 
-    def _read(self, fd: int | None) -> tuple[float, int, int]:
+    def _read(self, fd: int | None) -> tuple[int, int, list[tuple[float, float, float]]]:
+        """(bytes posted, transfers posted, reservation segments)."""
         if fd is None:
-            return self._local
-        raw = os.pread(fd, _STATE.size, 0)
-        return _STATE.unpack(raw) if len(raw) == _STATE.size else (0.0, 0, 0)
+            total, count, segs = self._local
+            return total, count, list(segs)
+        raw = os.pread(fd, _HEADER.size, 0)
+        if len(raw) != _HEADER.size:
+            return 0, 0, []
+        total, count, n = _HEADER.unpack(raw)
+        body = os.pread(fd, n * _SEGMENT.size, _HEADER.size)
+        return total, count, [_SEGMENT.unpack_from(body, k * _SEGMENT.size) for k in range(n)]
 
-    def _write(self, fd: int | None, state: tuple[float, int, int]) -> None:
+    def _write(self, fd: int | None, total: int, count: int,
+               segs: list[tuple[float, float, float]]) -> None:
+        cutoff = time.monotonic() - KEEP_PAST_S
+        segs = [s for s in segs if s[1] > cutoff]
         if fd is None:
-            self._local = state
-        else:
-            os.pwrite(fd, _STATE.pack(*state), 0)
+            self._local = (total, count, segs)
+            return
+        data = _HEADER.pack(total, count, len(segs)) + b"".join(_SEGMENT.pack(*s) for s in segs)
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
 
-    def _update(self, nbytes: int | None) -> tuple[float, int, int]:
-        """Book ``nbytes`` now (None: only read) and return the new (busy_until, bytes, count)."""
+    def _state(self) -> tuple[int, int, list[tuple[float, float, float]]]:
         with self._held() as fd:
-            busy, total, count = self._read(fd)
-            if nbytes is None:
-                return busy, total, count
-            state = (max(time.monotonic(), busy) + nbytes / self.rate, total + nbytes, count + 1)
-            self._write(fd, state)
-            return state
+            return self._read(fd)
 
     def reserve(self, nbytes: int) -> float:
-        """Book ``nbytes`` on the link now; the ``time.monotonic()`` when they have arrived."""
-        busy, _, _ = self._update(int(nbytes))
-        return busy + self.latency_s
+        """Book ``nbytes`` on this link alone from now (what the port has left, up to
+        ``rate``); the ``time.monotonic()`` when they have arrived."""
+        with self._held() as fd:
+            total, count, segs = self._read(fd)
+            end, pieces = fill(time.monotonic(), nbytes, self.rate, [(self.port_rate, segs)])
+            self._write(fd, total + int(nbytes), count + 1, segs + pieces)
+        return end + self.latency_s
 
     @property
     def busy_until(self) -> float:
-        return self._update(None)[0]
+        """When the last byte booked on this link leaves (0: none booked lately)."""
+        return max((s[1] for s in self._state()[2]), default=0.0)
+
+    def reserved(self, t: float) -> float:
+        """The rate (bytes/s) booked on this link at ``time.monotonic()`` time ``t``."""
+        return _used(self._state()[2], t)
 
     @property
     def bytes_posted(self) -> int:
         """Bytes booked on this link so far (by every sharer)."""
-        return self._update(None)[1]
+        return self._state()[0]
 
     @property
     def transfers_posted(self) -> int:
-        return self._update(None)[2]
+        return self._state()[1]
 
     def wrap(self, work: Any, nbytes: int) -> ThrottledWork:
         """Book ``nbytes`` and wrap ``work`` (anything with ``wait()``) to honour the link."""
@@ -195,23 +227,66 @@ class LinkModel(_Locked):
         return self.wrap(dist.irecv(tensor, src, group=group, tag=tag), _nbytes(tensor))
 
     def __repr__(self) -> str:
-        return f"LinkModel({self.name or 'link'}, {self.rate:.3g} B/s)"
+        port = "" if self.port_rate == self.rate else f", port {self.port_rate:.3g} B/s"
+        return f"LinkModel({self.name or 'link'}, {self.rate:.3g} B/s{port})"
+
+
+def _used(segs: list[tuple[float, float, float]], t: float) -> float:
+    return sum(r for a, b, r in segs if a <= t < b)
+
+
+def fill(start: float, nbytes: float, cap: float,
+         ports: list[tuple[float, list[tuple[float, float, float]]]]
+         ) -> tuple[float, list[tuple[float, float, float]]]:
+    """A new message's rate over time, first come first served (the model's
+    ``link_order="fifo"``, ``model/fluid.py``'s ``allocate_in_order``): from ``start`` it moves
+    at ``min(cap, each port's rate less what is booked on it then)`` (``ports``: ``(port rate,
+    its reservation segments)``) until its ``nbytes`` are done. Returns when its last byte
+    leaves and its own segments ``[(from, until, rate), ...]``, to be booked on every port."""
+    if nbytes <= 0:
+        return start, []
+    edges = sorted({t for _, segs in ports for seg in segs for t in seg[:2] if t > start})
+    pieces: list[tuple[float, float, float]] = []
+    t, left = start, float(nbytes)
+    for edge in [*edges, math.inf]:
+        rate = cap
+        for port, segs in ports:
+            rate = min(rate, port - _used(segs, t))
+        if rate > cap * _RATE_EPS:
+            # done here, up to what float times lose (t ~ 1e5 s of monotonic clock)
+            if left <= rate * (edge - t) + nbytes * _RATE_EPS:
+                end = min(t + left / rate, edge)
+                _append(pieces, (t, end, rate))
+                return end, pieces
+            _append(pieces, (t, edge, rate))
+            left -= rate * (edge - t)
+        t = edge
+    raise AssertionError("unreachable: after the last reservation a port is free")
+
+
+def _append(pieces: list[tuple[float, float, float]], piece: tuple[float, float, float]) -> None:
+    """Add ``piece``, merged into the last one when it continues it at the same rate."""
+    if pieces and pieces[-1][1] == piece[0] and pieces[-1][2] == piece[2]:
+        pieces[-1] = (pieces[-1][0], piece[1], piece[2])
+    else:
+        pieces.append(piece)
 
 
 def book_message(egress: LinkModel, ingress: LinkModel, earliest: float, nbytes: int,
                  latency_s: float) -> float:
-    """Book one message on both its links at once (module doc): it starts at ``earliest`` or
-    when both are free, whichever is later; returns its arrival (``time.monotonic`` s)."""
+    """Book one message on both its links at once (module doc): from ``earliest`` it moves at
+    what both ports have left, up to the per-message rate, and its rate over time is booked on
+    both; returns its arrival (``time.monotonic`` s)."""
     if egress is ingress:
         raise ValueError("a message needs two links (the sender's egress, the receiver's ingress)")
     with egress._held() as fo, ingress._held() as fi:  # always egress first: no lock cycle
-        busy_o, bytes_o, n_o = egress._read(fo)
-        busy_i, bytes_i, n_i = ingress._read(fi)
-        start = max(earliest, busy_o, busy_i)
-        end_o, end_i = start + nbytes / egress.rate, start + nbytes / ingress.rate
-        egress._write(fo, (end_o, bytes_o + nbytes, n_o + 1))
-        ingress._write(fi, (end_i, bytes_i + nbytes, n_i + 1))
-    return max(end_o, end_i) + latency_s
+        bytes_o, n_o, segs_o = egress._read(fo)
+        bytes_i, n_i, segs_i = ingress._read(fi)
+        end, pieces = fill(earliest, nbytes, min(egress.rate, ingress.rate),
+                           [(egress.port_rate, segs_o), (ingress.port_rate, segs_i)])
+        egress._write(fo, bytes_o + nbytes, n_o + 1, segs_o + pieces)
+        ingress._write(fi, bytes_i + nbytes, n_i + 1, segs_i + pieces)
+    return end + latency_s
 
 
 class _PairBox(_Locked):
@@ -387,10 +462,13 @@ class SoftwareLinks:
 
     ``nic="node"``: a node's ranks share one egress and one ingress link of ``cross_rate``;
     ``nic="rank"``: each rank has its own. Intra-node transfers use a per-rank link of
-    ``intra_rate``, or are not throttled when it is ``None``. ``latency_s``: added to every
-    throttled message's arrival (the bench's emulated GPU cluster passes its profile's
-    ``latency_us`` x the dilation). ``state_dir`` (a directory every rank can write, e.g. a
-    ``tempfile.mkdtemp()`` made by the launcher) holds the shared counters and the pairs'
+    ``intra_rate``, or are not throttled when it is ``None``. ``intra_port_rate`` /
+    ``cross_port_rate``: what such a link carries in all when a message reaches only
+    ``intra_rate`` / ``cross_rate`` (``None``: the same, one message fills it).
+    ``latency_s``: added to every throttled message's arrival (the bench's emulated GPU
+    cluster passes its profile's ``latency_us`` x the dilation). :meth:`from_links` builds it
+    from the model's link description. ``state_dir`` (a directory every rank can write, e.g. a
+    ``tempfile.mkdtemp()`` made by the launcher) holds the links' reservations and the pairs'
     mailboxes: required when ranks run in separate processes. ``pair_timeout_s`` bounds a
     ``wait()`` on the other side's post when the caller gives no timeout. Module doc: the rule.
     """
@@ -403,6 +481,8 @@ class SoftwareLinks:
     state_dir: str | None = None
     latency_s: float = 0.0
     pair_timeout_s: float = 300.0
+    intra_port_rate: str | float | None = None
+    cross_port_rate: str | float | None = None
     # Tells this spec's in-process links apart from another's when there is no state_dir.
     token: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False, repr=False)
 
@@ -418,9 +498,38 @@ class SoftwareLinks:
                 obj = _SHARED[(scope, name)] = make(path)
             return obj
 
-    def _link(self, rate: str | float, kind: str, who: str) -> LinkModel:
+    @classmethod
+    def from_links(cls, groups: int, ranks_per_group: int, links: Links,
+                   **kw: Any) -> SoftwareLinks:
+        """The software links of the model's description ``links``
+        (:class:`~charm_megatron.model.links.Links`, already on the wire: rates in wire
+        bytes/s, latency in wall seconds): per-message rates and port aggregates of both kinds,
+        the cross ports' sharing and the latency. ``kw``: ``state_dir``, ``pair_timeout_s``.
+        The links always serve in start order (their ``order``: the bench tells the model
+        ``fifo``)."""
+        if links.intra.latency_s != links.cross.latency_s:
+            raise ValueError("the software links add one latency to every message; these "
+                             f"links have {links.intra.latency_s!r} s inside a node and "
+                             f"{links.cross.latency_s!r} s across")
+        if links.intra.shared_by != "rank":
+            raise ValueError("the software links give each rank its own intra port")
+        return cls(groups, ranks_per_group, links.cross.message_Bps, links.intra.message_Bps,
+                   links.cross.shared_by, latency_s=links.intra.latency_s,
+                   intra_port_rate=links.intra.port_Bps, cross_port_rate=links.cross.port_Bps,
+                   **kw)
+
+    def _link(self, rate: str | float, kind: str, who: str,
+              port: str | float | None = None) -> LinkModel:
         return self._shared(f"{kind}-{who}.link", lambda path: LinkModel(
-            rate, latency_s=self.latency_s, shared_path=path, name=f"{kind} {who}"))
+            rate, latency_s=self.latency_s, shared_path=path, name=f"{kind} {who}",
+            port_rate=port))
+
+    def _intra(self, kind: str, rank: int) -> LinkModel:
+        assert self.intra_rate is not None
+        return self._link(self.intra_rate, kind, f"rank{rank}", self.intra_port_rate)
+
+    def _cross(self, kind: str, who: str) -> LinkModel:
+        return self._link(self.cross_rate, kind, who, self.cross_port_rate)
 
     def node(self, rank: int) -> int:
         return rank // self.ranks_per_group
@@ -430,12 +539,10 @@ class SoftwareLinks:
         if self.node(src) == self.node(dst):
             if self.intra_rate is None:
                 return None
-            return (self._link(self.intra_rate, "intra-out", f"rank{src}"),
-                    self._link(self.intra_rate, "intra-in", f"rank{dst}"))
+            return self._intra("intra-out", src), self._intra("intra-in", dst)
         out, into = (f"node{self.node(src)}", f"node{self.node(dst)}") if self.nic == "node" \
             else (f"rank{src}", f"rank{dst}")
-        return (self._link(self.cross_rate, "cross-out", out),
-                self._link(self.cross_rate, "cross-in", into))
+        return self._cross("cross-out", out), self._cross("cross-in", into)
 
     def pair(self, src: int, dst: int, channel: str) -> _PairBox:
         return self._shared(f"pair-{src}-{dst}-{channel}.fifo", _PairBox)
@@ -447,10 +554,9 @@ class SoftwareLinks:
         owner = f"node{self.node(rank)}" if self.nic == "node" else f"rank{rank}"
         intra = None
         if self.intra_rate is not None:
-            intra = (self._link(self.intra_rate, "intra-out", f"rank{rank}"),
-                     self._link(self.intra_rate, "intra-in", f"rank{rank}"))
-        return RankLinks(self, rank, self._link(self.cross_rate, "cross-out", owner),
-                         self._link(self.cross_rate, "cross-in", owner), intra)
+            intra = (self._intra("intra-out", rank), self._intra("intra-in", rank))
+        return RankLinks(self, rank, self._cross("cross-out", owner),
+                         self._cross("cross-in", owner), intra)
 
 
 class RankLinks:
