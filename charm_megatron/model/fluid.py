@@ -37,7 +37,8 @@ def allocate_in_order(jobs: Sequence[Job], capacity: Mapping[Hashable, float]) -
     """Set every job's ``rate`` first come, first served: in ``jobs`` order (the order they
     started), each takes all its resources have left, up to its cap. How one NCCL
     communicator runs the operations issued to it, and how the emulator's software links book
-    transfers ("busy until"); the same as :func:`allocate` for jobs that share nothing."""
+    transfers (lab/emulate/linkmodel.py); the same as :func:`allocate` for jobs that share
+    nothing."""
     used: dict[Hashable, float] = {}
     for j in jobs:
         rate = j.cap

@@ -65,8 +65,15 @@ class WireScale:
 @dataclass(frozen=True)
 class LinkClock:
     """How long a message takes on this rank's real links, for the compute slowdown while it
-    moves: ``rank`` (CP-local), the hardware ``groups``, the real rates (bytes/s) of a link
-    inside a group and across groups, and the per-message latency."""
+    moves: ``rank`` (CP-local), the hardware ``groups``, the real rates (bytes/s) one message
+    reaches inside a group and across groups (``DeviceSetup.backend``: the model's
+    per-message rates, ``LinkSpec.one_message_Bps``), and the per-message latency.
+
+    It assumes each message moves alone on its ports at that rate: a message sharing a port
+    (a second intra message of the rank at once on a port wider than one message, or any
+    message queued behind another) moves longer on the links than this span says, so its
+    slowdown ends early here; the model counts a stream as moving while any of its messages
+    has bytes left."""
 
     rank: int
     groups: tuple[tuple[int, ...], ...]

@@ -8,11 +8,24 @@ cluster's default link backend (docs/emulator.md) and mirrors the performance mo
 **A message.** ``src``'s k-th send to ``dst`` on one communicator and tag is ``dst``'s k-th
 receive from ``src`` there (the order in which torch / gloo pair them). It needs two links:
 the sender's *egress* and the receiver's *ingress* (below). It starts when both sides have
-posted and both links are free, occupies both at once for ``bytes / rate``, and arrives
-``latency_s`` after its last byte left::
+posted; from then on it moves at what the model's first-come-first-served sharing gives it
+(``model/sim.py`` with ``link_order="fifo"``, ``model/fluid.py``'s ``allocate_in_order``),
+and arrives ``latency_s`` after its last byte left::
 
-    start    = max(send posted, receive posted, egress busy until, ingress busy until)
-    arrival  = start + bytes / rate + latency_s       (egress and ingress busy until start + bytes / rate)
+    start    = max(send posted, receive posted)
+    rate(t)  = min(message rate, egress port - booked on it at t, ingress port - booked at t)
+    arrival  = (when rate(t) integrated from start reaches bytes) + latency_s
+
+and its ``rate(t)`` is then booked on both links. Each link is described as the model
+describes it (:class:`~charm_megatron.model.links.LinkSpec`): the most one message reaches
+(``rate``, the profiles' ``intra_gbps``) and what the port carries in all (``port_rate``, the
+profiles' ``intra_port_gbps``): on an H100 profile a rank's intra egress carries one message at
+365 GB/s and a second one at once at the 85 GB/s left, which speeds up to 365 when the first
+has arrived. A port no wider than a message (every cross link: one message can fill a NIC)
+queues messages whole, as these links did before (2026-12-06) for every link, except that a
+message waiting for its receiver's ingress no longer holds the sender's egress idle (a later
+message uses it meanwhile, as in the model). Messages booked earlier keep their rates (a later
+one never slows them), as in the model's fifo order.
 
 The booking is made by whichever side posts second, at its post (the first leaves its post
 time in the pair's mailbox), so links serve messages in the order they start. Both sides'
@@ -24,31 +37,36 @@ the wait's ``timeout`` or ``SoftwareLinks.pair_timeout_s``, then :class:`Timeout
 This is *cut-through*, not store-and-forward: the model's message is one flow over the
 sender's out-link and the receiver's in-link at once, taking ``latency + bytes / rate`` (not
 twice the bytes' time). The model waits the latency *before* moving the bytes, the links
-here add it after; with first-come service that is the same arrival (every link's time line
-is shifted by the latency), so on an emulated GPU cluster the model is told
-``link_order="fifo"`` (lab/bench/cli.py).
+here add it after; with first-come service and one latency for every message that is the same
+arrival (every link's time line is shifted by the latency), so on an emulated GPU cluster the
+model is told ``link_order="fifo"`` (lab/bench/cli.py).
 
 **Links** (:class:`SoftwareLinks`): across nodes, ``nic="rank"`` gives each rank an egress
 and an ingress of ``cross_rate``; ``nic="node"`` gives each node one of each, shared by all
 its ranks (the model's ``("xout", group)`` / ``("xin", group)``). Inside a node every rank
-has an intra egress and ingress of ``intra_rate`` (the model's ports); with
-``intra_rate=None`` intra-node messages are free (no latency either). A link's state is one
-"busy until" counter, in this process (threads share it) or, with ``state_dir``, in an
-``flock``-ed file every process of the machine shares (``time.monotonic`` is machine-wide);
-the pairs' mailboxes live there too (``pair-<src>-<dst>-<channel>.fifo``, 32 bytes per
-message). Ranks in separate processes need ``state_dir``.
+has an intra egress and ingress (the model's ports) on which a message reaches ``intra_rate``
+and all together ``intra_port_rate``; with ``intra_rate=None`` intra-node messages are free
+(no latency either). :meth:`SoftwareLinks.from_links` takes all of it from the model's
+:class:`~charm_megatron.model.links.Links` (the emulated GPU cluster's ``DeviceSetup``
+does). A link's state is its reservations, ``(from, until, bytes/s)`` segments (those that
+ended over :data:`KEEP_PAST_S` ago are dropped), with the bytes and transfers posted, in this
+process (threads share it) or, with ``state_dir``, in an ``flock``-ed file every process of
+the machine shares (``time.monotonic`` is machine-wide); the pairs' mailboxes live there too
+(``pair-<src>-<dst>-<channel>.fifo``, 32 bytes per message). Ranks in separate processes need
+``state_dir``.
 
-Where it differs from the model (``model/sim.py``): a message reserves both links whole for
-``bytes / rate`` from one start, where the model's flow takes whatever rate both links have
-left (a port wider than one message, ``intra_port_gbps``, carries two messages at once there;
-here they queue at the link's one rate), and a message waiting for its receiver's ingress
-keeps the sender's egress idle until it starts (later messages there queue behind it); the model activates a stream's batches one after another, here each
-op is booked when posted; no intra bus, ``cross_via_intra``, burst buckets or concurrency
-penalty. The emulator's own limits (docs/topology.md): no CPU contention in a network stack
-or TCP fair sharing, and a transfer that only progresses inside ``wait()`` is not penalised.
+Where it differs from the model (``model/sim.py``): the links always serve in start order
+(the model's profiles share fairly unless told ``link_order="fifo"``, which the bench does);
+the order is the order of bookings, whose start times are post times taken before the locks,
+so two posts a few microseconds apart may be served in the other order; the model activates a
+stream's batches one after another, here each op is booked when posted; no intra bus,
+``cross_via_intra``, burst buckets or concurrency penalty. The emulator's own limits
+(docs/topology.md): no CPU contention in a network stack or TCP fair sharing, and a transfer
+that only progresses inside ``wait()`` is not penalised.
 
 :class:`LinkModel` alone (``reserve`` / ``wrap`` / ``isend`` / ``irecv``) is one link seen by
-its poster: ``max(now, busy until) + bytes/rate + latency`` at posting, no pairing.
+its poster: from now, at what its port has left up to its rate (a port no wider than a
+message: ``max(now, busy until) + bytes/rate + latency``), no pairing.
 """
 
 from __future__ import annotations
