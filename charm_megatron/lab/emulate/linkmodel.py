@@ -263,6 +263,7 @@ def fill(start: float, nbytes: float, cap: float,
     leaves and its own segments ``[(from, until, rate), ...]``, to be booked on every port."""
     if nbytes <= 0:
         return start, []
+    ports = [(port, [seg for seg in segs if seg[1] > start]) for port, segs in ports]  # in flight
     edges = sorted({t for _, segs in ports for seg in segs for t in seg[:2] if t > start})
     pieces: list[tuple[float, float, float]] = []
     t, left = start, float(nbytes)
