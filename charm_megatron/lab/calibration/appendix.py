@@ -71,7 +71,10 @@ def load_rows(path: Path = APPENDIX_TSV) -> tuple[AppendixRow, ...]:
     """Every row-pass of the file; :class:`ValueError` names a row it cannot read."""
     out = []
     with open(path, encoding="utf-8", newline="") as f:
-        for i, rec in enumerate(csv.DictReader(f, delimiter="\t"), start=2):
+        lines = csv.reader(f, delimiter="\t")
+        header = next(lines, [])
+        for i, cells in enumerate(lines, start=2):
+            rec = dict(zip(header, cells))
             try:
                 out.append(AppendixRow(_PASSES[rec["pass"]], int(rec["batch"]),
                                        int(rec["seq"]), float(rec["ring_ms"]),
