@@ -4,7 +4,10 @@
 One row per bench CSV (one point each, as scripts/emulate_peers.sh, emulate_window.sh and
 bench_gqa.sh write them): each contender's forward + backward ms with its lower bound in
 brackets and its speed-up over ring, then the fastest, auto's pick and auto's time over the
-fastest's (issue 24's target: within 5 %; bold above it), and the busiest core of an emulated GPU run.
+fastest's (issue 24's target: within 5 %; bold above it), on an emulated GPU cluster the
+fastest of TransformerEngine's CP types as shipped *by the model* on the run's device (TE's
+kernel curve; its time over our fastest's model time), and the busiest core of an emulated
+GPU run.
 
 A contender the CSV has no row for is ``refused (not run)`` where the registry refuses the
 point's shape (``a2a`` where the heads do not divide), ``-`` otherwise; a row the bench
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from charm_megatron.lab.reports.bench_csv import OFF_MODEL_NOTE, BenchRow, by_algo, read_rows
+from charm_megatron.lab.reports.te_shipped import te_beside
 
 ORDER = ("ring", "rmplus", "charm", "allgather", "a2a", "a2a+p2p", "auto")
 #: auto / fastest above this is bold (charm_megatron.lab.bench.analysis.AUTO_SLACK: issue 12's 5 %).
@@ -85,10 +89,12 @@ def table(points: Sequence[PeerPoint], labels: Sequence[str] | None = None,
                          "per CSV, in order")
     algos = list(algos) if algos else [a for a in ORDER if any(a in p.rows for p in points)]
     core = any(p.any.busiest_core_pct is not None for p in points)
+    te = any(p.any.device_model for p in points)
     head = ["point", *(("auto (pick)" if pick_in_auto and a == "auto" else a) for a in algos)]
     if not pick_in_auto:
         head += ["fastest", "auto ran (the model's pick)" if model_pick else "auto picks",
                  "auto / fastest"]
+    head += ["fastest TE, model (TE / ours, model)"] if te else []
     head += ["busiest core"] if core else []
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     flagged = False
@@ -122,6 +128,9 @@ def table(points: Sequence[PeerPoint], labels: Sequence[str] | None = None,
                 ratio = f"{auto.median_ms / plain[fastest]:.3f}"
                 ratio = f"**{ratio}**" if auto.median_ms / plain[fastest] > AUTO_SLACK else ratio
             cells += [fastest, pick, ratio]
+        if te:
+            ours = [x.model_ms for a, x in r.items() if x.ok and x.model_ms and a != "auto"]
+            cells.append(te_beside(point.any, min(ours, default=None)))
         if core:
             pct = point.any.busiest_core_pct  # measured only on emulated GPU runs
             cells.append(f"{pct:.0f} %" if pct is not None else "-")

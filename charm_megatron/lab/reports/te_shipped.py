@@ -139,6 +139,27 @@ def emulated(paths: list[str]) -> list[str]:
     return out
 
 
+_PASS_SECONDS = {"fwd": lambda p: p.forward.time_s, "bwd": lambda p: p.backward.time_s,
+                 "fwdbwd": lambda p: p.total_s}
+
+
+def te_beside(row, ours_model_ms: float | None, pass_: str = "fwdbwd") -> str:
+    """The cell an emulated table puts beside ours: the fastest ``te-*`` contender at a bench
+    row's point *by the model* (its device profile's TE curve, :func:`_model_te`), its ms for
+    ``pass_`` and, in brackets, its time over ``ours_model_ms`` (our fastest by the model at
+    the same point: above 1, ours is faster). ``refused`` where TE runs none of its types;
+    ``-`` for a CPU-testbed row (no device profile)."""
+    if not row.device_model:
+        return "-"
+    secs = {n: _PASS_SECONDS[pass_](p) for n, p in _model_te(row).items()}
+    if not secs:
+        return "refused"
+    name = min(secs, key=secs.get)
+    ms = secs[name] * 1e3
+    ratio = f" ({ms / ours_model_ms:.2f}x)" if ours_model_ms else ""
+    return f"{name} {ms:.1f}{ratio}"
+
+
 def _model_te(row) -> dict:
     """The model's TE contenders that run a bench row's point, on its device profile's TE
     curve and NIC model, by name."""
