@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -238,3 +239,22 @@ def test_report_te_emulated_reads_the_docs_runs(capsys) -> None:
         assert float(cells[5].rstrip("x")) == pytest.approx(te_ms / ours_ms, abs=0.011)
     assert "(model only)" in rows["llama8b-2x8-s65536-w4096"][3]
     assert rows["llama8b-2x8-s32768"][3].startswith("te-a2a+p2p")
+
+
+def test_emulated_tables_price_te_beside_ours_by_the_model():
+    """Every emulated table's TE column: TE's fastest type at the row's point on its device
+    (12 heads: only its all-gather and ring run; Llama-like GQA: its a2a+p2p), over our
+    fastest by the model; a CPU-testbed row has none."""
+    from charm_megatron.lab.reports import peers
+    from charm_megatron.lab.reports.te_shipped import te_beside
+
+    root = Path(__file__).resolve().parents[1] / "docs" / "performance" / "peers"
+    t5 = peers.load(root / "t5-2x8-b16-s26880.csv")
+    ours = min(r.model_ms for a, r in t5.rows.items() if r.ok and a != "auto")
+    cell = te_beside(t5.any, ours)
+    name, ms, ratio = cell.split(" ")
+    assert name == "te-allgather" and ratio == f"({float(ms) / ours:.2f}x)"
+    llama = peers.load(root / "llama8b-2x8-s32768.csv")
+    assert te_beside(llama.any, 1.0, "fwd").startswith("te-a2a+p2p ")
+    cpu = peers.load(root / "cpu-2x4-node-100mbit-kv8.csv")
+    assert te_beside(cpu.any, 1.0) == "-"

@@ -6,6 +6,10 @@ table5``, ``table4`` and ``llama``, each from bench CSVs of emulated runs (devic
   bound (beside the model's own time / bound) and the busiest core. ``DIR`` holds the runs of
   scripts/emulate_table5.sh (``DIR/2x8-b16-s26880/results.csv``) or copies named after the
   row (``DIR/2x8-b16-s26880.csv``, as kept in docs/performance/emulated-t5).
+
+Every table also gives the fastest of TransformerEngine's CP types as shipped at the row's
+point, by the model on the run's device (its time over the fastest of ours by the model:
+above 1, ours is faster); it was not emulated.
 * ``table4 DIR``: every row of the paper's Table 4 (``charm_megatron.lab.calibration.paper``) beside the
   emulated ring / RM+ / CHARM+ forward, the speed-ups, each emulated time over the model's
   and CHARM+'s over its bound (runs of scripts/emulate_table4.sh, ``DIR/h20-2x8...``).
@@ -49,6 +53,17 @@ def _table(lines: list[str], rows: Sequence[BenchRow | None]) -> str:
     return "\n".join(lines) + "\n" + (f"\n{OFF_MODEL_NOTE}\n" if note else "")
 
 
+def _te(rows: Sequence[BenchRow | None], pass_: str) -> str:
+    """The fastest of TransformerEngine's CP types as shipped at these rows' point, by the
+    model on their device, with its time over the fastest of ours by the model
+    (:func:`~charm_megatron.lab.reports.te_shipped.te_beside`)."""
+    from charm_megatron.lab.reports.te_shipped import te_beside
+
+    got = [r for r in rows if r is not None]
+    ours = [r.model_ms for r in got if r.model_ms]
+    return te_beside(got[0], min(ours, default=None), pass_) if got else "-"
+
+
 # ---- table5 ------------------------------------------------------------------------------
 
 def table5(out: str | Path, algos: Sequence[str] = ("ring", "rmplus", "charm"),
@@ -61,7 +76,7 @@ def table5(out: str | Path, algos: Sequence[str] = ("ring", "rmplus", "charm"),
     head = ["GPUs", "B", "S", "pass", "ring (paper)"] + (["RM+ (paper's TASP)"] if rm else []) \
         + ["CHARM+ (paper)"] + (["CHARM+ / paper"] if vs_paper else []) \
         + ["CHARM+ speed-up (paper)", "CHARM+ / model", "CHARM+ / bound (model / bound)",
-           "busiest core"]
+           "fastest TE, model (TE / ours, model)", "busiest core"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     shown: list[BenchRow | None] = []
     for row in paper.TABLE5:
@@ -87,7 +102,7 @@ def table5(out: str | Path, algos: Sequence[str] = ("ring", "rmplus", "charm"),
             cells += [f"{ring.median_ms / charm.median_ms:.2f}x ({p_ring / p_charm:.2f}x)",
                       _x(charm.vs_model),
                       f"{_x(charm.vs_bound)} ({_x(charm.model_ms / charm.bound_ms)})",
-                      f"{charm.busiest_core_pct:.0f} %"]
+                      _te([ring, rmplus, charm], p), f"{charm.busiest_core_pct:.0f} %"]
             lines.append("| " + " | ".join(cells) + " |")
     return _table(lines, shown)
 
@@ -114,8 +129,8 @@ def table4(out: str | Path) -> str:
     lines = [
         "| GPUs | S | ring (paper) | RM+ (paper) | CHARM+ (paper) | RM+ speed-up (paper) | "
         "CHARM+ speed-up (paper) | ring / paper | CHARM+ / paper | emulated / model: ring, RM+, "
-        "CHARM+ | CHARM+ / bound | busiest core |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "CHARM+ | CHARM+ / bound | fastest TE, model (TE / ours, model) | busiest core |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     shown: list[BenchRow | None] = []
     for row in paper.TABLE4:
@@ -139,7 +154,7 @@ def table4(out: str | Path) -> str:
             f"{_speedup(ms, row.ring, 'rmplus', row.rmplus)} | "
             f"{_speedup(ms, row.ring, 'charm', row.charm)} | "
             f"{ms['ring'] / row.ring:.2f}x | {charm_vs_paper} | {vs_model} | {charm_vs_bound} | "
-            f"{got['ring'].busiest_core_pct:.0f} % |")
+            f"{_te(list(got.values()), 'fwd')} | {got['ring'].busiest_core_pct:.0f} % |")
     return _table(lines, shown)
 
 
@@ -161,8 +176,8 @@ def llama(paths: Sequence[str | Path]) -> str:
 
     lines = ["| GPUs | heads q/kv | S | pass | ring | RM+ | CHARM+ | CHARM+ speed-up "
              "| CHARM+ / model | CHARM+ / bound (model / bound) | ring / model | ring / textbook "
-             "| busiest core |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fastest TE, model (TE / ours, model) | busiest core |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     shown: list[BenchRow | None] = []
     for rows in sorted(runs, key=order):
         for pas in ("fwd", "bwd"):
@@ -177,6 +192,7 @@ def llama(paths: Sequence[str | Path]) -> str:
                 f"| {_ms(ring)} | {_ms(rmplus)} | {_ms(charm)} | {r_ms / c_ms:.2f}x "
                 f"| {_x(charm.vs_model)} | {_x(charm.vs_bound)} "
                 f"({_x(charm.model_ms / charm.bound_ms)}) | {_x(ring.vs_model)} | {textbook} "
+                f"| {_te([r for (_, p), r in rows.items() if p == pas and r.ok], pas)} "
                 f"| {ring.busiest_core_pct:.0f} % |")
     return _table(lines, shown)
 
