@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from charm_megatron.lab.calibration.measured import file_digest
+from charm_megatron.lab.calibration.paper import MEMORY_GBPS
 from charm_megatron.lab.calibration.refit import (
     DOCS_BENCH,
     TABLE4_FIT_FIELDS,
@@ -20,6 +21,7 @@ from charm_megatron.lab.calibration.refit import (
     table4_shapes,
     table5_ring_error,
 )
+from charm_megatron.lab.devices.h200 import MEASURED_FIELDS, measured_terms
 from charm_megatron.lab.reports.docgen import regenerate
 from charm_megatron.model import get_profile, load_profile
 
@@ -53,11 +55,22 @@ def test_cpu_testbed_profile_was_fitted_on_the_current_bench_files() -> None:
 
 def test_gpu_profiles_come_from_their_sources() -> None:
     h100 = get_profile("h100")
-    k = kernel_terms()
-    assert h100.cluster.kernel_q_rows == k["kernel_q_rows"]
-    assert h100.cluster.head_dim_factors == k["head_dim_factors"]
-    assert h100.cluster.tflops == k["long_tile_tflops_h100"]
+    measured, _ = measured_terms()
+    # The compute terms (kernel curve, head dims, backward factor, per-op host cost) are the
+    # H200 measurement's (the same GH100 die and clocks), not a published or assumed number.
+    for field in MEASURED_FIELDS:
+        if field != "merge_gbps":
+            assert getattr(h100.cluster, field) == measured[field], field
+    assert h100.cluster.op_overhead_us == measured["op_overhead_us"]
+    # The merge: the measured fused rate scaled to the H100's memory bandwidth.
+    assert h100.cluster.merge_gbps == pytest.approx(
+        measured["merge_gbps"] * MEMORY_GBPS["H100"] / MEMORY_GBPS["H200"], rel=1e-3)
+    assert h100.fit["fitted"] == ["cross_gbps"]
     assert h100.fit["fit_algos"] == ["ring"] and h100.fit["passes"] == ["fwd"]
+    # h20 and l20-pcie still take FA-2's published H100 curve's shape.
+    k = kernel_terms()
+    for name in ("h20", "l20-pcie"):
+        assert get_profile(name).cluster.kernel_q_rows == k["kernel_q_rows"], name
     # The shipped cross rate is the optimum of the ring-forward fit (to its rounding).
     err = table5_ring_error(h100.cluster)
     assert math.sqrt(err) == pytest.approx(h100.fit["rms_log_error"], abs=2e-3)

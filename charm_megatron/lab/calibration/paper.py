@@ -28,6 +28,9 @@ Nothing here is fitted; :mod:`charm_megatron.lab.calibration.refit` fits the pro
   communicator moving data (``Cluster.comm_slowdown_streams`` left uncapped; docs/model.md,
   "Effects": the H200 proxy's 0.8 % per thread block puts it at about 24 blocks, one
   communicator's kernel).
+* :data:`MEMORY_GBPS` - each GPU's memory bandwidth (NVIDIA's datasheets) and
+  :data:`MERGE_TRAFFIC_PER_PARTIAL_BYTE`: :func:`merge_bound_gbps`, the fastest a merge of
+  partials into fp32 accumulators can run on it (no profile's ``merge_gbps`` may exceed it).
 """
 
 from __future__ import annotations
@@ -59,6 +62,31 @@ HOPPER_KERNELS: dict[str, dict[str, dict[int, float]]] = {
     "fa3": {"fwd": {64: 473.0, 128: 616.0, 256: 642.0}, "bwd": {64: 474.0, 128: 561.0}},
 }
 OVERLAP_COMPUTE_SLOWDOWN = 0.189
+
+# GPU -> memory bandwidth, GB/s (NVIDIA datasheets: H100 SXM5 80 GB HBM3 3.35 TB/s; H200 SXM
+# 141 GB HBM3e 4.8 TB/s; H20 96 GB HBM3 4.0 TB/s; L20 48 GB GDDR6 864 GB/s).
+MEMORY_GBPS: dict[str, float] = {"H100": 3350.0, "H200": 4800.0, "H20": 4000.0, "L20": 864.0}
+
+# A merge folds a 16-bit partial into an fp32 accumulator: per element it reads the accumulator
+# (4 B) and the partial (2 B) and writes the accumulator (4 B), 10 B of memory traffic per 2 B of
+# partial. The model's ``merge_gbps`` counts bytes of partial (Problem.local_bytes: the partial
+# in the input dtype, and for an output its fp32 lse, as scripts/gpu_check.py times it). An
+# output's lse (fp32, read 4 B + 4 B, written 4 B per 4 B) moves less per byte, so 5 is the most
+# any merge moves per byte of partial (dq / dk / dv: exactly 5; an output at head dim d:
+# (10 d + 16) / (2 d + 4)): at or below memory bandwidth / 5 every merge can run.
+MERGE_TRAFFIC_PER_PARTIAL_BYTE = 5.0
+
+
+def merge_bound_gbps(gpu: str) -> float:
+    """The fastest merge ``gpu``'s memory allows, GB/s of partial (:data:`MEMORY_GBPS` /
+    :data:`MERGE_TRAFFIC_PER_PARTIAL_BYTE`; H100: 670)."""
+    return MEMORY_GBPS[gpu] / MERGE_TRAFFIC_PER_PARTIAL_BYTE
+
+
+def bandwidth_scaled(gbps: float, measured_on: str, gpu: str) -> float:
+    """A memory-bound rate measured on ``measured_on`` as it runs on ``gpu`` (times the ratio of
+    their :data:`MEMORY_GBPS`): the same kernel reaching the same fraction of bandwidth."""
+    return gbps * MEMORY_GBPS[gpu] / MEMORY_GBPS[measured_on]
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """``h200``: this package on H200 nodes of 8: the compute terms ``scripts/gpu_check.py``
 measured on one H200 (:data:`H200_MEASUREMENT`: kernel curve, head dims, backward factor,
 per-op cost, the fused merge's rate) on the ``h100`` profile's links (HGX H200 nodes have the
-H100's NVLink 4 and NICs)."""
+H100's NVLink 4 and NICs). ``h100`` reads the same measurement (:func:`measured_terms`; its
+merge scaled to the H100's memory bandwidth), so the two differ only in the merge rate."""
 
 from __future__ import annotations
 
@@ -59,6 +60,8 @@ def recipe(built: dict[str, Profile], inputs: Inputs) -> Profile:
         f"{terms['op_overhead_us']:g} us per compute op (a tiny tile issued back to back); "
         f"merges fused ({fit['overheads']['merge_path']}) at {terms['merge_gbps']:g} GB/s of "
         "partial",
-        {**h100.fit, "method": h100.fit["method"] + f"; compute terms measured ({rel})",
+        {**h100.fit, "method": "charm_megatron.lab.calibration.refit: cross_gbps by log error "
+                               "on Table 5 ring forward (8 numbers; the h100 profile's); links "
+                               f"from Table 2; compute terms measured ({rel})",
          "measured": {"file": rel, "device": fit["device"], "fields": list(MEASURED_FIELDS)}},
         kernel=OWN_KERNEL, kernels=(own, *assumed_curves(own)))

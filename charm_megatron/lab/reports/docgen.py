@@ -156,12 +156,13 @@ def headline(_: str = "") -> str:
 
     return (f"- CPU testbed (profile calibrated on the ring rows only), over the {len(cpu)} "
             f"measured points: {_aims(cpu)}.\n"
-            f"- Paper Table 5 (h100 profile calibrated on ring forward only), {len(t5)} points: "
+            f"- Paper Table 5 on this package's costs (h100 profile: compute measured on one "
+            f"H200, cross rate calibrated on ring forward only), {len(t5)} points: "
             f"{_aims(t5)}; {charm(t5)}.\n"
             f"- Paper Table 5 with the paper's per-op cost (h100-paper: h100 plus the cost per "
             f"compute op read off Table 4's ring column), {len(t5p)} points: {_aims(t5p)}; "
             f"{charm(t5p)}.\n"
-            f"- Paper Table 5 with that per-op cost and the kernel and merge rates measured on "
+            f"- Paper Table 5 with that per-op cost and the PyTorch-ops merge rate measured on "
             f"one H200 (h100-paper-measured), {len(t5m)} points: {_aims(t5m)}; {charm(t5m)}.\n"
             f"- Paper Table 4, its {len(t4)} rows with CHARM+ (l20-pcie; h20-table4, shape and "
             f"device fitted on its ring column): {_aims(t4)}; {charm(t4)}.\n")
