@@ -130,3 +130,23 @@ def test_a_missing_device_directory_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv(DEVICES_ENV, str(tmp_path))
     with pytest.raises(ValueError, match="bad.json: not a charm-megatron profile"):
         get_profile("h100")
+
+
+# The GPU each shipped GPU profile describes (a profile added to devices/data must be named here
+# or in CPU_PROFILES, so its merge rate is checked against its memory).
+PROFILE_GPU = {"h100": "H100", "h100-paper": "H100", "h100-paper-measured": "H100",
+               "h200": "H200", "h20": "H20", "h20-table4": "H20", "l20-pcie": "L20"}
+CPU_PROFILES = {"cpu-testbed"}
+
+
+def test_every_shipped_gpu_profile_merges_within_its_memory_bandwidth():
+    """A merge reads an fp32 accumulator and a 16-bit partial and writes the accumulator: no
+    profile may merge faster than its GPU's memory bandwidth allows (paper.merge_bound_gbps;
+    the h100 profile once assumed 800 GB/s, above an H100's 670)."""
+    from charm_megatron.lab.calibration.paper import merge_bound_gbps
+
+    assert set(builtin_profiles()) == set(PROFILE_GPU) | CPU_PROFILES
+    assert merge_bound_gbps("H100") == pytest.approx(670.0)
+    for name, gpu in PROFILE_GPU.items():
+        merge = get_profile(name).cluster.merge_gbps
+        assert merge is not None and merge <= merge_bound_gbps(gpu), (name, merge)

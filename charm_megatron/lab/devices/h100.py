@@ -30,18 +30,19 @@ from charm_megatron.model.cluster import Cluster, Profile
 MEASURED_ON = "H200"
 
 
-def merge_gbps(measured: float) -> float:
-    """The measured fused merge rate on an H100: scaled by memory bandwidth, never above the
-    H100's bound."""
-    return rnd(min(paper.bandwidth_scaled(measured, MEASURED_ON, "H100"),
-                   paper.merge_bound_gbps("H100")))
+def scaled_merge(gpu: str) -> float:
+    """The fused merge rate measured on the H200 as it runs on ``gpu``: scaled by memory
+    bandwidth (a merge is memory-bound), never above ``gpu``'s bound."""
+    measured = float(measured_terms()[0]["merge_gbps"])
+    return rnd(min(paper.bandwidth_scaled(measured, MEASURED_ON, gpu),
+                   paper.merge_bound_gbps(gpu)))
 
 
 def recipe(built: dict[str, Profile], inputs: Inputs) -> Profile:
     _, cross, intra = paper.TABLE2["H100"]
     terms, mfit = measured_terms()
     rel, device = measurement_file(), mfit["device"]
-    merge = merge_gbps(float(terms["merge_gbps"]))
+    merge = scaled_merge("H100")
     compute = {f: terms[f] for f in MEASURED_FIELDS if f != "merge_gbps"}
     start = Cluster(intra_gbps=intra, cross_gbps=cross, nic="rank", latency_us=10.0,
                     merge_gbps=merge, intra_port_gbps=450.0,
