@@ -252,11 +252,13 @@ def test_emulated_tables_price_te_beside_ours_by_the_model():
 
     root = Path(__file__).resolve().parents[1] / "docs" / "performance" / "peers"
     t5 = peers.load(root / "t5-2x8-b16-s26880.csv")
-    ours = min(r.model_ms for a, r in t5.rows.items() if r.ok and a != "auto")
-    cell = te_beside(t5.any, ours)
-    name, ms, ratio = cell.split(" ")
+    ours = predict("charm", G2x8, Problem(16, 26880, 12, 12, 192), get_profile("h100").cluster,
+                   False, tune=True).total_s * 1e3
+    name, ms, ratio = te_beside(t5.any, ["charm"]).split(" ")
     assert name == "te-allgather" and ratio == f"({float(ms) / ours:.2f}x)"
+    # Our fastest of the run's contenders, whatever else is listed (refused or TE's own).
+    assert te_beside(t5.any, ["charm", "a2a", "te-p2p", "auto"]) == f"{name} {ms} {ratio}"
     llama = peers.load(root / "llama8b-2x8-s32768.csv")
-    assert te_beside(llama.any, 1.0, "fwd").startswith("te-a2a+p2p ")
+    assert te_beside(llama.any, ["ring"], "fwd").startswith("te-a2a+p2p ")
     cpu = peers.load(root / "cpu-2x4-node-100mbit-kv8.csv")
-    assert te_beside(cpu.any, 1.0) == "-"
+    assert te_beside(cpu.any, ["ring"]) == "-"

@@ -8,8 +8,8 @@ table5``, ``table4`` and ``llama``, each from bench CSVs of emulated runs (devic
   row (``DIR/2x8-b16-s26880.csv``, as kept in docs/performance/emulated-t5).
 
 Every table also gives the fastest of TransformerEngine's CP types as shipped at the row's
-point, by the model on the run's device (its time over the fastest of ours by the model:
-above 1, ours is faster); it was not emulated.
+point, by the model on the run's device as shipped (its time over the fastest of the run's
+contenders of ours by the same model: above 1, ours is faster); it was not emulated.
 * ``table4 DIR``: every row of the paper's Table 4 (``charm_megatron.lab.calibration.paper``) beside the
   emulated ring / RM+ / CHARM+ forward, the speed-ups, each emulated time over the model's
   and CHARM+'s over its bound (runs of scripts/emulate_table4.sh, ``DIR/h20-2x8...``).
@@ -60,8 +60,7 @@ def _te(rows: Sequence[BenchRow | None], pass_: str) -> str:
     from charm_megatron.lab.reports.te_shipped import te_beside
 
     got = [r for r in rows if r is not None]
-    ours = [r.model_ms for r in got if r.model_ms]
-    return te_beside(got[0], min(ours, default=None), pass_) if got else "-"
+    return te_beside(got[0], [r.algo for r in got], pass_) if got else "-"
 
 
 # ---- table5 ------------------------------------------------------------------------------

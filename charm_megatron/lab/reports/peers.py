@@ -6,7 +6,7 @@ bench_gqa.sh write them): each contender's forward + backward ms with its lower 
 brackets and its speed-up over ring, then the fastest, auto's pick and auto's time over the
 fastest's (issue 24's target: within 5 %; bold above it), on an emulated GPU cluster the
 fastest of TransformerEngine's CP types as shipped *by the model* on the run's device (TE's
-kernel curve; its time over our fastest's model time), and the busiest core of an emulated
+kernel curve; its time over the fastest of our contenders by the same model), and the busiest core of an emulated
 GPU run.
 
 A contender the CSV has no row for is ``refused (not run)`` where the registry refuses the
@@ -129,8 +129,7 @@ def table(points: Sequence[PeerPoint], labels: Sequence[str] | None = None,
                 ratio = f"**{ratio}**" if auto.median_ms / plain[fastest] > AUTO_SLACK else ratio
             cells += [fastest, pick, ratio]
         if te:
-            ours = [x.model_ms for a, x in r.items() if x.ok and x.model_ms and a != "auto"]
-            cells.append(te_beside(point.any, min(ours, default=None)))
+            cells.append(te_beside(point.any, [a for a, x in r.items() if x.ok]))
         if core:
             pct = point.any.busiest_core_pct  # measured only on emulated GPU runs
             cells.append(f"{pct:.0f} %" if pct is not None else "-")
