@@ -154,6 +154,7 @@ def test_an_interpreter_must_handle_every_op_type() -> None:
 
     class All(NoMerge):
         def on_merge(self, op): return "m"
+        def on_super_tile(self, op): return "s"
 
     ops = build_plan("charm", "backward", [[0, 1], [2, 3]], True)
     letters = "".join(All().interpret(op) for op in ops.ops[0])

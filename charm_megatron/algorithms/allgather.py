@@ -1,6 +1,7 @@
 """All-gather CP, TransformerEngine's ``allgather`` (Llama 3's context parallelism): the builder
-and its registry entry (docs/algorithm.md, *All-gather*). It has no settings and ignores the
-topology.
+and its registry entry (docs/algorithm.md, *All-gather*). It ignores the topology; its one
+setting is ``super_tiles`` (plan/fuse.py): the gathered blocks' tiles of the same q rows as
+one kernel call, as TE's one attention call over the gathered sequence.
 
 Forward: every rank's kv block goes to every other rank in one batch (an all-gather as sends
 and receives, so the validator, the model and the printout read it as they read the ring);
@@ -22,11 +23,13 @@ Plan layer: no torch.
 from __future__ import annotations
 
 from charm_megatron.plan.core import Merge, Op, Plan, Reset, Tile, TileBwd, Wait, Xfer, tile_spec
-from charm_megatron.plan.entries import Algorithm, Groups
+from charm_megatron.plan.entries import Algorithm, Groups, VariantContext, assemble
+from charm_megatron.plan.fuse import SUPER_TILES, fuse_ops
 from charm_megatron.plan.program import Program
-from charm_megatron.plan.vocab import Direction, Half, Kind, Loc, Stream
+from charm_megatron.plan.settings import Values
+from charm_megatron.plan.vocab import Direction, Half, Kind, Loc, Stream, SuperTileMode
 
-__all__ = ["ALLGATHER", "allgather_rank"]
+__all__ = ["ALLGATHER", "allgather_rank", "allgather_variants"]
 
 _OWN_KV = Loc.own(Kind.KV)
 _GATHERED_KV = Loc("ag.kv")  # slot j: rank j's kv block
@@ -36,7 +39,29 @@ _DKV_IN = Loc("ag.dkvin")  # slot j: rank j's dkv partial of this rank's kv
 
 def allgather_rank(rank: int, groups: Groups, causal: bool, direction: Direction,
                    variant: object = None) -> list[Op]:
-    """Rank ``rank``'s all-gather plan (``groups``: one flat group; ``variant``: unused)."""
+    """Rank ``rank``'s all-gather plan (``groups``: one flat group; ``variant``: True for
+    super-tiles, :func:`allgather_variants`)."""
+    ops = _rank_ops(rank, groups, causal, direction)
+    return fuse_ops(ops) if variant is True else ops
+
+
+def allgather_variants(values: Values, ctx: VariantContext) -> tuple[bool, bool]:
+    """Whether each direction runs super-tiles: as the setting says; ``auto``, where
+    ``ctx.timer`` predicts the plan with them faster (off without a timer)."""
+    mode = values.get(SUPER_TILES.name, SuperTileMode.OFF)
+    if mode is not SuperTileMode.AUTO:
+        return (mode is SuperTileMode.ON,) * 2
+    if ctx.timer is None:
+        return False, False
+    out = []
+    for d in (Direction.FORWARD, Direction.BACKWARD):
+        on, off = (assemble("allgather", allgather_rank, d, ctx.groups, ctx.causal, v)
+                   for v in (True, False))
+        out.append(on.ops != off.ops and ctx.timer.seconds(on) < ctx.timer.seconds(off))
+    return out[0], out[1]
+
+
+def _rank_ops(rank: int, groups: Groups, causal: bool, direction: Direction) -> list[Op]:
     r, n = rank, sum(len(g) for g in groups)
     backward = Direction(direction) is Direction.BACKWARD
     peers = [(r + i) % n for i in range(1, n)]  # nearest first, as a ring-ordered collective
@@ -86,5 +111,6 @@ def _dkv_rows(q_owner: int, kv_owner: int, causal: bool) -> Half:
 ALLGATHER = Algorithm(
     "allgather", allgather_rank, uses_topology=False, te_name="allgather",
     prunes_messages=False,  # TE gathers all of k and v whatever the window
+    settings=(SUPER_TILES,), variants=allgather_variants,
     description="TransformerEngine's all_gather: kv gathered from every rank, dk/dv "
                 "reduce-scattered")

@@ -17,8 +17,9 @@ from charm_megatron.commands.flags import (
     problem_from_args,
     settings_from_args,
 )
-from charm_megatron.plan.core import Plan, Tile, TileBwd
+from charm_megatron.plan.core import Plan, SuperTile, Tile, TileBwd
 from charm_megatron.plan.cost import Problem, traffic
+from charm_megatron.plan.fuse import unfuse_ops
 from charm_megatron.plan.head_stage import stage_plans
 from charm_megatron.plan.memory import max_peak
 from charm_megatron.plan.registry import (
@@ -88,7 +89,9 @@ def _role_summary(plan: Plan) -> str:
     cross = "/".join(f"pass-{r}" for r in ("q", "kv") if c[("cross", r)])
     pairs = f"{c[('pair', 'kv')]}kv {c[('pair', 'q')]}q"
     lean = " lean" if plan.lean else " early-returns" if plan.early_returns else ""
-    return (f"{cross} {pairs}" if cross else pairs) + lean
+    supers = sum(type(op) is SuperTile for ops in plan.ops for op in ops)
+    fused = f" {supers} super-tiles" if supers else ""
+    return (f"{cross} {pairs}" if cross else pairs) + lean + fused
 
 
 def run(args: argparse.Namespace) -> int:
@@ -202,7 +205,8 @@ def _window_savings(args, groups, problem, shape, settings, tiles, w: int,
             a = cut.head_group
             window = problem.for_plan(cut).geometry(args.cp, args.causal, a)
             geometries = (window, replace(window, left=-1, right=-1))
-            work = [max(sum(g.kept_pairs(op.spec) for op in ops if type(op) in (Tile, TileBwd))
+            work = [max(sum(g.kept_pairs(op.spec) for op in unfuse_ops(ops)
+                            if type(op) in (Tile, TileBwd))
                         for ops in p.ops) / rows ** 2 / a
                     for p, g in zip((cut, full), geometries)]
             print(f"{algo:{w}} {direction:8} {_mb(sent[0])} {_mb(sent[1])} "

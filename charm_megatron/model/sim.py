@@ -39,6 +39,7 @@ from charm_megatron.plan.core import (
     OpInterpreter,
     Plan,
     Reset,
+    SuperTile,
     Tile,
     TileBwd,
     TileSpec,
@@ -186,28 +187,42 @@ class _Engine(OpInterpreter[None]):
     def _merge_s(self, nbytes: float) -> float:
         return nbytes / (self.cl.merge_gbps * 1e9) if self.cl.merge_gbps else 0.0
 
-    def _op_cost(self, r: int, op: Tile | TileBwd | Merge) -> float:
+    def _op_cost(self, r: int, op: Tile | TileBwd | Merge | SuperTile) -> float:
         """Seconds of compute at full speed for one op (0 when compute is switched off)."""
         if not self.compute:
             return 0.0
-        p, n, cl = self.problem, self.n, self.cl
-        over = cl.op_overhead_us * 1e-6
+        over = self.cl.op_overhead_us * 1e-6
         if isinstance(op, Merge):
             return self._merge_s(self.loc_bytes[r].get(op.src, 0.0)) + over
-        s = op.spec
-        flops = tile_flops(s, p, n) * (cl.bwd_factor if isinstance(op, TileBwd) else 1.0)
-        if self.window is not None:
-            flops *= self.window.fraction(s)
+        members = op.members if isinstance(op, SuperTile) else (op,)
+        return self._kernel_s(members) + over
+
+    def _kernel_s(self, members: Sequence[Tile] | Sequence[TileBwd]) -> float:
+        """One kernel call over ``members`` (one tile, or a super-tile's: their q rows, their
+        kv rows concatenated): the FLOPs of all at the efficiency of the call's size, the fold
+        of its result into the accumulators (forward: one partial of the q rows; backward: dq
+        once and each member's dk, dv), and for a super-tile the copy that concatenates the
+        members' kv rows (at the merge rate, like the stage's copies)."""
+        p, n, cl = self.problem, self.n, self.cl
+        bwd = isinstance(members[0], TileBwd)
+        flops = 0.0
+        for m in members:
+            f = tile_flops(m.spec, p, n)
+            flops += f * self.window.fraction(m.spec) if self.window is not None else f
+        if bwd:
+            flops *= cl.bwd_factor
         rows = p.s / n
-        eff = effects.kernel_efficiency(cl, rows * s.q_half.fraction, rows * s.kv_half.fraction,
-                                        p.d)
-        # The executor folds each tile's result into its accumulators: that is a merge too.
-        if isinstance(op, Tile):
-            folded = p.local_bytes("out", n) * s.q_half.fraction
+        q_frac = members[0].spec.q_half.fraction
+        kv_frac = sum(m.spec.kv_half.fraction for m in members)
+        eff = effects.kernel_efficiency(cl, rows * q_frac, rows * kv_frac, p.d)
+        # The executor folds each call's result into its accumulators: that is a merge too.
+        if bwd:
+            folded = p.local_bytes("dq", n) * q_frac + p.local_bytes("dkv", n) * kv_frac
         else:
-            folded = (p.local_bytes("dq", n) * s.q_half.fraction
-                      + p.local_bytes("dkv", n) * s.kv_half.fraction)
-        return flops / (cl.tflops * 1e12 * eff) + self._merge_s(folded) + over
+            folded = p.local_bytes("out", n) * q_frac
+        if len(members) > 1:
+            folded += p.local_bytes("kv", n) * kv_frac
+        return flops / (cl.tflops * 1e12 * eff) + self._merge_s(folded)
 
     # ---------------------------------------------------------------- jobs and timers
     def _start_compute(self, r: int, seconds: float, is_work: bool = True) -> None:
@@ -360,11 +375,11 @@ class _Engine(OpInterpreter[None]):
     def on_reset(self, op: Reset) -> None:
         self.pc[self.r] += 1
 
-    def _compute_op(self, op: Tile | TileBwd | Merge) -> None:
+    def _compute_op(self, op: Tile | TileBwd | Merge | SuperTile) -> None:
         self.pc[self.r] += 1
         self._start_compute(self.r, self._op_cost(self.r, op))
 
-    on_tile = on_tile_bwd = on_merge = _compute_op
+    on_tile = on_tile_bwd = on_merge = on_super_tile = _compute_op
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> float:

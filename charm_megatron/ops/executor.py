@@ -38,6 +38,7 @@ from charm_megatron.plan.core import (
     Op,
     OpInterpreter,
     Reset,
+    SuperTile,
     Tile,
     TileBwd,
     Wait,
@@ -428,6 +429,57 @@ class Executor(OpInterpreter[None]):
             dk_acc, dv_acc = acc.tensors
             dk_acc[kr] += dk
             dv_acc[kr] += dv
+
+    # A subclass whose tiles are not one kernel call each (ops/packed.py cuts them by
+    # document) runs a super-tile's members one by one.
+    fuses_super_tiles = True
+
+    def on_super_tile(self, op: SuperTile) -> None:
+        """One kernel call over the members' kv rows, concatenated in order (plan/core.py,
+        :class:`SuperTile`): forward, one partial merged once into the accumulator;
+        backward, dq added once and dk, dv split back by rows into each member's dkv
+        accumulator. Members a window cuts (each masked by itself) run one by one."""
+        if not self.fuses_super_tiles or any(self._masked(m.spec) for m in op.members):
+            for m in op.members:
+                self.interpret(m)
+            return
+        first = op.first
+        s = first.spec
+        if not self.compute:
+            if op.backward:  # something of the right size must still be there to send
+                for m in op.members:
+                    if m.fresh_dkv:
+                        self._buffer(m.dkv_acc, Kind.DKV, wire=True, rows=m.spec.kv_half)
+            return
+        kvs = [self._view(m.kv_loc, m.spec.kv_half) for m in op.members]
+        k = torch.cat([kv[0] for kv in kvs])
+        v = torch.cat([kv[1] for kv in kvs])
+        self.copied([k, v], 1.0)  # a timed device charges the concatenation as the model does
+        if not op.backward:
+            (q,) = self._view(first.q_loc, s.q_half)
+            out, lse = self.backend.forward(q, k, v, False, self.scale)
+            acc = self.bufs[first.acc]
+            acc_o, acc_l = acc.tensors
+            merge_into(acc_o, acc_l, out, lse.permute(2, 0, 1), self._acc_rows(acc, s.q_half))
+            return
+        q, dout, stats = self._view(first.q_loc, s.q_half)
+        dq, dk, dv = self.backend.backward(
+            dout, q, k, v, self._tile_output(first.q_loc, s.q_half, dout, stats),
+            stats[..., 0].permute(1, 2, 0), False, self.scale)
+        acc = self.bufs[first.dq_acc]
+        acc.tensors[0][self._acc_rows(acc, s.q_half)] += dq
+        start = 0
+        for m, (km, _) in zip(op.members, kvs):
+            rows = slice(start, start + km.shape[0])
+            start = rows.stop
+            if m.fresh_dkv:
+                self.bufs[m.dkv_acc] = _Buf((dk[rows], dv[rows]), held=m.spec.kv_half,
+                                            kind=Kind.DKV)
+            else:
+                macc = self.bufs[m.dkv_acc]
+                kr = self._acc_rows(macc, m.spec.kv_half)
+                macc.tensors[0][kr] += dk[rows]
+                macc.tensors[1][kr] += dv[rows]
 
     def on_merge(self, op: Merge) -> None:
         src = self.bufs[op.src]

@@ -293,6 +293,10 @@ class PackedExecutor(Executor):
     order (:func:`lane_order`); tiles name CP ranks, whose super-block is ``rank // a`` of
     the lanes' layout (``layout.lanes(a)``)."""
 
+    # A packed tile is cut by its documents: a super-tile's kv blocks hold other documents'
+    # rows each, so its members run one by one.
+    fuses_super_tiles = False
+
     def __init__(self, streams, backend, shape: BlockShape, scale: float,
                  layout: THDLayout, *, varlen: bool = True, head_group: int = 1,
                  **options) -> None:

@@ -35,8 +35,8 @@ from charm_megatron.plan.vocab import RESULT, Direction, Half, Kind, Loc, Stream
 
 __all__ = [
     "STREAMS", "Comm", "Direction", "Half", "Kind", "Loc", "Merge", "Op", "OpInterpreter",
-    "Plan", "Reset", "Stream", "Tile", "TileBwd", "TileSpec", "Wait", "Xfer", "format_op",
-    "tile_spec",
+    "Plan", "Reset", "Stream", "SuperTile", "Tile", "TileBwd", "TileSpec", "Wait", "Xfer",
+    "format_op", "tile_spec",
 ]
 
 STREAMS = tuple(Stream)
@@ -195,7 +195,64 @@ class Merge:
             _typed(self, acc=Loc, src=Loc)
 
 
-Op = Comm | Wait | Reset | Tile | TileBwd | Merge
+@dataclass(frozen=True)
+class SuperTile:
+    """One kernel call over several kv blocks held at once for the same q rows (a
+    *super-tile*, docs/algorithm.md): the ``members`` (all :class:`Tile` or all
+    :class:`TileBwd`) share their q block, its rows and the accumulator of the q side, and
+    none is masked. The executor concatenates the members' kv rows in order and calls the
+    kernel once: forward, one partial merged once into ``acc``; backward, dq added once and
+    dk, dv split back by rows into each member's ``dkv_acc`` (``fresh_dkv`` per member). Every
+    other interpreter reads it as its members in order (what it computes is exactly theirs).
+
+    Its shape is checked here, so no interpreter meets a malformed one: at least two
+    members, one type, the same ``q_loc``, q owner and q rows, the same ``acc`` /
+    ``dq_acc`` and not ``fresh`` there, no causal member."""
+
+    members: tuple[Tile, ...] | tuple[TileBwd, ...]
+
+    def __post_init__(self) -> None:
+        why = super_tile_refusal(self.members)
+        if why is not None:
+            raise ValueError(f"not a super-tile: {why}")
+
+    @property
+    def backward(self) -> bool:
+        return type(self.members[0]) is TileBwd
+
+    @property
+    def first(self) -> Tile | TileBwd:
+        return self.members[0]
+
+
+def _q_side(op: Tile | TileBwd) -> tuple:
+    """What the members of a super-tile share: q block, its rows, the q-side accumulator."""
+    s = op.spec
+    if type(op) is Tile:
+        return (op.q_loc, s.q_owner, s.q_half, op.acc, op.fresh)
+    return (op.q_loc, s.q_owner, s.q_half, op.dq_acc, op.fresh_dq)
+
+
+def super_tile_refusal(members: tuple) -> str | None:
+    """Why ``members`` cannot be one super-tile (``None``: they can)."""
+    if len(members) < 2:
+        return f"{len(members)} member(s); a super-tile has two or more"
+    kind = type(members[0])
+    if kind not in (Tile, TileBwd) or any(type(m) is not kind for m in members):
+        return "members must be all Tile or all TileBwd"
+    if any(m.spec.causal for m in members):
+        return "a causal tile runs alone"
+    side = _q_side(members[0])
+    if side[-1]:
+        return "the q-side result must be accumulated, not fresh"
+    if any(_q_side(m) != side for m in members[1:]):
+        return "members must share the q block, its rows and its accumulator"
+    if kind is TileBwd and len({m.dkv_acc for m in members}) < len(members):
+        return "each member's dk, dv go to an accumulator of its own"
+    return None
+
+
+Op = Comm | Wait | Reset | Tile | TileBwd | Merge | SuperTile
 T = TypeVar("T")
 
 
@@ -231,9 +288,12 @@ class OpInterpreter(abc.ABC, Generic[T]):
     @abc.abstractmethod
     def on_merge(self, op: Merge) -> T: ...
 
+    @abc.abstractmethod
+    def on_super_tile(self, op: SuperTile) -> T: ...
+
 
 _HANDLERS = {Comm: "on_comm", Wait: "on_wait", Reset: "on_reset", Tile: "on_tile",
-             TileBwd: "on_tile_bwd", Merge: "on_merge"}
+             TileBwd: "on_tile_bwd", Merge: "on_merge", SuperTile: "on_super_tile"}
 
 
 @dataclass
@@ -316,6 +376,15 @@ class _Printer(OpInterpreter[str]):
 
     def on_merge(self, op: Merge) -> str:
         return f"merge {op.src} into {op.acc}"
+
+    def on_super_tile(self, op: SuperTile) -> str:
+        first, s = op.first, op.first.spec
+        kv = " + ".join(f"kv[{m.spec.kv_owner}].{m.spec.kv_half}" for m in op.members)
+        rows = f"q[{s.q_owner}].{s.q_half} x ({kv})"
+        if not op.backward:
+            return f"super-tile {rows} -> {first.acc}"
+        dkv = ", ".join(f"{'=>' if m.fresh_dkv else '->'} {m.dkv_acc}" for m in op.members)
+        return f"super-tile-bwd {rows} dq -> {first.dq_acc}, dkv {dkv}"
 
 
 def _heads(x: Xfer) -> str:

@@ -35,6 +35,7 @@ from charm_megatron.plan.core import (
     Op,
     Plan,
     Reset,
+    SuperTile,
     Tile,
     TileBwd,
     TileSpec,
@@ -162,6 +163,8 @@ def _lift(op: Op, a: int, k: int) -> Op:
     if t is TileBwd:
         return TileBwd(spec(op.spec), op.q_loc, op.kv_loc, op.dq_acc, op.dkv_acc, op.fresh_dq,
                        op.fresh_dkv)
+    if t is SuperTile:
+        return SuperTile(tuple(_lift(m, a, k) for m in op.members))
     if t in (Wait, Merge):
         return op
     raise TypeError(f"cannot lift {op!r}")

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from charm_megatron.plan.core import Comm, Half, Merge, Op, Reset, Tile, TileBwd, Wait
+from charm_megatron.plan.core import Comm, Half, Merge, Op, Reset, SuperTile, Tile, TileBwd, Wait
 from charm_megatron.plan.vocab import OWN, RESULT, Loc
 
 __all__ = ["Lifetimes", "lifetimes"]
@@ -92,6 +92,21 @@ class _Scan:
         return None if life is None else life.rows
 
 
+def _tile(scan: _Scan, i: int, op: Tile | TileBwd) -> None:
+    s = op.spec
+    scan.use(i, op.q_loc, s.q_half)
+    scan.use(i, op.kv_loc, s.kv_half)
+    if type(op) is Tile:
+        results = ((op.acc, op.fresh, s.q_half),)
+    else:
+        results = ((op.dq_acc, op.fresh_dq, s.q_half), (op.dkv_acc, op.fresh_dkv, s.kv_half))
+    for loc, fresh, rows in results:
+        if fresh:
+            scan.begin(i, loc, rows)
+        else:
+            scan.use(i, loc, rows)
+
+
 def lifetimes(ops: Sequence[Op]) -> Lifetimes:
     """The lifetimes of the buffers of one rank's op list (see the module docstring)."""
     scan = _Scan()
@@ -114,24 +129,11 @@ def lifetimes(ops: Sequence[Op]) -> Lifetimes:
                 scan.inflight[loc] -= 1
         elif t is Reset:
             scan.begin(i, op.loc, None)
-        elif t is Tile:
-            s = op.spec
-            scan.use(i, op.q_loc, s.q_half)
-            scan.use(i, op.kv_loc, s.kv_half)
-            if op.fresh:
-                scan.begin(i, op.acc, s.q_half)
-            else:
-                scan.use(i, op.acc, s.q_half)
-        elif t is TileBwd:
-            s = op.spec
-            scan.use(i, op.q_loc, s.q_half)
-            scan.use(i, op.kv_loc, s.kv_half)
-            for loc, fresh, rows in ((op.dq_acc, op.fresh_dq, s.q_half),
-                                     (op.dkv_acc, op.fresh_dkv, s.kv_half)):
-                if fresh:
-                    scan.begin(i, loc, rows)
-                else:
-                    scan.use(i, loc, rows)
+        elif t is Tile or t is TileBwd:
+            _tile(scan, i, op)
+        elif t is SuperTile:  # its members, all at op i
+            for m in op.members:
+                _tile(scan, i, m)
         elif t is Merge:
             rows = scan.held(op.src)
             scan.use(i, op.src, rows)

@@ -20,7 +20,18 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from charm_megatron.plan.core import Comm, Half, Kind, Loc, Op, Plan, Reset, Tile, TileBwd
+from charm_megatron.plan.core import (
+    Comm,
+    Half,
+    Kind,
+    Loc,
+    Op,
+    Plan,
+    Reset,
+    SuperTile,
+    Tile,
+    TileBwd,
+)
 from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.lifetimes import lifetimes
 from charm_megatron.plan.vocab import BLOCKS, block_sizes
@@ -84,19 +95,40 @@ def peak(ops: list[Op], problem: Problem, n: int) -> Peak:
             else:
                 tile = out
         elif t is TileBwd:
-            s = op.spec
-            for loc, fresh, kind, rows in ((op.dq_acc, op.fresh_dq, Kind.DQ, s.q_half),
-                                           (op.dkv_acc, op.fresh_dkv, Kind.DKV, s.kv_half)):
-                b = block(kind, False, rows)
-                if fresh:
-                    hold(loc, b)
-                else:
-                    tile += b
+            tile = _tile_bwd(op, block, hold)
+        elif t is SuperTile:
+            # The members' kv rows concatenated (a copy), and one kernel output: forward the
+            # partial of the q rows; backward dq once and each member's dk, dv.
+            tile = sum(block(Kind.KV, False, m.spec.kv_half) for m in op.members)
+            if op.backward:
+                first = op.first
+                tile += block(Kind.DQ, False, first.spec.q_half)
+                for m in op.members:
+                    tile += _tile_bwd(m, block, hold, dq=False)
+            else:
+                tile += block(Kind.OUT, False, op.first.spec.q_half)
         if held + tile > best.bytes:
             best = Peak(held + tile, i, tuple(live.items()), tile)
         for loc in life.free_after.get(i, ()):
             held -= live.pop(loc, 0.0)
     return best
+
+
+def _tile_bwd(op: TileBwd, block, hold, dq: bool = True) -> float:
+    """A backward tile's kernel output: its fresh results held in their locations, the
+    bytes of the others (the tile's transient) returned; ``dq`` False: its dq is not
+    counted (a super-tile's one dq is counted once)."""
+    s, tile = op.spec, 0.0
+    results = [(op.dkv_acc, op.fresh_dkv, Kind.DKV, s.kv_half)]
+    if dq:
+        results.insert(0, (op.dq_acc, op.fresh_dq, Kind.DQ, s.q_half))
+    for loc, fresh, kind, rows in results:
+        b = block(kind, False, rows)
+        if fresh:
+            hold(loc, b)
+        else:
+            tile += b
+    return tile
 
 
 def plan_peak(plan: Plan, problem: Problem) -> list[Peak]:

@@ -35,12 +35,14 @@ from charm_megatron.plan.core import (
     Op,
     Plan,
     Reset,
+    SuperTile,
     Tile,
     TileBwd,
     TileSpec,
     Wait,
     Xfer,
 )
+from charm_megatron.plan.fuse import unfuse_ops
 from charm_megatron.plan.tile_rule import TileRule
 from charm_megatron.plan.validate import _Batch, _Content, _SymbolicRun, check_all_completed
 from charm_megatron.plan.vocab import RESULT, Side
@@ -56,6 +58,8 @@ def prune(plan: Plan, rule: TileRule, *, messages: bool = True) -> Plan:
     to the messages and rows those tiles need (see the module docstring)."""
     if not rule.windowed:
         return plan
+    # A window masks each cut tile by itself: a super-tile is pruned as its members.
+    plan = replace(plan, ops=[unfuse_ops(ops) for ops in plan.ops])
     trace = _Trace(plan)
     trace.execute()
     check_all_completed(trace)
@@ -145,6 +149,9 @@ class _Trace(_SymbolicRun):
         self.reads[self._here()] = _Reads(q=q, kv=kv,
                                           accs=(self._at(op.dq_acc), self._at(op.dkv_acc)))
         return done
+
+    def on_super_tile(self, op: SuperTile) -> bool:  # pragma: no cover - unfused before
+        raise AssertionError("prune traces plans without super-tiles (unfuse_ops)")
 
     def on_merge(self, op: Merge) -> bool:
         src, acc = self._at(op.src), self._at(op.acc)

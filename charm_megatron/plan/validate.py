@@ -7,7 +7,8 @@ named function or method below:
 * **tiles and causal halves** (:meth:`_SymbolicRun.check_tile_halves`, :func:`check_tiles_once`,
   :func:`check_results`): every tile is computed exactly once, with the rows the causal mask
   needs, and at the end each rank's output (forward) or dq and dkv (backward) hold exactly the
-  tiles of the full attention. An unmasked tile that needs all rows of one side may instead
+  tiles of the full attention; a super-tile (one kernel call over several kv blocks) counts
+  as exactly its member tiles, and its shape is checked (:func:`super_tile_refusal`). An unmasked tile that needs all rows of one side may instead
   be computed as its two *half sub-tiles* along that side (:func:`sub_tiles`): kv rows 1st
   and 2nd with the tile's q rows (a split visiting pass of pass-kv), or q rows 1st and 2nd
   with its kv rows (a split counterpart pass of pass-q). Then both must be computed exactly
@@ -48,12 +49,14 @@ from charm_megatron.plan.core import (
     OpInterpreter,
     Plan,
     Reset,
+    SuperTile,
     Tile,
     TileBwd,
     TileSpec,
     Wait,
     Xfer,
     format_op,
+    super_tile_refusal,
 )
 from charm_megatron.plan.lifetimes import lifetimes
 from charm_megatron.plan.tile_rule import TileRule, full_rule
@@ -394,6 +397,19 @@ class _SymbolicRun(OpInterpreter[bool]):
         depth = self._tile_inputs(op)
         self._result(op.dq_acc, op.fresh_dq, Kind.DQ, s.q_owner, s.q_half, s, depth)
         self._result(op.dkv_acc, op.fresh_dkv, Kind.DKV, s.kv_owner, s.kv_half, s, depth)
+        return True
+
+    def on_super_tile(self, op: SuperTile) -> bool:
+        """Exactly its members' tiles, in order (each checked as a tile); the shape of a
+        super-tile checked again (a plan's ops may have been edited after they were made);
+        none under a window, whose cut tiles are masked one by one."""
+        why = super_tile_refusal(op.members)
+        if why is not None:
+            self.fail(f"is not a super-tile: {why}")
+        if self.plan.tiles is not None and self.plan.tiles.windowed:
+            self.fail("a super-tile in a windowed plan (its tiles are masked one by one)")
+        for m in op.members:
+            self.interpret(m)
         return True
 
     def on_merge(self, op: Merge) -> bool:

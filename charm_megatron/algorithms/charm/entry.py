@@ -35,14 +35,23 @@ from charm_megatron.plan.entries import (
     VariantContext,
     assemble,
 )
+from charm_megatron.plan.fuse import SUPER_TILES, fuse_ops
 from charm_megatron.plan.head_stage import lift_ops, super_groups
 from charm_megatron.plan.memory import BOUND, max_peak, peak
 from charm_megatron.plan.roles import Decision, RoleChoice, RoleShape
 from charm_megatron.plan.settings import Setting, Values
-from charm_megatron.plan.vocab import Direction, HeadParallel, PassOrder, RoleMix, SplitMode
+from charm_megatron.plan.vocab import (
+    Direction,
+    HeadParallel,
+    PassOrder,
+    RoleMix,
+    SplitMode,
+    SuperTileMode,
+)
 
 __all__ = ["CHARM", "SETTINGS_WITH_HEADS", "CharmVariant", "HEAD_PARALLEL", "PASS_ORDER", "RMPLUS",
            "ROLES", "SETTINGS", "SPLIT_COUNTERPART_Q", "SPLIT_MARGIN", "SPLIT_VISITING",
+           "SUPER_TILES",
            "charm_finish", "charm_rank", "charm_variants", "head_parallel_refusal",
            "within_memory_bound"]
 
@@ -66,7 +75,7 @@ SPLIT_COUNTERPART_Q = Setting(
     "charm pass-q: a counterpart's q block that every tile needs whole crosses in two row "
     "halves, its partial going home per half (docs/algorithm.md)",
     env="CHARM_SPLIT_COUNTERPART_Q")
-SETTINGS = (PASS_ORDER, ROLES, SPLIT_VISITING, SPLIT_COUNTERPART_Q)
+SETTINGS = (PASS_ORDER, ROLES, SPLIT_VISITING, SPLIT_COUNTERPART_Q, SUPER_TILES)
 HEAD_PARALLEL = Setting(
     "head_parallel", HeadParallel, HeadParallel.AUTO,
     "charm: head all-to-all in sub-groups of this many ranks of each topology group before "
@@ -93,7 +102,8 @@ class CharmVariant:
     (docs/algorithm.md, *Visiting kv in two halves*, *Counterpart q in two halves*);
     ``lean`` / ``early_returns``: the memory variants (:func:`within_memory_bound`);
     ``head_parallel``: the head all-to-all's degree (1: none), the same in both directions
-    (the backward runs on the heads layout the forward kept)."""
+    (the backward runs on the heads layout the forward kept); ``super_tiles``: adjacent kv
+    units fetched together, their tiles fused (plan/fuse.py)."""
 
     order: PassOrder = PassOrder.SPLIT
     roles: RoleChoice = RoleChoice()
@@ -102,6 +112,7 @@ class CharmVariant:
     lean: bool = False
     early_returns: bool = False
     head_parallel: int = 1
+    super_tiles: bool = False
 
     def __post_init__(self) -> None:
         # A plain string is accepted and stored as its member (the builders compare by `is`).
@@ -123,8 +134,10 @@ def charm_rank(rank: int, groups: Groups, causal: bool, direction: Direction,
     st = RankState(rank, groups, causal, direction, roles=variant.roles, lean=variant.lean,
                    early_returns=variant.early_returns, order=variant.order,
                    split_visiting=variant.split_visiting,
-                   split_counterpart_q=variant.split_counterpart_q)
-    return rank_program(st), st.decisions
+                   split_counterpart_q=variant.split_counterpart_q,
+                   super_tiles=variant.super_tiles)
+    ops = rank_program(st)
+    return (fuse_ops(ops) if variant.super_tiles else ops), st.decisions
 
 
 def charm_variants(values: Values, ctx: VariantContext) -> tuple[CharmVariant, CharmVariant]:
@@ -177,7 +190,26 @@ def _with_splits(values: Values, base: CharmVariant,
     counterpart_q = _split(values[SPLIT_COUNTERPART_Q.name], "split_counterpart_q", base, ctx)
     fwd, bwd = (replace(base, split_visiting=v, split_counterpart_q=q)
                 for v, q in zip(visiting, counterpart_q))
-    return fwd, bwd
+    return _super_tiles(values[SUPER_TILES.name], fwd, bwd, ctx)
+
+
+def _super_tiles(mode: SuperTileMode, fwd: CharmVariant, bwd: CharmVariant,
+                 ctx: VariantContext) -> tuple[CharmVariant, CharmVariant]:
+    """``fwd`` and ``bwd`` with super-tiles as ``mode`` says: ``auto`` per direction where
+    ``ctx.timer`` predicts the plan with them faster (off without a timer)."""
+    if mode is SuperTileMode.OFF:
+        return fwd, bwd
+    if mode is SuperTileMode.ON:
+        return replace(fwd, super_tiles=True), replace(bwd, super_tiles=True)
+    if ctx.timer is None:
+        return fwd, bwd
+    out = []
+    for d, v in ((Direction.FORWARD, fwd), (Direction.BACKWARD, bwd)):
+        fused = replace(v, super_tiles=True)
+        on, off = _plan(d, ctx, fused), _plan(d, ctx, v)
+        faster = on.ops != off.ops and ctx.timer.seconds(on) < ctx.timer.seconds(off)
+        out.append(fused if faster else v)
+    return out[0], out[1]
 
 
 def _degrees(groups: Groups) -> list[int]:
@@ -271,7 +303,8 @@ def within_memory_bound(plan: Plan, ctx: VariantContext, variant: CharmVariant) 
     executor's allocation rule) is within :data:`~charm_megatron.plan.memory.BOUND` x ring's;
     else the first variant that is, from the least to the most costly in time: q-pair returns
     completed before the next unit's tiles (``early_returns``), then lean (one unit's blocks
-    at a time); else ``plan``. Shape-free (``ctx.shape`` None): ``plan``. Peaks scale with
+    at a time); else ``plan``. A plan with super-tiles is bounded as the same plan without
+    them (:func:`_super_tiles_plan`). Shape-free (``ctx.shape`` None): ``plan``. Peaks scale with
     the rows alike, so two rows per rank decide for every sequence length (and every rank
     decides alike)."""
     shape = ctx.shape
@@ -285,6 +318,8 @@ def within_memory_bound(plan: Plan, ctx: VariantContext, variant: CharmVariant) 
     def fits(ops: list[Op]) -> bool:
         return peak(ops, problem, n).bytes <= bound
 
+    if variant.super_tiles:
+        return _super_tiles_plan(plan, ctx, variant)
     if all(fits(ops) for ops in plan.ops):
         return plan
     for lighter in (replace(variant, early_returns=True), replace(variant, lean=True)):
@@ -295,6 +330,31 @@ def within_memory_bound(plan: Plan, ctx: VariantContext, variant: CharmVariant) 
             out.early_returns, out.lean = lighter.early_returns, lighter.lean
             return out
     return plan
+
+
+def _super_tiles_plan(plan: Plan, ctx: VariantContext, variant: CharmVariant) -> Plan:
+    """The bound for a plan with super-tiles (``plan``, built with ``variant``): the one of
+    the same plan without them. A super-tile step holds its blocks and the next step's
+    (:data:`~charm_megatron.algorithms.charm.rmplus.STEP_UNITS` kv blocks each) and their
+    concatenation, a fixed number of blocks whatever the CP size, which the 1.1x bound has
+    no room for (the plans without them reach 1.0-1.1x ring's peak already): that extra is
+    what ``super_tiles`` trades for its fewer kernel calls. So: the plan without
+    super-tiles goes through the bound; where it stays as built or needs early returns,
+    the plan with super-tiles is built alike; where it needs lean, it is the plan (a lean
+    plan hides nothing, and ranks that group their units into steps each by its own tiles
+    would wait on each other's steps)."""
+    plain = replace(variant, super_tiles=False)
+    bounded = within_memory_bound(
+        assemble(plan.algo, charm_rank, plan.direction, ctx.groups, plan.causal, plain),
+        ctx, plain)
+    if bounded.lean:
+        return bounded
+    if not bounded.early_returns:
+        return plan
+    early = replace(variant, early_returns=True)
+    out = assemble(plan.algo, charm_rank, plan.direction, ctx.groups, plan.causal, early)
+    out.early_returns = True
+    return out
 
 
 @lru_cache(maxsize=256)

@@ -237,18 +237,23 @@ def _tile(st: RankState, it: Item, kv: KvHeld, *, fresh_dq: bool = False,
 
 def run_pass(st: RankState, ps: Pass, items: list[Item], cross_handle: int | None) -> list[Op]:
     """Emit the units of ``ps`` for ``items``; return the ops held back until the
-    counterpart's partial has been sent home (the own q's last tile, forward, joint)."""
+    counterpart's partial has been sent home (the own q's last tile, forward, joint).
+
+    The units run in *steps* (:func:`_steps`): one unit each, or with ``st.super_tiles`` up
+    to :data:`STEP_UNITS` adjacent kv units whose blocks arrive together and whose tiles run
+    as one super-tile per q block. A step is posted one step ahead, waited, computed; its
+    partials go back and are completed one step later."""
     p, r = st.p, st.rank
-    units = _units(st, ps)
+    steps = _steps(st, _units(st, ps), items)
     cross = next((it for it in items if it.owner != r), None)
     own = [it for it in items if it.owner == r]
     # The counterpart's q is awaited before anything uses it, and at the latest once the
     # own q's tiles with own kv (which need no communication) hide its arrival.
     awaiting = cross is not None
-    if awaiting and units and units[0].role is Role.Q:
+    if awaiting and steps and steps[0][0].role is Role.Q:
         _await_cross(st, cross_handle, cross)
         awaiting = False
-    pending = _post(st, units[0], items) if units else None
+    pending = [_post(st, u, items) for u in steps[0]] if steps else []
     kv = st.kv
     if ps.own_kv:
         for it in own:
@@ -257,37 +262,74 @@ def run_pass(st: RankState, ps: Pass, items: list[Item], cross_handle: int | Non
         _await_cross(st, cross_handle, cross)
     if ps.own_kv and cross is not None:
         p.add(_tile(st, cross, KvHeld(r, OWN_KV, Plan.DKV)))
-    last_kv = max((u.index for u in units if u.role is Role.KV), default=None)
+    last_kv = max((u.index for step in steps for u in step if u.role is Role.KV), default=None)
     # Forward, joint: the own q's tile of the last kv unit waits until the counterpart's
     # partial is on its way (it is not needed before the end).
     hold_own = not st.bwd and cross is not None
     returns: list[Return] = []
     held_back: list[Op] = []
-    for u in units:
+    for i, step in enumerate(steps):
         if st.lean:  # the previous unit's partials home first, then this unit's blocks
-            if u.index > 0:
+            if i > 0:
                 while returns:
                     p.finish(returns.pop(0))
-                pending = _post(st, u, items)
-            nxt = None
+                pending = [_post(st, u, items) for u in step]
+            nxt = []
         else:
-            nxt = _post(st, units[u.index + 1], items) if u.index + 1 < len(units) else None
-        p.add(Wait(pending))
+            nxt = [_post(st, u, items) for u in steps[i + 1]] if i + 1 < len(steps) else []
+        for h in pending:
+            p.add(Wait(h))
         pending = nxt
         if st.early_returns:
-            while returns and returns[0].unit < u.index:
+            while returns and returns[0].unit < i:
                 p.finish(returns.pop(0))
-        if u.role is Role.KV:
-            held_back += _compute_kv(st, u, items, returns, hold_own and u.index == last_kv)
+        if step[0].role is Role.KV:
+            held = last_kv if hold_own and any(u.index == last_kv for u in step) else None
+            held_back += _compute_kv(st, i, step, items, returns, held)
         else:
-            _compute_q(st, u, items, returns)
-        # Partials of the previous unit have had a whole unit of compute to arrive.
-        while returns and returns[0].unit < u.index:
+            _compute_q(st, i, step[0], items, returns)
+        # Partials of the previous step have had a whole step of compute to arrive.
+        while returns and returns[0].unit < i:
             p.finish(returns.pop(0))
     # A counterpart's partial must be complete before it goes home.
     for ret in returns:
         p.finish(ret)
     return held_back
+
+
+#: With super-tiles, how many adjacent kv units at most one step fetches together (their
+#: blocks held at once, and the next step's in flight: twice as many kv receive buffers).
+STEP_UNITS = 2
+
+
+def _steps(st: RankState, units: list[Unit], items: list[Item]) -> list[list[Unit]]:
+    """``units`` in steps. Without ``st.super_tiles``: one unit per step, as built. With
+    it: adjacent kv units whose tiles use the same q rows of every q block held (so each q
+    block's tiles of the step are one super-tile) share a step, :data:`STEP_UNITS` at most
+    (lean: one step's blocks at a time); a kv step's blocks go to slots
+    ``base * STEP_UNITS + j``, ``base`` alternating between adjacent kv steps (a step's
+    buffers live until the end of the next)."""
+    if not st.super_tiles:
+        return [[u] for u in units]
+
+    def rows(u: Unit) -> tuple[Half, ...]:
+        return tuple(_spec(st, it.owner, u.peer_kv).q_half for it in items)
+
+    steps: list[list[Unit]] = []
+    for u in units:
+        last = steps[-1] if steps else None
+        if (u.role is Role.KV and last is not None and last[0].role is Role.KV
+                and len(last) < STEP_UNITS and rows(last[0]) == rows(u)):
+            last.append(u)
+        else:
+            steps.append([u])
+    out: list[list[Unit]] = []
+    base = 0
+    for i, step in enumerate(steps):
+        base = 1 - base if i and steps[i - 1][0].role is step[0].role else 0
+        width = STEP_UNITS if step[0].role is Role.KV else 1
+        out.append([replace(u, slot=base * width + j) for j, u in enumerate(step)])
+    return out
 
 
 def _await_cross(st: RankState, handle: int | None, cross: Item) -> None:
@@ -315,38 +357,44 @@ def _post(st: RankState, u: Unit, items: list[Item]) -> int:
     )
 
 
-def _compute_kv(st: RankState, u: Unit, items: list[Item], returns: list[Return],
-                hold_own: bool) -> list[Op]:
-    """Our q blocks against the peer's kv; backward, the peer's dkv partial goes back.
-    Returns the own q's tile if ``hold_own`` (held back by the caller)."""
-    r, y, theirs = st.rank, u.peer, u.peer_kv
-    buf, dkv = _KV_RX.at(u.slot), _PEER_DKV.at(u.slot)
+def _compute_kv(st: RankState, step: int, units: list[Unit], items: list[Item],
+                returns: list[Return], held_unit: int | None) -> list[Op]:
+    """Our q blocks against the peers' kv blocks of one step's ``units``; backward, each
+    peer's dkv partial goes back. Returns the own q's tile with unit ``held_unit``'s kv
+    (held back by the caller), if any. Each q block's tiles of the step are adjacent (one
+    super-tile once fused, plan/fuse.py)."""
+    r = st.rank
     # One q block: the peer's dk/dv partial is one tile's, sent as the kernel made it.
     fresh_dkv = st.bwd and len(items) == 1
     if st.bwd and not fresh_dkv:
-        st.p.add(Reset(dkv, Kind.DKV, theirs))
+        for u in units:
+            st.p.add(Reset(_PEER_DKV.at(u.slot), Kind.DKV, u.peer_kv))
     held: list[Op] = []
     # Counterpart's q first: its partial must travel home, the own q's need not.
     for it in sorted(items, key=lambda it: it.owner == r):
-        op = _tile(st, it, KvHeld(theirs, buf, dkv), fresh_dkv=fresh_dkv)
-        if hold_own and it.owner == r:
-            held.append(op)
-        else:
-            st.p.add(op)
+        for u in units:
+            op = _tile(st, it, KvHeld(u.peer_kv, _KV_RX.at(u.slot), _PEER_DKV.at(u.slot)),
+                       fresh_dkv=fresh_dkv)
+            if u.index == held_unit and it.owner == r:
+                held.append(op)
+            else:
+                st.p.add(op)
     if st.bwd:
-        back = _KV_DRET.at(u.slot)
-        h = st.p.comm(
-            u.stream,
-            sends=[Xfer(y, dkv, Kind.DKV, theirs,
-                        kv_half(st, theirs, [it.owner for it in items]))],
-            recvs=[Xfer(y, back, Kind.DKV, st.kv.owner,
-                        kv_half(st, st.kv.owner, u.peer_owners))],
-        )
-        returns.append(Return(u.index, h, (Merge(st.kv.dkv, back),)))
+        for u in units:
+            back = _KV_DRET.at(u.slot)
+            h = st.p.comm(
+                u.stream,
+                sends=[Xfer(u.peer, _PEER_DKV.at(u.slot), Kind.DKV, u.peer_kv,
+                            kv_half(st, u.peer_kv, [it.owner for it in items]))],
+                recvs=[Xfer(u.peer, back, Kind.DKV, st.kv.owner,
+                            kv_half(st, st.kv.owner, u.peer_owners))],
+            )
+            returns.append(Return(step, h, (Merge(st.kv.dkv, back),)))
     return held
 
 
-def _compute_q(st: RankState, u: Unit, items: list[Item], returns: list[Return]) -> None:
+def _compute_q(st: RankState, step: int, u: Unit, items: list[Item],
+               returns: list[Return]) -> None:
     """Serve the peer's q blocks with our kv and send the partials back; ours come back
     from the peer into ``q.ret``."""
     y, kv = u.peer, st.kv
@@ -362,5 +410,5 @@ def _compute_q(st: RankState, u: Unit, items: list[Item], returns: list[Return])
     recvs = [Xfer(y, _Q_RET.at(u.slot, i), st.pkind, it.owner,
                   q_half(st, it.owner, [u.peer_kv])) for i, it in enumerate(items)]
     h = st.p.comm(u.stream, sends=sends, recvs=recvs)
-    returns.append(Return(u.index, h, tuple(Merge(it.acc, _Q_RET.at(u.slot, i))
+    returns.append(Return(step, h, tuple(Merge(it.acc, _Q_RET.at(u.slot, i))
                                              for i, it in enumerate(items))))

@@ -75,6 +75,10 @@ class RankState:
     order: PassOrder = PassOrder.SPLIT
     split_visiting: bool = False  # pass-kv's visiting kv in row halves (charm_pass_kv)
     split_counterpart_q: bool = False  # pass-q's counterpart q in row halves (charm_pass_q)
+    # super_tiles: adjacent kv units whose tiles share their q rows are fetched together and
+    # their tiles written side by side (one super-tile per q block once fused, plan/fuse.py).
+    # Read by rmplus.
+    super_tiles: bool = False
 
     # -- derived ---------------------------------------------------------------------------
     bwd: bool = field(init=False)

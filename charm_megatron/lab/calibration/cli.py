@@ -101,7 +101,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="sweep sequence lengths (comma list, k suffix allowed; "
                              "default 8k..256k) and print a table")
     parser.add_argument("--ranks", action="store_true", help="per-rank busy / idle detail")
-    add_setting_args(parser, ("roles", "split_visiting", "split_counterpart_q", "head_parallel"))
+    add_setting_args(parser, ("roles", "split_visiting", "split_counterpart_q", "head_parallel",
+                              "super_tiles"))
     parser.add_argument("--kernel", default=None, metavar="NAME",
                         help="price our tiles on the profile's rate curve of this kernel (e.g. "
                              "cudnn, fa3; default: the profile's own, aten-flash on the GPU "
@@ -111,8 +112,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                              "te-a2a, te-a2a+p2p, te-allgather) on TE's kernel curve (default: "
                              "on when the profile has one)")
     parser.add_argument("--tune", action="store_true",
-                        help="decide the settings left to the model (auto: CHARM+'s splits and "
-                             "head_parallel) on this cluster, as a call with this profile runs "
+                        help="decide the settings left to the model (auto: CHARM+'s splits, "
+                             "head_parallel and super_tiles) on this cluster, as a call with this profile runs "
                              "them (default: off, as a call without a profile)")
     parser.add_argument("--compare-roles", default=None, metavar="MIX[,MIX]",
                         help="with --grid: also predict charm under these role mixes (e.g. "
