@@ -328,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
                             **settings_from_args(args))
         print(f"# charm as a call with this profile runs it: head_parallel={fwd.head_parallel}, "
               f"split_visiting {fwd.split_visiting}/{bwd.split_visiting}, split_counterpart_q "
-              f"{fwd.split_counterpart_q}/{bwd.split_counterpart_q} (fwd/bwd)")
+              f"{fwd.split_counterpart_q}/{bwd.split_counterpart_q}, super_tiles "
+              f"{fwd.super_tiles}/{bwd.super_tiles} (fwd/bwd)")
     print(f"{'':12} {'time ms':^29}   {'speedup over ring':^17}   {'busy':^9}   "
           f"{'MiB sent per rank (max)':^27}")
     print(f"{'algo':12} {'fwd':>9} {'bwd':>9} {'fwd+bwd':>9}   {'fwd':>5} {'bwd':>5} {'total':>5}   "
