@@ -30,8 +30,8 @@ from charm_megatron.plan.core import (
     format_op,
 )
 from charm_megatron.plan.cost import Problem
-from charm_megatron.plan.fuse import fuse_ops, unfuse_ops
-from charm_megatron.plan.memory import max_peak
+from charm_megatron.plan.fuse import fuse_ops, joint_kv, unfuse_ops
+from charm_megatron.plan.memory import max_peak, peak
 from charm_megatron.plan.registry import build_plan
 from charm_megatron.plan.roles import RoleShape
 from charm_megatron.plan.tile_rule import TileRule
@@ -170,12 +170,26 @@ def test_the_model_prices_a_super_tile_below_its_members() -> None:
     assert t[1] == pytest.approx(t[0], rel=1e-9)
 
 
-def test_memory_counts_the_concatenated_kv() -> None:
-    plan = build_plan("allgather", "forward", [list(range(4))], False)
+def test_memory_counts_the_concatenation_unless_received_jointly() -> None:
     problem = Problem(1, 4096, 8, 2, 64, 2)
     kv_block = problem.block_bytes(Kind.KV, 4)
-    assert max_peak(_fused(plan), problem) == pytest.approx(max_peak(plan, problem)
-                                                            + 3 * kv_block)
+    # Full attention: the three gathered blocks arrive into one buffer (no copy) and the
+    # super-tile's one output replaces the tiles' one at a time: the same peak.
+    plan = build_plan("allgather", "forward", [list(range(4))], False)
+    fused = _fused(plan)
+    assert all(len(joint_kv(ops)) == 1 for ops in fused.ops)
+    assert max_peak(fused, problem) == max_peak(plan, problem)
+    # Causal, rank 3: whole blocks gathered, first halves read: concatenated, a copy of the
+    # three halves while the call runs.
+    plan = build_plan("allgather", "forward", [list(range(4))], True)
+    ops = fuse_ops(plan.ops[3])
+    assert _supers(replace(plan, ops=[ops])) == 1 and joint_kv(ops) == {}
+    assert peak(ops, problem, 4).bytes == pytest.approx(peak(plan.ops[3], problem, 4).bytes
+                                                        + 1.5 * kv_block)
+    # RM+ / CHARM+ steps receive each block at the rows its tile reads: all joint.
+    charm = build_plan("charm", "backward", [list(range(4)), list(range(4, 8))], True,
+                       super_tiles="on", shape=RoleShape(8, 2, 16, 4))
+    assert sum(len(joint_kv(ops)) for ops in charm.ops) == _supers(charm) > 0
 
 
 # ------------------------------------------------------------------------------ executor

@@ -47,6 +47,7 @@ from charm_megatron.plan.core import (
     Xfer,
 )
 from charm_megatron.plan.cost import Problem, traffic
+from charm_megatron.plan.fuse import joint_kv
 from charm_megatron.plan.vocab import Kind
 
 
@@ -145,6 +146,7 @@ class _Engine(OpInterpreter[None]):
         # A sliding window: a tile costs the share of its pairs the window keeps (a windowed
         # kernel skips the blocks outside it; plan/tile_rule.py counts the pairs exactly).
         self.window = problem.geometry(self.n, plan.causal, plan.head_group)
+        self.joint: dict[int, dict] = {}  # rank -> plan/fuse.py joint_kv, when first asked
 
     # ---------------------------------------------------------------- resources
     def _capacities(self) -> dict[Hashable, float]:
@@ -194,15 +196,24 @@ class _Engine(OpInterpreter[None]):
         over = self.cl.op_overhead_us * 1e-6
         if isinstance(op, Merge):
             return self._merge_s(self.loc_bytes[r].get(op.src, 0.0)) + over
-        members = op.members if isinstance(op, SuperTile) else (op,)
-        return self._kernel_s(members) + over
+        if not isinstance(op, SuperTile):
+            return self._kernel_s((op,), False) + over
+        copy = self.pc[r] not in self._joint(r)  # kv not received into one buffer
+        return self._kernel_s(op.members, copy) + over
 
-    def _kernel_s(self, members: Sequence[Tile] | Sequence[TileBwd]) -> float:
+    def _joint(self, r: int) -> dict:
+        """Rank ``r``'s super-tiles whose kv is received into one buffer (no copy)."""
+        if r not in self.joint:
+            self.joint[r] = joint_kv(self.plan.ops[r])
+        return self.joint[r]
+
+    def _kernel_s(self, members: Sequence[Tile] | Sequence[TileBwd], copy: bool) -> float:
         """One kernel call over ``members`` (one tile, or a super-tile's: their q rows, their
         kv rows concatenated): the FLOPs of all at the efficiency of the call's size, the fold
         of its result into the accumulators (forward: one partial of the q rows; backward: dq
-        once and each member's dk, dv), and for a super-tile the copy that concatenates the
-        members' kv rows (at the merge rate, like the stage's copies)."""
+        once and each member's dk, dv), and with ``copy`` the copy that concatenates the
+        members' kv rows (at the merge rate, like the stage's copies; none where they were
+        received into one buffer, plan/fuse.py ``joint_kv``)."""
         p, n, cl = self.problem, self.n, self.cl
         bwd = isinstance(members[0], TileBwd)
         flops = 0.0
@@ -220,7 +231,7 @@ class _Engine(OpInterpreter[None]):
             folded = p.local_bytes("dq", n) * q_frac + p.local_bytes("dkv", n) * kv_frac
         else:
             folded = p.local_bytes("out", n) * q_frac
-        if len(members) > 1:
+        if copy:
             folded += p.local_bytes("kv", n) * kv_frac
         return flops / (cl.tflops * 1e12 * eff) + self._merge_s(folded)
 
@@ -376,8 +387,9 @@ class _Engine(OpInterpreter[None]):
         self.pc[self.r] += 1
 
     def _compute_op(self, op: Tile | TileBwd | Merge | SuperTile) -> None:
+        cost = self._op_cost(self.r, op)  # at the op's index (a super-tile's joint kv)
         self.pc[self.r] += 1
-        self._start_compute(self.r, self._op_cost(self.r, op))
+        self._start_compute(self.r, cost)
 
     on_tile = on_tile_bwd = on_merge = on_super_tile = _compute_op
 

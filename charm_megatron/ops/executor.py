@@ -27,6 +27,7 @@ import torch.distributed as dist
 from charm_megatron.kernels.base import AttentionBackend
 from charm_megatron.kernels.merge import merge_into
 from charm_megatron.kernels.window import Window, masked_backward, masked_forward
+from charm_megatron.ops.joint import JointKv
 from charm_megatron.ops.streams import StreamGroups
 from charm_megatron.ops.transport import P2P, TorchTransport, Transport
 from charm_megatron.plan.core import (
@@ -190,6 +191,7 @@ class Executor(OpInterpreter[None]):
         self.pending: dict[int, tuple[list, list, str, list[int]]] = {}
         self._shapes: dict[tuple[Kind, bool], list[tuple[tuple[int, ...], torch.dtype]]] = {}
         self._life: Lifetimes | None = None  # of the op list being run
+        self._joint = JointKv()  # super-tiles' kv received into one buffer (ops/joint.py)
         # (loc, its buffer, the real attention output of that q block): see set_own_output.
         self._own_out: tuple[Loc, _Buf, torch.Tensor] | None = None
         self._i = 0  # index of the op being interpreted
@@ -202,8 +204,9 @@ class Executor(OpInterpreter[None]):
         self._copied = getattr(backend, "copied", None)
 
     # ---------------------------------------------------------------------------- buffers
-    def _alloc(self, kind: Kind, wire: bool, rows: Half = Half.FULL) -> tuple[torch.Tensor, ...]:
-        n = _n_rows(rows, self.shape.s)
+    def _alloc(self, kind: Kind, wire: bool, rows: Half = Half.FULL,
+               n: int | None = None) -> tuple[torch.Tensor, ...]:
+        n = _n_rows(rows, self.shape.s) if n is None else n  # n: that many rows instead
         return tuple(torch.empty((n, *shape[1:]), dtype=dtype, device=self.shape.device)
                      for shape, dtype in self._alloc_shapes(kind, wire))
 
@@ -299,6 +302,7 @@ class Executor(OpInterpreter[None]):
         """Interpret ``ops`` in order, each buffer allocated when its lifetime begins and
         freed after its last use (a send's lasts until its batch is waited)."""
         self._life = life = _lifetimes_of(ops)
+        self._joint = JointKv(ops)
         free_after, bufs = life.free_after, self.bufs
         try:
             for i, op in enumerate(ops):
@@ -309,7 +313,7 @@ class Executor(OpInterpreter[None]):
                     for loc in dead:
                         bufs.pop(loc, None)
         finally:
-            self._life = None
+            self._life, self._joint = None, JointKv()
         if self.pending:
             raise RuntimeError(f"plan left transfers {sorted(self.pending)} unwaited")
 
@@ -438,23 +442,22 @@ class Executor(OpInterpreter[None]):
         """One kernel call over the members' kv rows, concatenated in order (plan/core.py,
         :class:`SuperTile`): forward, one partial merged once into the accumulator;
         backward, dq added once and dk, dv split back by rows into each member's dkv
-        accumulator. Members a window cuts (each masked by itself) run one by one."""
-        if not self.fuses_super_tiles or any(self._masked(m.spec) for m in op.members):
+        accumulator. Members a window cuts (each masked by itself) run one by one, and so do
+        all without compute (an ablated run: only their results' sizes matter)."""
+        if not (self.fuses_super_tiles and self.compute) or any(
+                self._masked(m.spec) for m in op.members):
             for m in op.members:
                 self.interpret(m)
             return
         first = op.first
         s = first.spec
-        if not self.compute:
-            if op.backward:  # something of the right size must still be there to send
-                for m in op.members:
-                    if m.fresh_dkv:
-                        self._buffer(m.dkv_acc, Kind.DKV, wire=True, rows=m.spec.kv_half)
-            return
         kvs = [self._view(m.kv_loc, m.spec.kv_half) for m in op.members]
-        k = torch.cat([kv[0] for kv in kvs])
-        v = torch.cat([kv[1] for kv in kvs])
-        self.copied([k, v], 1.0)  # a timed device charges the concatenation as the model does
+        joint = self._joint.take(self._i, [self.bufs[m.kv_loc].tensors for m in op.members])
+        if joint is not None:  # received into one buffer: read as it is
+            k, v = joint
+        else:
+            k, v = (torch.cat([kv[t] for kv in kvs]) for t in (0, 1))
+            self.copied([k, v], 1.0)  # a timed device charges it as the model does
         if not op.backward:
             (q,) = self._view(first.q_loc, s.q_half)
             out, lse = self.backend.forward(q, k, v, False, self.scale)
@@ -507,7 +510,12 @@ class Executor(OpInterpreter[None]):
                 keep.append(t)
                 p2p.append(P2P(True, t, ranks[x.peer], group))
         for x in op.recvs:
-            buf = self._buffer(x.loc, x.kind, wire=True, rows=x.half)
+            joint = self._joint.receive(self._i, x.loc, lambda h: _n_rows(h, self.shape.s),
+                                        lambda n: self._alloc(Kind.KV, True, n=n))
+            if joint is None:
+                buf = self._buffer(x.loc, x.kind, wire=True, rows=x.half)
+            else:
+                buf = self.bufs[x.loc] = _Buf(joint, held=x.half, kind=Kind.KV)
             for t in buf.tensors:
                 if not self.comm:
                     # Nothing arrives in a comm-off run, and uninitialised memory can hold

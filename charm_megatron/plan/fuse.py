@@ -16,11 +16,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from charm_megatron.plan.core import Op, SuperTile, Tile, TileBwd, super_tile_refusal
+from charm_megatron.plan.core import (
+    Comm,
+    Loc,
+    Op,
+    Reset,
+    SuperTile,
+    Tile,
+    TileBwd,
+    Xfer,
+    super_tile_refusal,
+)
+from charm_megatron.plan.lifetimes import lifetimes
 from charm_megatron.plan.settings import Setting
 from charm_megatron.plan.vocab import SuperTileMode
 
-__all__ = ["SUPER_TILES", "fuse_ops", "unfuse_ops"]
+__all__ = ["SUPER_TILES", "fuse_ops", "joint_kv", "unfuse_ops"]
 
 #: The setting of the algorithms whose plans hold several kv blocks for the same q rows at
 #: once (rmplus / charm: :mod:`charm_megatron.algorithms.charm.entry`; allgather).
@@ -80,3 +91,49 @@ def unfuse_ops(ops: Sequence[Op]) -> list[Op]:
         else:
             out.append(op)
     return out
+
+
+def joint_kv(ops: Sequence[Op]) -> dict[int, tuple[tuple[int, Loc], ...]]:
+    """The super-tiles of ``ops`` whose members' kv blocks can be received into one buffer,
+    each member's rows after the previous one's, so that the kernel reads them as they are
+    (no concatenation): op index of the super-tile -> ``(receiving op index, location)`` per
+    member, in member order. A member qualifies where its kv block arrived by a receive of
+    exactly the rows the member uses, nothing wrote the location since, and the super-tile
+    is the block's last use (the joint buffer lives as long as any member's rows, so all of
+    them end together). The executor allocates so, and the memory model and the model count
+    no concatenation for these."""
+    life = lifetimes(ops)
+    written: dict[Loc, tuple[int, Xfer] | None] = {}  # loc -> its receive, None: other write
+    out: dict[int, tuple[tuple[int, Loc], ...]] = {}
+    for i, op in enumerate(ops):
+        t = type(op)
+        if t is Comm:
+            for x in op.recvs:
+                written[x.loc] = (i, x)
+        elif t is Reset:
+            written[op.loc] = None
+        elif t is SuperTile:
+            ends = set(life.free_after.get(i, ()))
+            got = []
+            for m in op.members:
+                rx = written.get(m.kv_loc)
+                if rx is None or rx[1].half is not m.spec.kv_half or m.kv_loc not in ends:
+                    break
+                got.append((rx[0], m.kv_loc))
+            else:
+                if len({loc for _, loc in got}) == len(got):
+                    out[i] = tuple(got)
+            for m in op.members:  # its fresh results are written here
+                for loc in _fresh_results(m):
+                    written[loc] = None
+        elif t in (Tile, TileBwd):
+            for loc in _fresh_results(op):
+                written[loc] = None
+    return out
+
+
+def _fresh_results(op: Tile | TileBwd) -> list[Loc]:
+    if type(op) is Tile:
+        return [op.acc] if op.fresh else []
+    return [loc for loc, fresh in ((op.dq_acc, op.fresh_dq), (op.dkv_acc, op.fresh_dkv))
+            if fresh]

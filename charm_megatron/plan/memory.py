@@ -5,7 +5,10 @@ A replay of one rank's op list with the executor's allocation rule
 the rows it uses (receive buffers in the wire dtypes, accumulators in fp32 as
 :data:`~charm_megatron.plan.vocab.BLOCKS` says) and freed after its last use. A tile adds its
 kernel output for as long as the tile runs (forward: the partial output and lse of its rows;
-backward: dq and dk/dv of its rows), unless that output *is* the new buffer (a ``fresh`` tile).
+backward: dq and dk/dv of its rows), unless that output *is* the new buffer (a ``fresh`` tile);
+a super-tile adds its one output and the concatenation of its members' kv rows, unless they
+were received into one buffer (:func:`~charm_megatron.plan.fuse.joint_kv`), which is then
+allocated whole at the first of those receives.
 Kernel workspaces, the backward's stand-in output and the caller's own tensors are not counted.
 
 The model counts what the measured peak (:mod:`charm_megatron.lab.bench.memory`) grows by in the
@@ -33,6 +36,7 @@ from charm_megatron.plan.core import (
     TileBwd,
 )
 from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.fuse import joint_kv
 from charm_megatron.plan.lifetimes import lifetimes
 from charm_megatron.plan.vocab import BLOCKS, block_sizes
 
@@ -81,11 +85,20 @@ def peak(ops: list[Op], problem: Problem, n: int) -> Peak:
         held += nbytes - live.get(loc, 0.0)
         live[loc] = nbytes
 
+    joint = joint_kv(ops) if any(type(op) is SuperTile for op in ops) else {}
+    # Blocks received into a super-tile's joint buffer: the whole buffer at the first receive.
+    jointly: dict[tuple[int, Loc], float] = {}
+    for j, members in joint.items():
+        sizes = [block(Kind.KV, False, m.spec.kv_half) for m in ops[j].members]
+        first = min(range(len(members)), key=lambda k: members[k][0])
+        for k, key in enumerate(members):
+            jointly[key] = sum(sizes) if k == first else 0.0
+
     for i, op in enumerate(ops):
         t, tile = type(op), 0.0
         if t is Comm:
             for x in op.recvs:
-                hold(x.loc, block(x.kind, False, x.half))
+                hold(x.loc, jointly.get((i, x.loc), block(x.kind, False, x.half)))
         elif t is Reset:
             hold(op.loc, block(op.kind, True, life.rows[(i, op.loc)]))
         elif t is Tile:
@@ -97,9 +110,11 @@ def peak(ops: list[Op], problem: Problem, n: int) -> Peak:
         elif t is TileBwd:
             tile = _tile_bwd(op, block, hold)
         elif t is SuperTile:
-            # The members' kv rows concatenated (a copy), and one kernel output: forward the
-            # partial of the q rows; backward dq once and each member's dk, dv.
-            tile = sum(block(Kind.KV, False, m.spec.kv_half) for m in op.members)
+            # The members' kv rows concatenated (a copy, unless received into one buffer),
+            # and one kernel output: forward the partial of the q rows; backward dq once
+            # and each member's dk, dv.
+            tile = 0.0 if i in joint else sum(block(Kind.KV, False, m.spec.kv_half)
+                                              for m in op.members)
             if op.backward:
                 first = op.first
                 tile += block(Kind.DQ, False, first.spec.q_half)
