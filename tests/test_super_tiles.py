@@ -336,3 +336,57 @@ def test_super_tiles_against_float64_reference(world: int) -> None:
                 for case in cases for r, res in enumerate(per_rank)
                 for name, err in res[case].items() if not err < TOL[case[3]]]
     assert not failures, "\n".join(failures)
+
+
+def test_packed_and_windowed_calls_with_super_tiles_on() -> None:
+    """Packed (THD) calls run a super-tile member by member (their tiles are cut by
+    document); windowed plans are pruned tile by tile (a super-tile split back into its
+    members), and a window that keeps every tile whole leaves them fused. All against
+    float64, on the plans that fuse without a window (rmplus on 8 ranks, charm 2x4)."""
+    import packed_cases
+    import window_cases
+
+    env = {"CHARM_SUPER_TILES": "on"}
+    setups = (("rmplus", None), ("charm", "2x4"))
+    packed = [(algo, topo, causal, "fp32", 2, docs) for algo, topo in setups
+              for causal in (True, False) for docs in ("unequal", "nopad")]
+    per_rank = run_ranks(packed_cases.run_packed_matrix, 8, packed, [], timeout_s=600, env=env)
+    for case in packed:
+        for res in per_rank:
+            errs, zero = res[case]
+            assert zero and max(errs.values()) < TOL["fp32"], (case, errs)
+    # 8 rows per rank: (5, 0) prunes, (1000, 1000) keeps every tile whole
+    windowed = [(algo, topo, causal, "fp32", 2, left, right) for algo, topo in setups
+                for causal in (True, False) for left, right in ((5, 0), (1000, 1000))]
+    # the wide window's plans are the plans without one: fused (but where the bound makes
+    # them lean)
+    assert all(_supers(build_plan(algo, d, _groups(8, topo), causal, super_tiles="on",
+                                  shape=RoleShape(4, 2, 16, 4))) > 0
+               for algo, topo, causal, *_ in windowed if algo == "rmplus"
+               for d in ("forward", "backward"))
+    res = run_ranks(window_cases.run_sbhd, 8, windowed, timeout_s=600, env=env)
+    bad = [f"{c} rank {r}: {n} {e:.3g}" for r, per in enumerate(res) for c, errs in per.items()
+           for n, e in errs.items() if not e < window_cases.TOL[c[3]]]
+    assert not bad, "\n".join(bad)
+
+
+def test_auto_is_the_models_pick_per_direction_and_off_without_a_profile() -> None:
+    from charm_megatron.model.predict import variants
+    from charm_megatron.plan.registry import variants as plain_variants
+
+    cluster = get_profile("h200").cluster
+    groups = [list(range(8)), list(range(8, 16))]
+    short = Problem(1, 16384, 32, 8, 128, 2)  # the model: 1.39x forward, 1.13x backward
+    fwd, bwd = variants("charm", groups, short, cluster, causal=True, super_tiles="auto",
+                        head_parallel=1)
+    assert fwd.super_tiles and bwd.super_tiles
+    long = Problem(1, 131072, 32, 8, 128, 2)  # 1.06x forward, 0.97x backward
+    fwd, bwd = variants("charm", groups, long, cluster, causal=True, super_tiles="auto",
+                        head_parallel=1)
+    assert fwd.super_tiles and not bwd.super_tiles
+    fwd, bwd = plain_variants("charm", groups, True, shape=RoleShape(32, 8, 128, 2),
+                              super_tiles="auto")
+    assert not fwd.super_tiles and not bwd.super_tiles
+    assert plain_variants("allgather", [list(range(4))], True, super_tiles="auto") == \
+        (False, False)
+    assert plain_variants("allgather", [list(range(4))], True, super_tiles="on") == (True, True)
