@@ -3,7 +3,8 @@
 Semantics (the executor's, on NCCL):
 
 * each rank runs its ops in order on one program clock: ``Tile`` / ``TileBwd`` / ``Merge``
-  occupy the rank's compute (its device, or a worker of the shared core pool) for their cost;
+  / ``SuperTile`` (one kernel call over several kv blocks) occupy the rank's compute (its
+  device, or a worker of the shared core pool) for their cost;
   ``Comm`` posts a batch without blocking (``msg_cpu_us`` per message first, if set);
   ``Wait`` blocks until that batch has completed; ``Reset`` is free;
 * a stream of a rank is serial (one NCCL communicator): its batches become *active* one after

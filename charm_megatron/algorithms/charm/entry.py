@@ -335,10 +335,10 @@ def within_memory_bound(plan: Plan, ctx: VariantContext, variant: CharmVariant) 
 def _super_tiles_plan(plan: Plan, ctx: VariantContext, variant: CharmVariant) -> Plan:
     """The bound for a plan with super-tiles (``plan``, built with ``variant``): the one of
     the same plan without them. A super-tile step holds its blocks and the next step's
-    (:data:`~charm_megatron.algorithms.charm.rmplus.STEP_UNITS` kv blocks each) and their
-    concatenation, a fixed number of blocks whatever the CP size, which the 1.1x bound has
-    no room for (the plans without them reach 1.0-1.1x ring's peak already): that extra is
-    what ``super_tiles`` trades for its fewer kernel calls. So: the plan without
+    (:data:`~charm_megatron.algorithms.charm.rmplus.STEP_UNITS` kv blocks each): two kv
+    blocks more than without, whatever the CP size, which the 1.1x bound has no room for
+    (the plans without them reach 1.0-1.1x ring's peak already): that extra is what
+    ``super_tiles`` trades for its fewer kernel calls. So: the plan without
     super-tiles goes through the bound; where it stays as built or needs early returns,
     the plan with super-tiles is built alike; where it needs lean, it is the plan (a lean
     plan hides nothing, and ranks that group their units into steps each by its own tiles
