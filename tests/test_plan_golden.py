@@ -50,6 +50,12 @@ CLI_CASES = (
      "--split-counterpart-q"),
     ("--cp", "4", "--topology", "2x2", "--heads", "8", "--head-dim", "64", "--rank", "0",
      "--direction", "backward", "--split-counterpart-q"),
+    # super-tiles (docs/algorithm.md, "Super-tiles"): RM+ steps of two kv units, all-gather
+    ("--cp", "8", "--topology", "2x4", "--heads", "8", "--kv-heads", "2", "--head-dim", "16",
+     "--causal", "--seq", "4096", "--dtype", "fp32", "--rank", "1", "--super-tiles", "on"),
+    ("--cp", "8", "--topology", "2x4", "--heads", "8", "--kv-heads", "2", "--head-dim", "16",
+     "--seq", "4096", "--dtype", "fp32", "--rank", "1", "--direction", "backward",
+     "--super-tiles", "on"),
 )
 
 

@@ -82,15 +82,16 @@ def _decision_line(d: Decision, problem: Problem, n: int) -> str:
 
 
 def _role_summary(plan: Plan) -> str:
-    """The roles a plan uses: its cross phases and the count of kv / q pairs (all ranks)."""
+    """The roles a plan uses: its cross phases and the count of kv / q pairs (all ranks), and
+    its super-tiles (all ranks)."""
+    supers = sum(type(op) is SuperTile for ops in plan.ops for op in ops)
+    fused = f" {supers} super-tiles" if supers else ""
     if not plan.decisions:
-        return "-"
+        return fused.strip() or "-"
     c = Counter((d.where, d.role.value) for ds in plan.decisions for d in ds)
     cross = "/".join(f"pass-{r}" for r in ("q", "kv") if c[("cross", r)])
     pairs = f"{c[('pair', 'kv')]}kv {c[('pair', 'q')]}q"
     lean = " lean" if plan.lean else " early-returns" if plan.early_returns else ""
-    supers = sum(type(op) is SuperTile for ops in plan.ops for op in ops)
-    fused = f" {supers} super-tiles" if supers else ""
     return (f"{cross} {pairs}" if cross else pairs) + lean + fused
 
 
