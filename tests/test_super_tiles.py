@@ -390,3 +390,30 @@ def test_auto_is_the_models_pick_per_direction_and_off_without_a_profile() -> No
     assert plain_variants("allgather", [list(range(4))], True, super_tiles="auto") == \
         (False, False)
     assert plain_variants("allgather", [list(range(4))], True, super_tiles="on") == (True, True)
+
+
+def test_a_super_tile_plan_the_validator_rejects_falls_back(monkeypatch) -> None:
+    """Ranks group their units into steps each by its own tiles, so the posting order is
+    not the plain plan's: a plan with super-tiles is kept only where the validator proves
+    it, else the plan without them."""
+    from charm_megatron.algorithms.charm import entry
+    from charm_megatron.plan.registry import _plans, _variants
+
+    groups = [list(range(4)), list(range(4, 8))]
+    shape = RoleShape(8, 2, 16, 4)
+    assert _supers(build_plan("charm", "forward", groups, True, super_tiles="on",
+                              shape=shape)) > 0
+
+    def reject(plan):
+        raise PlanError("as if it deadlocked")
+
+    monkeypatch.setattr(entry, "validate", reject)
+    _plans.cache_clear()
+    _variants.cache_clear()
+    try:
+        plan = build_plan("charm", "forward", groups, True, super_tiles="on", shape=shape)
+        assert _supers(plan) == 0
+        assert plan.ops == build_plan("charm", "forward", groups, True, shape=shape).ops
+    finally:
+        _plans.cache_clear()
+        _variants.cache_clear()

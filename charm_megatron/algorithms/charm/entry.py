@@ -40,6 +40,7 @@ from charm_megatron.plan.head_stage import lift_ops, super_groups
 from charm_megatron.plan.memory import BOUND, max_peak, peak
 from charm_megatron.plan.roles import Decision, RoleChoice, RoleShape
 from charm_megatron.plan.settings import Setting, Values
+from charm_megatron.plan.validate import PlanError, validate
 from charm_megatron.plan.vocab import (
     Direction,
     HeadParallel,
@@ -307,6 +308,8 @@ def within_memory_bound(plan: Plan, ctx: VariantContext, variant: CharmVariant) 
     them (:func:`_super_tiles_plan`). Shape-free (``ctx.shape`` None): ``plan``. Peaks scale with
     the rows alike, so two rows per rank decide for every sequence length (and every rank
     decides alike)."""
+    if variant.super_tiles:
+        return _super_tiles_plan(plan, ctx, variant)
     shape = ctx.shape
     if shape is None:
         return plan
@@ -318,8 +321,6 @@ def within_memory_bound(plan: Plan, ctx: VariantContext, variant: CharmVariant) 
     def fits(ops: list[Op]) -> bool:
         return peak(ops, problem, n).bytes <= bound
 
-    if variant.super_tiles:
-        return _super_tiles_plan(plan, ctx, variant)
     if all(fits(ops) for ops in plan.ops):
         return plan
     for lighter in (replace(variant, early_returns=True), replace(variant, lean=True)):
@@ -342,19 +343,25 @@ def _super_tiles_plan(plan: Plan, ctx: VariantContext, variant: CharmVariant) ->
     super-tiles goes through the bound; where it stays as built or needs early returns,
     the plan with super-tiles is built alike; where it needs lean, it is the plan (a lean
     plan hides nothing, and ranks that group their units into steps each by its own tiles
-    would wait on each other's steps)."""
+    would wait on each other's steps). Ranks group their units alike only where their tiles
+    allow, so the order in which peers post onto a stream is not the plain plan's: the plan
+    with super-tiles is kept only where the validator proves it (no deadlock under NCCL's
+    serial streams; every plan of tests' sweeps passes), else the plan without them."""
     plain = replace(variant, super_tiles=False)
     bounded = within_memory_bound(
         assemble(plan.algo, charm_rank, plan.direction, ctx.groups, plan.causal, plain),
         ctx, plain)
     if bounded.lean:
         return bounded
-    if not bounded.early_returns:
-        return plan
-    early = replace(variant, early_returns=True)
-    out = assemble(plan.algo, charm_rank, plan.direction, ctx.groups, plan.causal, early)
-    out.early_returns = True
-    return out
+    if bounded.early_returns:
+        early = replace(variant, early_returns=True)
+        plan = assemble(plan.algo, charm_rank, plan.direction, ctx.groups, plan.causal, early)
+        plan.early_returns = True
+    try:  # the lift's lanes: the degree charm_finish sets after this rule
+        validate(replace(plan, head_group=variant.head_parallel))
+    except PlanError:
+        return bounded
+    return plan
 
 
 @lru_cache(maxsize=256)
