@@ -102,6 +102,8 @@ def joint_kv(ops: Sequence[Op]) -> dict[int, tuple[tuple[int, Loc], ...]]:
     is the block's last use (the joint buffer lives as long as any member's rows, so all of
     them end together). The executor allocates so, and the memory model and the model count
     no concatenation for these."""
+    if not any(type(op) is SuperTile for op in ops):
+        return {}
     life = lifetimes(ops)
     written: dict[Loc, tuple[int, Xfer] | None] = {}  # loc -> its receive, None: other write
     out: dict[int, tuple[tuple[int, Loc], ...]] = {}
