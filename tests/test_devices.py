@@ -135,6 +135,7 @@ def test_a_missing_device_directory_is_named(tmp_path, monkeypatch):
 # The GPU each shipped GPU profile describes (a profile added to devices/data must be named here
 # or in CPU_PROFILES, so its merge rate is checked against its memory).
 PROFILE_GPU = {"h100": "H100", "h100-paper": "H100", "h100-paper-measured": "H100",
+               "h100-paper-appendix": "H100",
                "h200": "H200", "h20": "H20", "h20-table4": "H20", "l20-pcie": "L20"}
 CPU_PROFILES = {"cpu-testbed"}
 

@@ -71,7 +71,6 @@ message: ``max(now, busy until) + bytes/rate + latency``), no pairing.
 
 from __future__ import annotations
 
-import datetime
 import fcntl
 import hashlib
 import math
@@ -86,6 +85,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from charm_megatron.lab.emulate.cluster import NIC_MODELS
+from charm_megatron.lab.emulate.link_fill import fill, used_at
+from charm_megatron.lab.emulate.link_work import LinkWork, ThrottledWork
 from charm_megatron.lab.emulate.rates import parse_rate
 
 if TYPE_CHECKING:
@@ -101,8 +102,6 @@ _SLOT = struct.Struct("=dddQ")  # send posted, receive posted, arrival (NaN: not
 #: Reservations that ended this long before now are dropped from a link's state: a booking's
 #: start (a post time) can lag the clock by the locks it waited for, never by this much.
 KEEP_PAST_S = 1.0
-#: A rate below this fraction of a message's cap is none (what float sums leave of a full port).
-_RATE_EPS = 1e-9
 
 
 class _Locked:
@@ -216,7 +215,7 @@ class LinkModel(_Locked):
 
     def reserved(self, t: float) -> float:
         """The rate (bytes/s) booked on this link at ``time.monotonic()`` time ``t``."""
-        return _used(self._state()[2], t)
+        return used_at(self._state()[2], t)
 
     @property
     def bytes_posted(self) -> int:
@@ -247,48 +246,6 @@ class LinkModel(_Locked):
     def __repr__(self) -> str:
         port = "" if self.port_rate == self.rate else f", port {self.port_rate:.3g} B/s"
         return f"LinkModel({self.name or 'link'}, {self.rate:.3g} B/s{port})"
-
-
-def _used(segs: list[tuple[float, float, float]], t: float) -> float:
-    return sum(r for a, b, r in segs if a <= t < b)
-
-
-def fill(start: float, nbytes: float, cap: float,
-         ports: list[tuple[float, list[tuple[float, float, float]]]]
-         ) -> tuple[float, list[tuple[float, float, float]]]:
-    """A new message's rate over time, first come first served (the model's
-    ``link_order="fifo"``, ``model/fluid.py``'s ``allocate_in_order``): from ``start`` it moves
-    at ``min(cap, each port's rate less what is booked on it then)`` (``ports``: ``(port rate,
-    its reservation segments)``) until its ``nbytes`` are done. Returns when its last byte
-    leaves and its own segments ``[(from, until, rate), ...]``, to be booked on every port."""
-    if nbytes <= 0:
-        return start, []
-    ports = [(port, [seg for seg in segs if seg[1] > start]) for port, segs in ports]  # in flight
-    edges = sorted({t for _, segs in ports for seg in segs for t in seg[:2] if t > start})
-    pieces: list[tuple[float, float, float]] = []
-    t, left = start, float(nbytes)
-    for edge in [*edges, math.inf]:
-        rate = cap
-        for port, segs in ports:
-            rate = min(rate, port - _used(segs, t))
-        if rate > cap * _RATE_EPS:
-            # done here, up to what float times lose (t ~ 1e5 s of monotonic clock)
-            if left <= rate * (edge - t) + nbytes * _RATE_EPS:
-                end = min(t + left / rate, edge)
-                _append(pieces, (t, end, rate))
-                return end, pieces
-            _append(pieces, (t, edge, rate))
-            left -= rate * (edge - t)
-        t = edge
-    raise AssertionError("unreachable: after the last reservation a port is free")
-
-
-def _append(pieces: list[tuple[float, float, float]], piece: tuple[float, float, float]) -> None:
-    """Add ``piece``, merged into the last one when it continues it at the same rate."""
-    if pieces and pieces[-1][1] == piece[0] and pieces[-1][2] == piece[2]:
-        pieces[-1] = (pieces[-1][0], piece[1], piece[2])
-    else:
-        pieces.append(piece)
 
 
 def book_message(egress: LinkModel, ingress: LinkModel, earliest: float, nbytes: int,
@@ -365,93 +322,6 @@ class _PairBox(_Locked):
         with self._held() as fd:
             t = self._get(fd, k)[2]
         return None if math.isnan(t) else t
-
-
-class ThrottledWork:
-    """A communication handle whose ``wait()`` returns no earlier than ``deadline``."""
-
-    def __init__(self, work: Any, deadline: float) -> None:
-        self.work = work
-        self.deadline = deadline
-
-    def attach(self, work: Any) -> ThrottledWork:
-        self.work = work
-        return self
-
-    def _wait_real(self, timeout: Any) -> None:
-        if self.work is not None:
-            if timeout is None:
-                self.work.wait()
-            else:
-                self.work.wait(timeout)
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Wait for the real transfer, then for the modelled link (``timeout`` goes to the real
-        handle, e.g. a ``datetime.timedelta`` for torch ``Work``)."""
-        self._wait_real(timeout)
-        _sleep_until(self.deadline)
-        return True
-
-    def is_completed(self) -> bool:
-        done = self.work is None or self.work.is_completed()
-        return bool(done) and time.monotonic() >= self.deadline
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "work":  # not set yet (unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.work, name)
-
-
-class LinkWork(ThrottledWork):
-    """One side of a paired message: ``wait()`` returns no earlier than the message's arrival,
-    which exists once both sides posted (module doc). ``deadline`` is ``None`` until then."""
-
-    def __init__(self, work: Any, box: _PairBox, index: int, what: str,
-                 timeout_s: float) -> None:
-        super().__init__(work, math.nan)
-        self.box, self.index, self.what, self.timeout_s = box, index, what, timeout_s
-        self._arrival: float | None = None
-
-    @property  # type: ignore[override]
-    def deadline(self) -> float | None:
-        if self._arrival is None:
-            self._arrival = self.box.arrival(self.index)
-        return self._arrival
-
-    @deadline.setter
-    def deadline(self, value: float) -> None:
-        pass  # set by the booking, not by the base class
-
-    def wait(self, timeout: Any = None) -> bool:
-        """Wait for the real transfer, then (bounded by ``timeout``, a ``timedelta`` or
-        seconds, else ``timeout_s``) for the other side's post, then for the arrival."""
-        self._wait_real(timeout)
-        bound = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        limit = time.monotonic() + float(bound if bound is not None else self.timeout_s)
-        pause = 0.0005
-        while (arrival := self.deadline) is None:
-            if time.monotonic() > limit:
-                raise TimeoutError(
-                    f"software link model: {self.what} was not matched within "
-                    f"{bound if bound is not None else self.timeout_s:g} s: the peer never "
-                    "posted its side (a rank that died or is stuck, sends and receives that "
-                    "do not pair, or ranks in separate processes whose SoftwareLinks has no "
-                    "state_dir)")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.005)
-        _sleep_until(arrival)
-        return True
-
-    def is_completed(self) -> bool:
-        done = self.work is None or self.work.is_completed()
-        arrival = self.deadline
-        return bool(done) and arrival is not None and time.monotonic() >= arrival
-
-
-def _sleep_until(deadline: float) -> None:
-    remaining = deadline - time.monotonic()
-    if remaining > 0:
-        time.sleep(remaining)
 
 
 def _nbytes(tensor: Any) -> int:

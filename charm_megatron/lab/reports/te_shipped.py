@@ -154,8 +154,9 @@ def te_beside(row, ours: Iterable[str], pass_: str = "fwdbwd") -> str:
     sides are priced now, so the ratio holds on the profile as shipped even where the run's
     own times predate a change to it. ``refused`` where TE runs none of its types; ``-`` for
     a CPU-testbed row (no device profile)."""
-    if not row.device_model:
-        return "-"
+    if not row.device_model or None in (row.batch, row.seq, row.heads, row.kv_heads,
+                                         row.head_dim, row.dtype, row.topology):
+        return "-"  # a CPU-testbed row, or a file too old to say its problem
     point = _point(row)
     secs = {n: _PASS_SECONDS[pass_](p) for n, p in _model_te(point).items()}
     if not secs:

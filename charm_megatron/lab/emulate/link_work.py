@@ -1,0 +1,97 @@
+"""The handles the software links return (:mod:`charm_megatron.lab.emulate.linkmodel`): a
+transfer's ``wait()`` returns no earlier than its modelled arrival, and a paired message's
+side waits (bounded) for its peer's post before it knows that arrival."""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from typing import Any
+
+
+class ThrottledWork:
+    """A communication handle whose ``wait()`` returns no earlier than ``deadline``."""
+
+    def __init__(self, work: Any, deadline: float) -> None:
+        self.work = work
+        self.deadline = deadline
+
+    def attach(self, work: Any) -> ThrottledWork:
+        self.work = work
+        return self
+
+    def _wait_real(self, timeout: Any) -> None:
+        if self.work is not None:
+            if timeout is None:
+                self.work.wait()
+            else:
+                self.work.wait(timeout)
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Wait for the real transfer, then for the modelled link (``timeout`` goes to the real
+        handle, e.g. a ``datetime.timedelta`` for torch ``Work``)."""
+        self._wait_real(timeout)
+        _sleep_until(self.deadline)
+        return True
+
+    def is_completed(self) -> bool:
+        done = self.work is None or self.work.is_completed()
+        return bool(done) and time.monotonic() >= self.deadline
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "work":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.work, name)
+
+
+class LinkWork(ThrottledWork):
+    """One side of a paired message: ``wait()`` returns no earlier than the message's arrival,
+    which exists once both sides posted (module doc). ``deadline`` is ``None`` until then."""
+
+    def __init__(self, work: Any, box: Any, index: int, what: str,
+                 timeout_s: float) -> None:
+        super().__init__(work, math.nan)
+        self.box, self.index, self.what, self.timeout_s = box, index, what, timeout_s
+        self._arrival: float | None = None
+
+    @property  # type: ignore[override]
+    def deadline(self) -> float | None:
+        if self._arrival is None:
+            self._arrival = self.box.arrival(self.index)
+        return self._arrival
+
+    @deadline.setter
+    def deadline(self, value: float) -> None:
+        pass  # set by the booking, not by the base class
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Wait for the real transfer, then (bounded by ``timeout``, a ``timedelta`` or
+        seconds, else ``timeout_s``) for the other side's post, then for the arrival."""
+        self._wait_real(timeout)
+        bound = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+        limit = time.monotonic() + float(bound if bound is not None else self.timeout_s)
+        pause = 0.0005
+        while (arrival := self.deadline) is None:
+            if time.monotonic() > limit:
+                raise TimeoutError(
+                    f"software link model: {self.what} was not matched within "
+                    f"{bound if bound is not None else self.timeout_s:g} s: the peer never "
+                    "posted its side (a rank that died or is stuck, sends and receives that "
+                    "do not pair, or ranks in separate processes whose SoftwareLinks has no "
+                    "state_dir)")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
+        _sleep_until(arrival)
+        return True
+
+    def is_completed(self) -> bool:
+        done = self.work is None or self.work.is_completed()
+        arrival = self.deadline
+        return bool(done) and arrival is not None and time.monotonic() >= arrival
+
+
+def _sleep_until(deadline: float) -> None:
+    remaining = deadline - time.monotonic()
+    if remaining > 0:
+        time.sleep(remaining)
