@@ -24,6 +24,7 @@ paper's 4x8 appendix tables are not in the file: they are kept back.
 from __future__ import annotations
 
 import csv
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ def problem(row: AppendixRow) -> Problem:
                    wide_partials=True)
 
 
+@functools.lru_cache(maxsize=1024)  # a pure function: reports and tests ask again per row
 def predict(cluster: Cluster, row: AppendixRow) -> tuple[float, float]:
     """The model's (ring ms, CHARM+ ms) for the row."""
     from charm_megatron.lab.calibration.calibrate import _sim_ms
