@@ -18,6 +18,7 @@ import threading
 import time
 
 import pytest
+from link_rank_cases import post_and_wait
 
 from charm_megatron.lab.emulate import SoftwareLinks
 from charm_megatron.local_ranks import run_ranks
@@ -68,32 +69,13 @@ def _model(ops: list[list], groups: list[list[int]], nic: str, compute_s: float 
 
 
 # ----------------------------------------------------------------------------- gloo ranks
-def _rank(rank: int, world: int, spec: SoftwareLinks, script: dict) -> tuple[float, float]:
-    """Post this rank's ops of ``script`` (rank -> (delay s, [(send?, peer), ...])) through
-    the executor's transport over the software links, wait them all; (post, done) times."""
-    import torch
-    import torch.distributed as dist
-
-    from charm_megatron.ops.transport import P2P
-
-    transport = spec.for_rank(rank).transport()
-    delay, ops = script.get(rank, (0.0, []))
-    tensors = [torch.zeros(NBYTES // 4) for _ in ops]
-    dist.barrier()
-    if delay:
-        time.sleep(delay)
-    posted = time.monotonic()
-    p2p = [P2P(send, t, peer) for (send, peer), t in zip(ops, tensors)]
-    works = transport.post(p2p) if p2p else []
-    for w in works:
-        w.wait(TIMEOUT)
-    return posted, time.monotonic()
 
 
 def _emulate(tmp_path, groups: int, per_group: int, nic: str, script: dict):
     spec = SoftwareLinks(groups, per_group, RATE, intra_rate=RATE, nic=nic,
                          state_dir=str(tmp_path), latency_s=LATENCY_S)
-    return run_ranks(_rank, groups * per_group, spec, script, timeout_s=120, pg_timeout_s=60)
+    return run_ranks(post_and_wait, groups * per_group, spec, script, NBYTES, TIMEOUT,
+                     timeout_s=120, pg_timeout_s=60)
 
 
 def _close(got: float, hand: float) -> None:

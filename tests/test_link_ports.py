@@ -20,6 +20,7 @@ import datetime
 import time
 
 import pytest
+from link_rank_cases import post_and_wait
 
 from charm_megatron.lab.emulate import SoftwareLinks
 from charm_megatron.lab.emulate.linkmodel import KEEP_PAST_S, LinkModel, book_message
@@ -245,26 +246,6 @@ def test_links_of_a_profile_and_of_an_emulated_gpu_cluster():
 
 
 # ----------------------------------------------------------------------------- gloo ranks
-def _rank(rank: int, world: int, spec: SoftwareLinks, script: dict) -> tuple[float, float]:
-    """Post this rank's ops (rank -> (delay s, [(send?, peer), ...])) through the executor's
-    transport over the software links, wait them all; (post, done) times."""
-    import torch
-    import torch.distributed as dist
-
-    from charm_megatron.ops.transport import P2P
-
-    transport = spec.for_rank(rank).transport()
-    delay, ops = script.get(rank, (0.0, []))
-    tensors = [torch.zeros(NBYTES // 4) for _ in ops]
-    dist.barrier()
-    if delay:
-        time.sleep(delay)
-    posted = time.monotonic()
-    works = transport.post([P2P(send, t, peer) for (send, peer), t in zip(ops, tensors)]) \
-        if ops else []
-    for w in works:
-        w.wait(TIMEOUT)
-    return posted, time.monotonic()
 
 
 @pytest.mark.parametrize("port", [PORT, None], ids=["port450", "port365"])
@@ -277,7 +258,8 @@ def test_gloo_ranks_one_sender_two_intra_peers(tmp_path, port):
                          state_dir=str(tmp_path), latency_s=LATENCY_S)
     script = {0: (0.05, [(True, 1), (True, 2)]), 1: (0.0, [(False, 0)]),
               2: (0.0, [(False, 0)])}
-    times = run_ranks(_rank, 3, spec, script, timeout_s=120, pg_timeout_s=60)
+    times = run_ranks(post_and_wait, 3, spec, script, NBYTES, TIMEOUT, timeout_s=120,
+                      pg_timeout_s=60)
     sent = times[0][0]
     second = SECOND if port else 2 * T
     for got, hand in ((times[1][1], sent + T + LATENCY_S),
