@@ -212,19 +212,23 @@ SPECS = [TileSpec(0, 1, Half.SECOND, Half.FULL, False),
          TileSpec(0, 3, Half.SECOND, Half.FULL, False)]
 
 
+def _forward(backend, seed: int, fuse: bool):
+    """One rank's executor on ``backend`` after the forward tiles of :data:`SPECS` over
+    ``seed``'s blocks, as one super-tile (``fuse``) or tile by tile."""
+    q, kvs, _ = _blocks(seed)
+    ex = _single(backend)
+    ex.set_own(Q, Kind.Q, q)
+    for j, (k, v) in enumerate(kvs):
+        ex.set_own(RX.at(j), Kind.KV, k, v)
+    ex.interpret(Reset(Plan.OUT, Kind.OUT, 0))
+    tiles = [Tile(s, Q, RX.at(j), Plan.OUT) for j, s in enumerate(SPECS)]
+    for op in ([SuperTile(tuple(tiles))] if fuse else tiles):
+        ex.interpret(op)
+    return ex
+
+
 def test_executor_forward_super_tile_is_its_tiles() -> None:
-    q, kvs, _ = _blocks(0)
-    results = []
-    for fuse in (False, True):
-        ex = _single(ReferenceBackend())
-        ex.set_own(Q, Kind.Q, q)
-        for j, (k, v) in enumerate(kvs):
-            ex.set_own(RX.at(j), Kind.KV, k, v)
-        ex.interpret(Reset(Plan.OUT, Kind.OUT, 0))
-        tiles = [Tile(s, Q, RX.at(j), Plan.OUT) for j, s in enumerate(SPECS)]
-        for op in ([SuperTile(tuple(tiles))] if fuse else tiles):
-            ex.interpret(op)
-        results.append(ex.result(Plan.OUT))
+    results = [_forward(ReferenceBackend(), 0, fuse).result(Plan.OUT) for fuse in (False, True)]
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
@@ -268,18 +272,10 @@ def test_executor_backward_super_tile_splits_dk_dv_back(fresh_dkv: bool) -> None
 
 def test_the_timed_device_prices_a_super_tile_as_one_call() -> None:
     cluster = get_profile("h200").cluster
-    q, kvs, _ = _blocks(2)
     clocks = []
     for fuse in (False, True):
         dev = TimedBackend(cluster, sleep=lambda s: None, sm_contention=False)
-        ex = _single(dev)
-        ex.set_own(Q, Kind.Q, q)
-        for j, (k, v) in enumerate(kvs):
-            ex.set_own(RX.at(j), Kind.KV, k, v)
-        ex.interpret(Reset(Plan.OUT, Kind.OUT, 0))
-        tiles = [Tile(s, Q, RX.at(j), Plan.OUT) for j, s in enumerate(SPECS)]
-        for op in ([SuperTile(tuple(tiles))] if fuse else tiles):
-            ex.interpret(op)
+        _forward(dev, 2, fuse)
         clocks.append(dev.clock)
     assert (clocks[0].tiles, clocks[1].tiles) == (3, 1)
     # at 8 rows the per-call overhead dominates: one call, not three
