@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from charm_megatron.devices import MEASUREMENTS_DIR
-from charm_megatron.lab.calibration.accuracy import Setting
+from charm_megatron.lab.calibration.accuracy import Setting, _median
 from charm_megatron.model.cluster import Cluster
 from charm_megatron.plan.cost import Problem
 
@@ -137,10 +137,8 @@ def settings(cluster: Cluster, rows: Sequence[AppendixRow] | None = None,
 
 def speedup_stats(sts: Sequence[Setting]) -> tuple[float, float, int]:
     """(median |speed-up error|, worst |speed-up error|, rows with the right winner)."""
-    errs = sorted(abs(st.speedup_err) for st in sts)
-    n = len(errs)
-    median = errs[n // 2] if n % 2 else 0.5 * (errs[n // 2 - 1] + errs[n // 2])
-    return median, errs[-1], sum(st.winner_ok for st in sts)
+    errs = [abs(st.speedup_err) for st in sts]
+    return _median(errs), max(errs), sum(st.winner_ok for st in sts)
 
 
 def summary(sts: Sequence[Setting]) -> str:
