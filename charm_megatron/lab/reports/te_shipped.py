@@ -103,10 +103,13 @@ def table(profile: str, topologies: list[str], nics: list[str], only: str | None
 
 def emulated(paths: list[str]) -> list[str]:
     """One row per bench CSV: the fastest ``te-*`` row, the fastest of ours (``auto``'s pick
-    where it ran), and TE's time over ours; device ms per forward + backward, the bound in
-    brackets, † where the row is more than 10 % off the model."""
-    out = ["| point | GPUs / NIC | fastest TE | ours (auto) | TE / ours | ours measured / model |",
-           "|---|---|---|---|---|---|"]
+    where it ran), TE's time over ours, our ``a2a+p2p`` where it ran and ``auto``'s speed over
+    it (issue 39), ours over the model, and every timed row of the run (any contender, any
+    pass) more than 10 % off the model (issue 41); device ms per forward + backward, the bound
+    in brackets, † where the row is more than 10 % off the model."""
+    out = ["| point | GPUs / NIC | fastest TE | ours (auto) | TE / ours | our a2a+p2p | "
+           "auto vs a2a+p2p | ours measured / model | rows off the model |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for path in sorted(paths):
         every = read_rows(path)
         rows = by_algo(every, "fwdbwd", ok_only=True)
@@ -132,13 +135,25 @@ def emulated(paths: list[str]) -> list[str]:
             ratio = f"{tes[te_name].median_ms / mine.median_ms:.2f}x"
         else:
             te_cell, ratio = "refused", "-"
+        hier = ours.get("a2a+p2p")
+        vs_hier = "-" if hier is None or mine_name == "a2a+p2p" else \
+            f"{hier.median_ms / mine.median_ms:.2f}x"
         vs = "-" if mine.vs_model is None else f"{mine.vs_model:.2f}"
         label = Path(path).parent.name if Path(path).stem == "results" else Path(path).stem
         out.append(f"| {label} ({first.device_model}) | {first.topology} / {first.nic} | "
-                   f"{te_cell} | {mine_name} {bench_cell(mine)} | {ratio} | {vs} |")
+                   f"{te_cell} | {mine_name} {bench_cell(mine)} | {ratio} | "
+                   f"{bench_cell(hier)} | {vs_hier} | {vs} | {_off_model_rows(every)} |")
     out.append("")
     out.append("† more than 10 % off the model: not a headline")
     return out
+
+
+def _off_model_rows(rows) -> str:
+    """The timed rows of a run (each contender's forward and backward) more than 10 % off the
+    model, as ``algo pass measured/model``; ``none`` when every one is within."""
+    off = [f"{r.algo} {r.pass_} {r.vs_model:.2f}" for r in rows
+           if r.ok and r.pass_ in ("fwd", "bwd") and r.off_model]
+    return ", ".join(off) if off else "none"
 
 
 _PASS_SECONDS = {"fwd": lambda p: p.forward.time_s, "bwd": lambda p: p.backward.time_s,
