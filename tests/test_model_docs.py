@@ -22,28 +22,60 @@ from charm_megatron.lab.calibration.refit import (
     table5_ring_error,
 )
 from charm_megatron.lab.devices.h200 import MEASURED_FIELDS, measured_terms
-from charm_megatron.lab.reports.docgen import regenerate
+from charm_megatron.lab.reports import docgen
 from charm_megatron.model import get_profile, load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_docs_model_md_is_regenerated() -> None:
-    """Every generated block of docs/model.md (but the two slow ones) matches a fresh run."""
-    text = (ROOT / "docs" / "model.md").read_text(encoding="utf-8")
-    _, changed = regenerate(text, fast=True)
-    assert not changed, f"stale blocks, run python -m charm_megatron.lab.reports.docgen: {changed}"
+#: The generated blocks this module checks: every one of docs/model.md but the slow ones (``--fast``),
+#: and docs/performance.md's model predictions and headline (its report blocks, emulated
+#: tables, are test_reports.py's: not run twice).
+CHECKED = {"docs/model.md": (), "docs/performance.md": ("report",)}
 
 
-def test_docs_performance_md_model_blocks_are_regenerated() -> None:
-    """docs/performance.md's model predictions (the paper's GPT shapes and the Llama-3-like GQA
-    shapes with both role mixes) and headline match a fresh run."""
-    text = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
-    # Its report blocks (emulated tables) are test_reports.py's: not run twice.
-    new, changed = regenerate(text, fast=True, skip=("report",))
-    assert not changed, ("stale blocks, run python -m charm_megatron.lab.reports.docgen "
-                         f"docs/performance.md: {changed}")
-    assert "--kv-heads 8 --causal --grid 16k,32k,64k,128k --compare-roles paper" in text
+def _checked_blocks() -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """(kind, argument) -> [(page, body)] of every checked block, read with the regex
+    ``regenerate`` rewrites by; a block in both pages (the headline, the l20-pcie grid) is one
+    key, generated once and compared with each copy."""
+    blocks: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for page, skip in CHECKED.items():
+        text = (ROOT / page).read_text(encoding="utf-8")
+        for m in docgen._BLOCK.finditer(text):
+            what, arg = m.group("what"), m.group("arg").strip()
+            if what in docgen.SLOW or what in skip:
+                continue
+            blocks.setdefault((what, arg), []).append((page, m.group("body")))
+    return blocks
+
+
+BLOCKS = _checked_blocks()
+
+
+def test_the_checked_pages_have_their_generated_blocks() -> None:
+    """Every generated block of the two pages is of a known kind (``regenerate`` raises on
+    any other), and the checked ones below are those the pages are expected to have."""
+    for page in CHECKED:
+        kinds = [m.group("what") for m in docgen._BLOCK.finditer((ROOT / page).read_text(
+            encoding="utf-8"))]
+        assert kinds and set(kinds) <= set(docgen.GENERATORS), (page, kinds)
+    perf = (ROOT / "docs" / "performance.md").read_text(encoding="utf-8")
+    assert "--kv-heads 8 --causal --grid 16k,32k,64k,128k --compare-roles paper" in perf
+    assert {w for w, _ in BLOCKS} == {"cmd", "headline", "accuracy-cpu", "accuracy-paper",
+                                      "accuracy-table4", "report"}
+    assert {p for copies in BLOCKS.values() for p, _ in copies} == set(CHECKED)
+
+
+@pytest.mark.parametrize("what,arg", sorted(BLOCKS), ids=[f"{w} {a}".strip()
+                                                          for w, a in sorted(BLOCKS)])
+def test_docs_generated_block_is_regenerated(what: str, arg: str) -> None:
+    """One generated block of docs/model.md (but the two slow ones) or of docs/performance.md
+    (its model predictions and headline) matches a fresh run, byte for byte. One test per
+    block, so that the two xdist workers share the ~2 minutes of model runs."""
+    new = docgen.GENERATORS[what](arg)
+    stale = [page for page, body in BLOCKS[(what, arg)] if body != new]
+    assert not stale, (f"stale block {what} {arg} in {stale}, run python -m "
+                       f"charm_megatron.lab.reports.docgen {' '.join(stale)}")
 
 
 def test_cpu_testbed_profile_was_fitted_on_the_current_bench_files() -> None:
