@@ -70,14 +70,16 @@ def test_a_toy_device_is_one_file_plus_one_line_for_the_model(tmp_path, monkeypa
 def test_a_toy_device_runs_on_the_emulated_gpu_cluster(tmp_path, monkeypatch):
     """``bench --device-model toy-gpu --emulate 2x1``: the ranks (which re-import the package)
     find the toy device through CHARM_DEVICES and time the ring on its rates: the device time is
-    the toy's prediction, not h100's."""
+    the toy's prediction, not h100's. At S=32k (about 15 s of wall at dilation 50; S=64k took 45 s)
+    h100's model times the ring 2.4-3.2x faster than the toy's, so the 20 % check tells them
+    apart."""
     devices = tmp_path / "devices"
     devices.mkdir()
     _toy(devices)
     monkeypatch.setenv(DEVICES_ENV, str(devices))
     out = tmp_path / "run"
     assert cli_main(["bench", "--emulate", "2x1", "--device-model", "toy-gpu", "--batch", "1",
-                     "--seq", "65536", "--heads", "16x128", "--algos", "ring", "--dtype", "bf16",
+                     "--seq", "32768", "--heads", "16x128", "--algos", "ring", "--dtype", "bf16",
                      "--warmup", "1", "--iters", "2", "--timeout-s", "240",
                      "--comm-timeout-s", "120", "--out", str(out), "--no-plot",
                      "--quiet"]) == 0
@@ -86,7 +88,7 @@ def test_a_toy_device_runs_on_the_emulated_gpu_cluster(tmp_path, monkeypatch):
     for r in rows:
         assert r["device_model"] == "toy-gpu" and r["status"] == "ok", r
         assert float(r["median_ms"]) > 0 and float(r["model_ms"]) > 0
-        # Within 20 % of the toy's own model (h100's rates would make it about 2x faster).
+        # Within 20 % of the toy's own model (h100's rates: 2.4-3.2x faster).
         assert abs(float(r["vs_model"]) - 1) < 0.2, (r["pass"], r["vs_model"])
 
 
