@@ -284,9 +284,13 @@ def test_submit_checks_megatron_lm_path_before_sbatch(tmp_path: Path, script: st
     assert "MEGATRON_LM_PATH" in proc.stderr
     assert ("is not set" if case == "unset" else "is not a Megatron-LM checkout") in proc.stderr
     assert not sbatch_args.exists() and not (tmp_path / "runs").exists()
-    # --dry-run still prints the plan, with a note saying a real submission would stop.
-    dry = sh(tmp_path, script, *args, "--dry-run", extra_env=env)
+    # --dry-run still prints the plan, with a note saying a real submission would stop (each
+    # launch.sh of a sweep prints it: one run of the sweep's three shows it, in a third of
+    # the time; test_sweep_dry_run_covers_every_run_with_ring_and_charm lists them all).
+    one = ["--runs", "demo-s256-gb2"] if script == "sweep.sh" else []
+    dry = sh(tmp_path, script, *args, *one, "--dry-run", extra_env=env)
     assert dry.returncode == 0 and "a real submission would stop here" in dry.stderr, dry.stderr
+    assert dry.stdout.count("# run directory: ") == 2 - (script == "launch.sh"), dry.stdout
 
 
 # --------------------------------------------------------------------------- comm types
