@@ -22,6 +22,10 @@ H100 = get_profile("h100").cluster
 
 
 class _Recorder:
+    """What a timed device sleeps: on the synchronous device (``synchronous=True``), each op's
+    price x D at its call (the asynchronous device queues the same intervals:
+    tests/test_async_device.py)."""
+
     def __init__(self) -> None:
         self.slept: list[float] = []
 
@@ -38,7 +42,8 @@ def test_a_tile_waits_its_modelled_time_times_the_dilation(backward, causal, dty
     s, b, hq, hkv, d = 4096, 8, 12, 4, 192
     scale, dilation = WireScale(batch=4, rows=64), 37.0
     sleep = _Recorder()
-    dev = TimedBackend(H100, dilation=dilation, scale=scale, sleep=sleep)
+    dev = TimedBackend(H100, dilation=dilation, scale=scale, sleep=sleep,
+                       synchronous=True)
     q = torch.zeros(s // scale.rows, b // scale.batch, hq, d, dtype=dtype)
     k = torch.zeros(s // scale.rows, b // scale.batch, hkv, d, dtype=dtype)
     if backward:
@@ -57,7 +62,8 @@ def test_a_tile_waits_its_modelled_time_times_the_dilation(backward, causal, dty
 
 def test_a_merge_waits_its_virtual_bytes_at_the_merge_rate():
     sleep = _Recorder()
-    dev = TimedBackend(H100, dilation=10.0, scale=WireScale(2, 8), sleep=sleep)
+    dev = TimedBackend(H100, dilation=10.0, scale=WireScale(2, 8), sleep=sleep,
+                       synchronous=True)
     dev.merged(1_000_000)
     want = 16e6 / (H100.merge_gbps * 1e9) + H100.op_overhead_us * 1e-6
     assert sleep.slept == pytest.approx([want * 10.0])
@@ -72,7 +78,8 @@ def test_a_head_stage_copy_waits_the_models_stage_copy_time():
 
     sleep = _Recorder()
     scale = WireScale(batch=2, rows=8)
-    dev = TimedBackend(H100, dilation=10.0, scale=scale, sleep=sleep)
+    dev = TimedBackend(H100, dilation=10.0, scale=scale, sleep=sleep,
+                       synchronous=True)
     n, s, b, h, d = 4, 8192, 4, 8, 128
     rows = s // n // scale.rows
     q, k, v = (torch.zeros(rows, b // scale.batch, h, d, dtype=torch.bfloat16)
@@ -231,7 +238,8 @@ def test_a_windowed_tile_waits_the_models_price_of_the_virtual_window(backward):
     n, s_local, b, hq, hkv, d = 4, 4096, 2, 8, 2, 128
     scale, dilation = WireScale(batch=1, rows=64), 20.0
     sleep = _Recorder()
-    dev = TimedBackend(H100, dilation=dilation, scale=scale, sleep=sleep)
+    dev = TimedBackend(H100, dilation=dilation, scale=scale, sleep=sleep,
+                       synchronous=True)
     wire = Window(1024 // 64, 0, n, s_local // 64, True)
     for spec in (tile_spec(2, 2, True), tile_spec(2, 1, True)):
         q = torch.zeros(int(s_local // 64 * spec.q_half.fraction), b, hq, d)

@@ -202,6 +202,11 @@ class Executor(OpInterpreter[None]):
         self._waited = getattr(backend, "waited", None)
         self._merged = getattr(backend, "merged", None)
         self._copied = getattr(backend, "copied", None)
+        # An asynchronous timed device queues its ops: the host waits for it before posting
+        # messages (their sends may hold its results; a GPU's NCCL starts after the kernels
+        # before it on the stream) and at the end of a call (synchronize).
+        self._before_post = getattr(backend, "before_post", None)
+        self._synchronize = getattr(backend, "synchronize", None)
 
     # ---------------------------------------------------------------------------- buffers
     def _alloc(self, kind: Kind, wire: bool, rows: Half = Half.FULL,
@@ -527,6 +532,8 @@ class Executor(OpInterpreter[None]):
         if not self.comm:
             p2p = []  # only timing is meaningful in an ablated run
         peers = sorted({ranks[x.peer] for x in (*op.sends, *op.recvs)})
+        if self._before_post is not None and p2p:
+            self._before_post()
         try:
             works = list(self.transport.post(p2p)) if p2p else []
         except Exception as exc:  # noqa: BLE001 - re-raised with what it means
@@ -537,6 +544,12 @@ class Executor(OpInterpreter[None]):
             self._posted(op.handle, [(x.peer, sum(t.numel() * t.element_size()
                                                   for t in self._view(x.loc, x.half)))
                                      for x in (*op.sends, *op.recvs)], op.stream)
+
+    def synchronize(self) -> None:
+        """The host waits for the work this rank's device still has queued (a timed device's;
+        real kernels: nothing, the caller synchronises its stream as it would without CP)."""
+        if self._synchronize is not None:
+            self._synchronize()
 
     def copied(self, tensors: list[torch.Tensor], passes: float) -> None:
         """The caller copied ``tensors`` ``passes`` times outside any op (a head all-to-all's
@@ -557,6 +570,8 @@ class Executor(OpInterpreter[None]):
         if not self.comm:
             p2p = []  # an ablated run: only timing is meaningful
         peers = sorted({ranks[p] for p, _ in (*sends, *recvs)})
+        if self._before_post is not None and p2p:
+            self._before_post()
         try:
             works = list(self.transport.post(p2p)) if p2p else []
         except Exception as exc:  # noqa: BLE001 - re-raised with what it means

@@ -60,6 +60,18 @@ def make_executor(call: Call, sg: StreamGroups, q: torch.Tensor, k: torch.Tensor
 
 def run_plan(call: Call, sg: StreamGroups, ex: Executor, work: Callable[[], None],
              direction: Direction) -> None:
+    """Run this rank's part of the call and share how it went (:func:`_run_and_share`), then
+    wait for what the device still has queued: an emulated GPU's timed device queues its ops
+    as a GPU's stream does (lab/emulate/device.py), and a call must return only when its
+    device work is done, so that its measured time holds all of it (on a real device this is
+    nothing; the caller synchronises its stream). After the status exchange, whose messages
+    need no device result: on a GPU it overlaps the last kernels too."""
+    _run_and_share(call, sg, ex, work, direction)
+    ex.synchronize()
+
+
+def _run_and_share(call: Call, sg: StreamGroups, ex: Executor, work: Callable[[], None],
+                   direction: Direction) -> None:
     """Run this rank's part of the call (``work``: its plan's ops, with a head all-to-all's
     exchanges around them where the plan has one), then share how it went (docs/api.md,
     failure model).

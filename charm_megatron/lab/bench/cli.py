@@ -164,6 +164,11 @@ def register(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--no-sm-contention", action="store_true",
                    help="leave out the profile's compute slowdown while a transfer is in "
                         "flight")
+    d.add_argument("--sync-device", action="store_true",
+                   help="the synchronous timed device of before issue 41: every op sleeps at "
+                        "its call, so the emulator's own CPU work adds to the device time "
+                        "(default: ops queue like a GPU's stream, the host waits before a post "
+                        "and at the end of a call)")
 
     o = parser.add_argument_group("output")
     o.add_argument("--out", help="directory for results.csv, results.json, speedup_vs_ccr.png "
@@ -337,7 +342,8 @@ def _device_setup(args, cfg: BenchConfig, points) -> DeviceSetup:
                      # come, first served, which the model is told (docs/emulator.md).
                      link_order="fifo" if args.emulate_backend in ("auto", "software") else None,
                      # auto sizes the dilation on the shortest dependent unit of the contenders
-                     algos=[a for a in cfg.algos if a in ALGORITHM_NAMES or a in TE_NAMES])
+                     algos=[a for a in cfg.algos if a in ALGORITHM_NAMES or a in TE_NAMES],
+                     synchronous=args.sync_device)
 
 
 def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:

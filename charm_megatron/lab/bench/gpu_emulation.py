@@ -64,6 +64,10 @@ class DeviceSetup:
     # How the emulated links serve concurrent transfers: "fifo" on the software link model
     # (it books each transfer when posted); None: the profile's (tc's queues share fairly).
     link_order: str | None = None
+    # The timed device of before issue 41: every op sleeps at its call, so the host's own CPU
+    # work adds to the measured device time (the default device queues its ops like a GPU's
+    # stream; docs/emulator.md).
+    synchronous: bool = False
 
     def __post_init__(self) -> None:
         if not self.dilation > 0:
@@ -147,10 +151,13 @@ class DeviceSetup:
         return TimedBackend(self.te_cluster() if te_kernel else self.cluster,
                             dilation=self.dilation,
                             scale=WireScale(self.batch_scale, self.rows_scale),
-                            sm_contention=self.sm_contention, links=links)
+                            sm_contention=self.sm_contention, links=links,
+                            synchronous=self.synchronous)
 
     def describe(self) -> str:
-        return (f"device {self.profile} ({self.model_cluster.describe()}); dilation x{self.dilation:g}; "
+        return (f"device {self.profile} ({self.model_cluster.describe()}); "
+                f"{'synchronous' if self.synchronous else 'asynchronous'} device; "
+                f"dilation x{self.dilation:g}; "
                 f"wire scale: batch / {self.batch_scale}, rows / {self.rows_scale} "
                 f"(messages {self.bytes_scale}x smaller than real)")
 
@@ -253,11 +260,13 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
               cross_Bps: float | None = None, intra_Bps: float | None = None,
               sm_contention: bool = True, nic: str | None = None,
               divides: Sequence[int] = (), link_order: str | None = None,
-              algos: Sequence[str] = ("ring",)) -> DeviceSetup:
+              algos: Sequence[str] = ("ring",),
+              synchronous: bool = False) -> DeviceSetup:
     """The emulated cluster of a bench run on a ``grid`` of (nodes, GPUs per node): the wire
     scale given (checked against every point) or chosen (:func:`choose_scale`), the dilation
     given or ``auto`` (``None``: :func:`auto_dilation` on the run's real links, sized on the
-    shortest dependent unit of the run's contenders ``algos``)."""
+    shortest dependent unit of the run's contenders ``algos``); ``synchronous``: the timed
+    device of before issue 41 (:attr:`DeviceSetup.synchronous`)."""
     world = grid[0] * grid[1]
     batch, rows = wire_scale or choose_scale(points, world, elem, wire_bytes, divides)
     for p in points:
@@ -272,7 +281,7 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
         dilation = auto_dilation(links.model_cluster, points, groups, causal, elem, algos,
                                  links.with_links(links.te_cluster()))
     return DeviceSetup(profile, dilation, batch, rows, cross_Bps, intra_Bps, sm_contention,
-                       groups, nic, link_order)
+                       groups, nic, link_order, synchronous)
 
 
 class CoreMeter:

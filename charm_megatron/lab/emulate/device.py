@@ -12,7 +12,7 @@ order of events, the real messages and their real contention.
 
 * **Values mean nothing.** Outputs keep the shapes and dtypes of the real kernels' (so every
   message has its real size) but hold zeros; results of an emulated run are timings only.
-* **Time dilation** (``dilation`` ``D``): every wait is ``D`` times the device time, and the
+* **Time dilation** (``dilation`` ``D``): every op lasts ``D`` times its device time, and the
   emulated links run ``D`` times slower than the real ones, so the emulator's own fixed costs
   (Python, gloo, TCP, ~0.1-1 ms per message and op on these machines) shrink to ``1/D`` of
   themselves in device time, the range of a real GPU's kernel launch and NCCL latency.
@@ -20,10 +20,20 @@ order of events, the real messages and their real contention.
   the batch and the rows per rank divided by whole factors, while the device times the
   *virtual* full-size tile; the links are then slowed by the same factor, so every ratio of
   compute to communication is the real one while memory and TCP load fit this machine.
-* A wait sleeps, releasing the GIL and the core: 16 or 32 emulated devices share 2 cores.
+* The host's waits for the device sleep, releasing the GIL and the core: 16 or 32 emulated
+  devices share 2 cores.
 
-The device is synchronous, like the model's program clock (:mod:`charm_megatron.model.sim`):
-a tile occupies the rank from its call to its return. docs/emulator.md has the whole method.
+The device is asynchronous, like a GPU's stream (issue 41): an op is queued, not waited for.
+Its device interval starts when the device is free (or now, if it is idle) and lasts its device
+time x ``D``; the call returns at once, so the host's own CPU work (Python, torch ops on wire
+tensors, gloo bookkeeping) overlaps the device's work as a real host's kernel launches do. The
+host waits for the device only where a GPU's host or stream would: before it posts a batch of
+messages (:meth:`TimedBackend.before_post`: NCCL on a stream starts after the kernels before
+it) and at the end of a call (:meth:`TimedBackend.synchronize`, the bench's
+``cuda.synchronize``). The device's busy intervals are then the model's program clock
+(:mod:`charm_megatron.model.sim`). ``synchronous=True`` keeps the device of before, where
+every op sleeps from its call to its return (the host's CPU work then adds to the measured
+device time). docs/emulator.md has the whole method.
 """
 
 from __future__ import annotations
@@ -92,7 +102,9 @@ class LinkClock:
 
 @dataclass
 class DeviceClock:
-    """What a timed device has waited, in device seconds (wall seconds / dilation)."""
+    """What a timed device has run and the host has waited for it, in device seconds (wall
+    seconds / dilation): the synchronous device waits in every op, the asynchronous one where
+    the host synchronises with it (:meth:`TimedBackend.synchronize`)."""
 
     tiles: int = 0
     merges: int = 0
@@ -109,6 +121,11 @@ class DeviceClock:
             else:
                 self.merges += 1
 
+    def add_wait(self, waited_s: float) -> None:
+        """The host waited ``waited_s`` (device seconds) for the asynchronous device."""
+        with self.lock:
+            self.waited_s += waited_s
+
 
 class TimedBackend:
     """A kernel backend whose every op waits for the device time of ``cluster`` (see module).
@@ -118,14 +135,16 @@ class TimedBackend:
     with a transfer of this rank moving, as the model does (:func:`.effects.contention`; the
     executor says when it posts and completes one and on which stream, :meth:`posted` /
     :meth:`waited`; ``links`` says for how long its bytes move); ``False`` or no ``links``
-    ignores it."""
+    ignores it. ``synchronous``: every op sleeps its time at its call (the device of before
+    issue 41) instead of being queued on the device's timeline."""
 
     name = "timed"
 
     def __init__(self, cluster: Cluster, *, dilation: float = 1.0,
                  scale: WireScale = WireScale(), sm_contention: bool = True,
                  links: LinkClock | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 synchronous: bool = False) -> None:
         if not dilation > 0:
             raise ValueError(f"dilation must be > 0, got {dilation!r}")
         if cluster.cores is not None:
@@ -140,12 +159,17 @@ class TimedBackend:
         # handle -> (wall time until which its transfer is expected to move, its stream):
         # the slowdown counts the streams with something still moving (contention)
         self._moving: dict[int, tuple[float, object]] = {}
+        self.synchronous = synchronous
+        # Wall time (perf_counter) at which the work queued on the device ends; always in the
+        # past on the synchronous device, which never queues.
+        self._busy_until = 0.0
         self.clock = DeviceClock()
 
     @classmethod
     def from_profile(cls, profile: str, *, dilation: float = 1.0, batch_scale: int = 1,
                      rows_scale: int = 1, sm_contention: bool = True,
-                     links: LinkClock | None = None) -> TimedBackend:
+                     links: LinkClock | None = None,
+                     synchronous: bool = False) -> TimedBackend:
         """The timed device of a performance-model profile (a built-in name such as ``h100``,
         or a profile file written by ``scripts/gpu_check.py``). Without ``links`` the device
         cannot tell how long its transfers move, so SM contention is left out."""
@@ -153,7 +177,7 @@ class TimedBackend:
 
         return cls(get_profile(profile).cluster, dilation=dilation,
                    scale=WireScale(batch_scale, rows_scale), sm_contention=sm_contention,
-                   links=links)
+                   links=links, synchronous=synchronous)
 
     # -- what the executor and the call resolution ask of it ----------------------------
     @property
@@ -182,16 +206,47 @@ class TimedBackend:
         """Batch ``handle`` completed: whatever it moved has arrived by now."""
         self._moving.pop(handle, None)
 
-    def _contended_s(self) -> list[float]:
-        """Wall seconds from now during which each stream of this rank still moves bytes (one
-        entry per stream: its latest transfer's end)."""
-        now = time.perf_counter()
-        for h in [h for h, (end, _) in self._moving.items() if end <= now]:
+    # -- where the host waits for the device --------------------------------------------------
+    @property
+    def busy_until(self) -> float:
+        """Wall time (``time.perf_counter``) at which the work queued on the device ends."""
+        return self._busy_until
+
+    def synchronize(self) -> None:
+        """The host waits until the device has run everything queued on it (a GPU's
+        ``cuda.synchronize``): the executor calls it at the end of each call, so a call's
+        measured time includes its device work. Nothing to wait for on the synchronous
+        device."""
+        remaining = self._busy_until - time.perf_counter()
+        if remaining <= 0:
+            return
+        t0 = time.perf_counter()
+        self._sleep(remaining)
+        self.clock.add_wait((time.perf_counter() - t0) / self.dilation)
+
+    def before_post(self) -> None:
+        """The executor is about to post a batch of messages: its sends may hold what the
+        device's queued ops produce, and on a GPU the transfer (NCCL on a stream) starts only
+        after the kernels before it, so the post waits for the device."""
+        self.synchronize()
+
+    def _start(self) -> float:
+        """Wall time at which an op queued now starts on the device: when the device is free,
+        or now if it is idle."""
+        return max(self._busy_until, time.perf_counter())
+
+    def _contended_s(self, at: float | None = None) -> list[float]:
+        """Wall seconds from ``at`` (default now; an op's start on the device) during which
+        each stream of this rank still moves bytes (one entry per stream: its latest
+        transfer's end)."""
+        at = time.perf_counter() if at is None else at
+        # An op queued later starts no earlier than ``at``: what ends by then never counts.
+        for h in [h for h, (end, _) in self._moving.items() if end <= at]:
             del self._moving[h]
         ends: dict[object, float] = {}
         for end, stream in self._moving.values():
-            ends[stream] = max(ends.get(stream, now), end)
-        return [end - now for end in ends.values()]
+            ends[stream] = max(ends.get(stream, at), end)
+        return [end - at for end in ends.values()]
 
     # -- device time ------------------------------------------------------------------------
     def tile_seconds(self, sq: int, sk: int, b: int, hq: int, hkv: int, d: int, elem: int,
@@ -217,12 +272,12 @@ class TimedBackend:
 
     def _slowed(self, work_s: float) -> float:
         """Device seconds of ``work_s`` of compute while this rank's transfers move: the
-        model's effect from the tile's start (:func:`.effects.slowed_s`: ``1 + comm_slowdown
-        * k`` times slower with ``k`` streams moving, ``k`` falling as each stream's transfers
-        end, then at full speed)."""
+        model's effect from the tile's start on the device (:func:`.effects.slowed_s`: ``1 +
+        comm_slowdown * k`` times slower with ``k`` streams moving, ``k`` falling as each
+        stream's transfers end, then at full speed)."""
         if not (self.sm_contention and self.cluster.comm_slowdown) or not self._moving:
             return work_s
-        remaining = [s / self.dilation for s in self._contended_s()]
+        remaining = [s / self.dilation for s in self._contended_s(self._start())]
         return effects.slowed_s(self.cluster, work_s, remaining)
 
     def merge_seconds(self, nbytes: float) -> float:
@@ -231,6 +286,12 @@ class TimedBackend:
         return nbytes / (gbps * 1e9) if gbps else 0.0
 
     def _wait(self, device_s: float, tile: bool) -> None:
+        """Run an op of ``device_s`` on the device: queued after what it holds (the host goes
+        on at once), or, on the synchronous device, slept through here."""
+        if not self.synchronous:
+            self._busy_until = self._start() + device_s * self.dilation
+            self.clock.add(device_s, 0.0, tile)
+            return
         t0 = time.perf_counter()
         self._sleep(device_s * self.dilation)
         self.clock.add(device_s, (time.perf_counter() - t0) / self.dilation, tile)
