@@ -33,7 +33,17 @@ it) and at the end of a call (:meth:`TimedBackend.synchronize`, the bench's
 ``cuda.synchronize``). The device's busy intervals are then the model's program clock
 (:mod:`charm_megatron.model.sim`). ``synchronous=True`` keeps the device of before, where
 every op sleeps from its call to its return (the host's CPU work then adds to the measured
-device time). docs/emulator.md has the whole method.
+device time).
+
+**The virtual clock** (``virtual``, a :class:`~.virtual_time.VirtualTime` shared with the
+rank's software links; the bench's default): an op starts at ``max(busy_until, host_t)`` instead
+of the wall clock's now, where ``host_t`` is when what the host waited for was done (a
+message's modelled arrival, the device's end at a synchronisation), so a host that wakes late
+after a message, or spends long in Python before its next op, no longer shifts the device's
+timeline; its posts are booked at the virtual time too (``LinkTransport``), and the bench
+times a call on this clock (:meth:`TimedBackend.virtual_now`). Without it the device is
+asynchronous on the wall clock (``device_clock`` ``async``, the device of a747235): an op
+starts no earlier than its call. docs/emulator.md has the whole method.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from charm_megatron.lab.emulate.virtual_time import VirtualTime
 from charm_megatron.model import effects
 from charm_megatron.model.cluster import Cluster
 from charm_megatron.plan.cost import Problem
@@ -136,7 +147,9 @@ class TimedBackend:
     executor says when it posts and completes one and on which stream, :meth:`posted` /
     :meth:`waited`; ``links`` says for how long its bytes move); ``False`` or no ``links``
     ignores it. ``synchronous``: every op sleeps its time at its call (the device of before
-    issue 41) instead of being queued on the device's timeline."""
+    issue 41) instead of being queued on the device's timeline. ``virtual``: the rank's virtual
+    clock (module doc; shared with its links and its other timed devices): ops start on it,
+    not at the wall clock's now."""
 
     name = "timed"
 
@@ -144,7 +157,7 @@ class TimedBackend:
                  scale: WireScale = WireScale(), sm_contention: bool = True,
                  links: LinkClock | None = None,
                  sleep: Callable[[float], None] = time.sleep,
-                 synchronous: bool = False) -> None:
+                 synchronous: bool = False, virtual: VirtualTime | None = None) -> None:
         if not dilation > 0:
             raise ValueError(f"dilation must be > 0, got {dilation!r}")
         if cluster.cores is not None:
@@ -159,9 +172,14 @@ class TimedBackend:
         # handle -> (wall time until which its transfer is expected to move, its stream):
         # the slowdown counts the streams with something still moving (contention)
         self._moving: dict[int, tuple[float, object]] = {}
+        if synchronous and virtual is not None:
+            raise ValueError("the synchronous device sleeps every op at its call: it has no "
+                             "virtual clock")
         self.synchronous = synchronous
+        self.virtual = virtual
         # Wall time (perf_counter) at which the work queued on the device ends; always in the
-        # past on the synchronous device, which never queues.
+        # past on the synchronous device, which never queues (on the virtual clock it is the
+        # clock's).
         self._busy_until = 0.0
         self.clock = DeviceClock()
 
@@ -169,7 +187,8 @@ class TimedBackend:
     def from_profile(cls, profile: str, *, dilation: float = 1.0, batch_scale: int = 1,
                      rows_scale: int = 1, sm_contention: bool = True,
                      links: LinkClock | None = None,
-                     synchronous: bool = False) -> TimedBackend:
+                     synchronous: bool = False,
+                     virtual: VirtualTime | None = None) -> TimedBackend:
         """The timed device of a performance-model profile (a built-in name such as ``h100``,
         or a profile file written by ``scripts/gpu_check.py``). Without ``links`` the device
         cannot tell how long its transfers move, so SM contention is left out."""
@@ -177,7 +196,7 @@ class TimedBackend:
 
         return cls(get_profile(profile).cluster, dilation=dilation,
                    scale=WireScale(batch_scale, rows_scale), sm_contention=sm_contention,
-                   links=links, synchronous=synchronous)
+                   links=links, synchronous=synchronous, virtual=virtual)
 
     # -- what the executor and the call resolution ask of it ----------------------------
     @property
@@ -200,7 +219,7 @@ class TimedBackend:
                 return
         seconds = max((self.links.seconds(peer, nbytes * self.scale.bytes)
                        for peer, nbytes in messages), default=0.0)
-        self._moving[handle] = (time.perf_counter() + seconds * self.dilation, stream)
+        self._moving[handle] = (self._post_time() + seconds * self.dilation, stream)
 
     def waited(self, handle: int) -> None:
         """Batch ``handle`` completed: whatever it moved has arrived by now."""
@@ -208,38 +227,70 @@ class TimedBackend:
 
     # -- where the host waits for the device --------------------------------------------------
     @property
+    def device_clock(self) -> str:
+        """Which device this is: ``virtual`` (ops on the rank's virtual clock), ``async`` (ops
+        queued on the wall clock) or ``sync`` (every op slept at its call)."""
+        if self.synchronous:
+            return "sync"
+        return "async" if self.virtual is None else "virtual"
+
+    @property
     def busy_until(self) -> float:
-        """Wall time (``time.perf_counter``) at which the work queued on the device ends."""
-        return self._busy_until
+        """When the work queued on the device ends (``time.perf_counter``, the same clock as
+        ``time.monotonic`` on Linux; on the virtual clock, its virtual time)."""
+        return self.virtual.busy_until if self.virtual is not None else self._busy_until
+
+    def virtual_now(self) -> float:
+        """The time the host has reached: on the virtual clock ``max(host_t, busy_until)``
+        (a call's virtual end once it synchronised), else the wall clock's now."""
+        return self.virtual.now() if self.virtual is not None else time.perf_counter()
 
     def synchronize(self) -> None:
         """The host waits until the device has run everything queued on it (a GPU's
         ``cuda.synchronize``): the executor calls it at the end of each call, so a call's
         measured time includes its device work. Nothing to wait for on the synchronous
-        device."""
-        remaining = self._busy_until - time.perf_counter()
+        device. On the virtual clock the host's time is then the device's end, and the call is
+        over (:meth:`.VirtualTime.end_call`)."""
+        self._drain()
+        if self.virtual is not None:
+            self.virtual.end_call()
+
+    def before_post(self) -> None:
+        """The executor is about to post a batch of messages: its sends may hold what the
+        device's queued ops produce, and on a GPU the transfer (NCCL on a stream) starts only
+        after the kernels before it, so the post waits for the device."""
+        self._drain()
+        if self.virtual is not None:
+            self.virtual.synced()
+
+    def _drain(self) -> None:
+        """Sleep until the device's queue ends on the wall clock. On the virtual clock too:
+        the wall must not run behind the times the rank books and reports (causality among
+        ranks); a host already late sleeps nothing."""
+        remaining = self.busy_until - time.perf_counter()
         if remaining <= 0:
             return
         t0 = time.perf_counter()
         self._sleep(remaining)
         self.clock.add_wait((time.perf_counter() - t0) / self.dilation)
 
-    def before_post(self) -> None:
-        """The executor is about to post a batch of messages: its sends may hold what the
-        device's queued ops produce, and on a GPU the transfer (NCCL on a stream) starts only
-        after the kernels before it, so the post waits for the device."""
-        self.synchronize()
-
     def _start(self) -> float:
-        """Wall time at which an op queued now starts on the device: when the device is free,
-        or now if it is idle."""
+        """When an op queued now starts on the device: when the device is free, or, if it is
+        idle, now (the wall clock) or the host's virtual time (the virtual clock)."""
+        if self.virtual is not None:
+            return self.virtual.start()
         return max(self._busy_until, time.perf_counter())
+
+    def _post_time(self) -> float:
+        """When a batch posted now starts: the wall clock's now, or the virtual time at which
+        its data is ready."""
+        return self.virtual.ready() if self.virtual is not None else time.perf_counter()
 
     def _contended_s(self, at: float | None = None) -> list[float]:
         """Wall seconds from ``at`` (default now; an op's start on the device) during which
         each stream of this rank still moves bytes (one entry per stream: its latest
         transfer's end)."""
-        at = time.perf_counter() if at is None else at
+        at = self._post_time() if at is None else at
         # An op queued later starts no earlier than ``at``: what ends by then never counts.
         for h in [h for h, (end, _) in self._moving.items() if end <= at]:
             del self._moving[h]
@@ -288,6 +339,10 @@ class TimedBackend:
     def _wait(self, device_s: float, tile: bool) -> None:
         """Run an op of ``device_s`` on the device: queued after what it holds (the host goes
         on at once), or, on the synchronous device, slept through here."""
+        if self.virtual is not None:
+            self.virtual.queue(device_s * self.dilation)
+            self.clock.add(device_s, 0.0, tile)
+            return
         if not self.synchronous:
             self._busy_until = self._start() + device_s * self.dilation
             self.clock.add(device_s, 0.0, tile)
