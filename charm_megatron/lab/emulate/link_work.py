@@ -1,12 +1,15 @@
 """The handles the software links return (:mod:`charm_megatron.lab.emulate.linkmodel`): a
 transfer's ``wait()`` returns no earlier than its modelled arrival, and a paired message's
-side waits (bounded) for its peer's post before it knows that arrival."""
+side waits (bounded) for its peer's post before it knows that arrival. A handle given
+``on_arrival`` reports the arrival it waited for (a rank's virtual clock,
+:mod:`charm_megatron.lab.emulate.virtual_time`, takes its host time from it)."""
 
 from __future__ import annotations
 
 import datetime
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -16,6 +19,8 @@ class ThrottledWork:
     def __init__(self, work: Any, deadline: float) -> None:
         self.work = work
         self.deadline = deadline
+        # told the modelled arrival once wait() has returned (a rank's virtual clock)
+        self.on_arrival: Callable[[float], None] | None = None
 
     def attach(self, work: Any) -> ThrottledWork:
         self.work = work
@@ -33,14 +38,19 @@ class ThrottledWork:
         handle, e.g. a ``datetime.timedelta`` for torch ``Work``)."""
         self._wait_real(timeout)
         _sleep_until(self.deadline)
+        self._arrived(self.deadline)
         return True
+
+    def _arrived(self, arrival: float) -> None:
+        if self.on_arrival is not None:
+            self.on_arrival(arrival)
 
     def is_completed(self) -> bool:
         done = self.work is None or self.work.is_completed()
         return bool(done) and time.monotonic() >= self.deadline
 
     def __getattr__(self, name: str) -> Any:
-        if name == "work":  # not set yet (unpickling): no recursion
+        if name in ("work", "on_arrival"):  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.work, name)
 
@@ -83,6 +93,7 @@ class LinkWork(ThrottledWork):
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
         _sleep_until(arrival)
+        self._arrived(arrival)
         return True
 
     def is_completed(self) -> bool:

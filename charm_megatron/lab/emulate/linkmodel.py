@@ -100,8 +100,9 @@ _SEGMENT = struct.Struct("=ddd")  # one reservation: from, until (monotonic s), 
 _HEAD = struct.Struct("=QQ")  # a pair's sends posted, receives posted
 _SLOT = struct.Struct("=dddQ")  # send posted, receive posted, arrival (NaN: not yet), bytes
 #: Reservations that ended this long before now are dropped from a link's state: a booking's
-#: start (a post time) can lag the clock by the locks it waited for, never by this much.
-KEEP_PAST_S = 1.0
+#: start (a post time) lags the clock by the locks it waited for and, on a rank's virtual clock,
+#: by how late its host runs (``LinkTransport`` refuses a lag of over half of this).
+KEEP_PAST_S = 60.0
 
 
 class _Locked:
@@ -466,9 +467,11 @@ class RankLinks:
         return self.cross_out if outgoing else self.cross_in
 
     def post(self, nbytes: int, peer: int, outgoing: bool, group: Any = None,
-             tag: int = 0) -> ThrottledWork:
+             tag: int = 0, at: float | None = None) -> ThrottledWork:
         """Post one side of a message *before* the real op is posted (so the peer can never
-        see the bytes before the mailbox entry); ``attach`` the real handle after."""
+        see the bytes before the mailbox entry); ``attach`` the real handle after. ``at``:
+        the post's time (``time.monotonic`` s; default now), e.g. a rank's virtual time at
+        which the data is ready (:mod:`.virtual_time`): the booking starts no earlier."""
         src, dst = (self.rank, peer) if outgoing else (peer, self.rank)
         links = self.spec.links(src, dst)
         if links is None:
@@ -480,7 +483,7 @@ class RankLinks:
         def book(start: float, size: int) -> float:
             return book_message(links[0], links[1], start, size, latency)
 
-        k = box.post(outgoing, time.monotonic(), int(nbytes), book)
+        k = box.post(outgoing, time.monotonic() if at is None else at, int(nbytes), book)
         what = (f"rank {self.rank}'s " + (f"send #{k} to rank {dst}" if outgoing
                                           else f"receive #{k} from rank {src}")
                 + f" (channel {channel})")
@@ -504,9 +507,10 @@ class RankLinks:
         handle = self.post(_nbytes(tensor), src, False, group, tag)
         return handle.attach(dist.irecv(tensor, src, group=group, tag=tag))
 
-    def transport(self, inner: Any = None) -> LinkTransport:
-        """The executor's transport over these links (:class:`LinkTransport`)."""
-        return LinkTransport(self, inner)
+    def transport(self, inner: Any = None, clock: Any = None) -> LinkTransport:
+        """The executor's transport over these links (:class:`LinkTransport`; ``clock``: the
+        rank's virtual clock)."""
+        return LinkTransport(self, inner, clock)
 
 
 class LinkTransport:
@@ -514,19 +518,51 @@ class LinkTransport:
     batch is posted to :class:`RankLinks` (its side of the message, module doc), then the batch
     goes through ``inner`` (default: torch.distributed) and each real handle is attached, so
     its ``wait()`` returns no earlier than the message could have arrived. gloo only: it needs
-    one handle per op (NCCL gives one per batch)."""
+    one handle per op (NCCL gives one per batch).
+
+    ``clock``: the rank's virtual clock (:class:`~.virtual_time.VirtualTime`, the emulated GPU
+    cluster's default; :meth:`follow` sets it later): a batch is booked at the clock's
+    :meth:`~.virtual_time.VirtualTime.ready` time (its data is ready then) instead of the wall
+    clock's now, and each handle's wait reports its message's arrival to the clock. A host
+    early for that time sleeps until it, so wall and virtual time agree while the host is on
+    time."""
 
     name = "software_links"
 
-    def __init__(self, links: RankLinks, inner: Any = None) -> None:
+    def __init__(self, links: RankLinks, inner: Any = None, clock: Any = None) -> None:
         if inner is None:
             from charm_megatron.ops.transport import TorchTransport
 
             inner = TorchTransport()
         self.links, self.inner = links, inner
+        self.clock = clock
+
+    def follow(self, clock: Any) -> None:
+        """Book on ``clock`` (a :class:`~.virtual_time.VirtualTime`; ``None``: the wall)."""
+        self.clock = clock
+
+    def _post_time(self) -> float | None:
+        """The batch's virtual post time (``None``: now, on the wall clock), after sleeping
+        until it if the host is early."""
+        if self.clock is None:
+            return None
+        at = self.clock.ready()
+        lag = time.monotonic() - at
+        if lag < 0:
+            time.sleep(-lag)
+        elif lag > KEEP_PAST_S / 2:
+            raise RuntimeError(
+                f"software link model: rank {self.links.rank}'s virtual clock trails the wall "
+                f"by {lag:.1f} s, more than the links keep ({KEEP_PAST_S:g} s / 2): this "
+                "machine's cores cannot keep up with the emulated devices (raise --dilation)")
+        return at
 
     def post(self, ops: list) -> list[ThrottledWork]:
-        handles = [self.links.post(op.nbytes, op.peer, op.send, op.group) for op in ops]
+        at = self._post_time()
+        handles = [self.links.post(op.nbytes, op.peer, op.send, op.group, at=at) for op in ops]
+        if self.clock is not None:
+            for h in handles:
+                h.on_arrival = self.clock.arrived
         works = list(self.inner.post(ops))
         if len(works) != len(ops):
             raise RuntimeError("software link model: the backend coalesced a P2P batch; it "
