@@ -270,7 +270,7 @@ def _device_columns(cfg: BenchConfig, per_rank: Sequence[dict], pos: int) -> dic
     busiest = per_rank[0]["points"][pos].get("busiest_core")
     return {"device_model": dev.profile, "dilation": dev.dilation,
             "wire_scale": f"{dev.batch_scale}x{dev.rows_scale}",
-            "device_clock": "sync" if dev.synchronous else "async",
+            "device_clock": dev.device_clock,
             "busiest_core_pct": busiest * 100 if busiest is not None else "",
             "cpu_limited": (busiest > CPU_LIMITED) if busiest is not None else ""}
 

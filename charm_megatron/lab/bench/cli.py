@@ -36,7 +36,12 @@ from charm_megatron.lab.bench.config import (
     parse_settings,
 )
 from charm_megatron.lab.bench.emulator_checks import check_lines
-from charm_megatron.lab.bench.gpu_emulation import DEFAULT_WIRE_BYTES, DeviceSetup, setup_for
+from charm_megatron.lab.bench.gpu_emulation import (
+    DEFAULT_WIRE_BYTES,
+    DEVICE_CLOCKS,
+    DeviceSetup,
+    setup_for,
+)
 from charm_megatron.lab.bench.measure import Job
 from charm_megatron.lab.bench.report import format_table, plot, write_csv, write_json
 from charm_megatron.lab.emulate import LINK_MODELS, NIC_MODELS, available, parse_rate, parse_size
@@ -164,11 +169,12 @@ def register(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--no-sm-contention", action="store_true",
                    help="leave out the profile's compute slowdown while a transfer is in "
                         "flight")
-    d.add_argument("--sync-device", action="store_true",
-                   help="the synchronous timed device of before issue 41: every op sleeps at "
-                        "its call, so the emulator's own CPU work adds to the device time "
-                        "(default: ops queue like a GPU's stream, the host waits before a post "
-                        "and at the end of a call)")
+    d.add_argument("--device-clock", choices=DEVICE_CLOCKS,
+                   help="virtual (default; netns: async): ops and posts on each rank's "
+                        "virtual clock, the host's lateness not counted; async: ops queued "
+                        "on the wall clock; sync: every op sleeps at its call (docs/emulator.md)")
+    d.add_argument("--sync-device", action="store_const", const="sync", dest="device_clock",
+                   help="--device-clock sync (kept for older scripts)")
 
     o = parser.add_argument_group("output")
     o.add_argument("--out", help="directory for results.csv, results.json, speedup_vs_ccr.png "
@@ -343,7 +349,18 @@ def _device_setup(args, cfg: BenchConfig, points) -> DeviceSetup:
                      link_order="fifo" if args.emulate_backend in ("auto", "software") else None,
                      # auto sizes the dilation on the shortest dependent unit of the contenders
                      algos=[a for a in cfg.algos if a in ALGORITHM_NAMES or a in TE_NAMES],
-                     synchronous=args.sync_device)
+                     device_clock=_device_clock(args))
+
+
+def _device_clock(args) -> str:
+    """``--device-clock``, by default ``virtual``; ``async`` on netns, whose TCP gives no
+    modelled arrivals for the virtual clock to take its host time from."""
+    netns = args.emulate_backend == "netns"
+    clock = args.device_clock or ("async" if netns else "virtual")
+    if clock == "virtual" and netns:
+        raise ValueError("--device-clock virtual needs the software links (the default "
+                         "--emulate-backend): with netns use --device-clock async or sync")
+    return clock
 
 
 def _run_here(args, cfg: BenchConfig, world: int, emulate) -> int:

@@ -41,6 +41,10 @@ MIN_DILATION = 50.0
 #: per cent.
 STEP_WALL_S = 0.5
 MAX_DILATION = 5000.0
+#: How a rank's timed device keeps time (``--device-clock``, docs/emulator.md): ``virtual``
+#: (ops and posts on the rank's virtual clock, calls timed on it; issue 41), ``async`` (ops
+#: queued on the wall clock, a747235), ``sync`` (every op slept at its call, before issue 41).
+DEVICE_CLOCKS = ("virtual", "async", "sync")
 #: Default size of a q block on the wire: large enough that per-message costs stay small next to
 #: the bytes, small enough that 32 ranks' messages fit 2 cores' copy rate.
 DEFAULT_WIRE_BYTES = 256 * 1024
@@ -64,14 +68,17 @@ class DeviceSetup:
     # How the emulated links serve concurrent transfers: "fifo" on the software link model
     # (it books each transfer when posted); None: the profile's (tc's queues share fairly).
     link_order: str | None = None
-    # The timed device of before issue 41: every op sleeps at its call, so the host's own CPU
-    # work adds to the measured device time (the default device queues its ops like a GPU's
-    # stream; docs/emulator.md).
-    synchronous: bool = False
+    # How the timed device keeps time (DEVICE_CLOCKS): the virtual clock by default; "async"
+    # and "sync" reproduce runs before it, where the host's lateness (sync: all its CPU work)
+    # adds to the measured device time.
+    device_clock: str = "virtual"
 
     def __post_init__(self) -> None:
         if not self.dilation > 0:
             raise ValueError(f"--dilation must be > 0, got {self.dilation!r}")
+        if self.device_clock not in DEVICE_CLOCKS:
+            raise ValueError(f"--device-clock must be one of {', '.join(DEVICE_CLOCKS)}, got "
+                             f"{self.device_clock!r}")
         if self.cluster.cores is not None:
             raise ValueError(f"--device-model {self.profile}: a CPU profile (shared cores) "
                              "is not a device; choose a GPU profile (h100, h20, l20-pcie) or "
@@ -80,6 +87,18 @@ class DeviceSetup:
     @property
     def cluster(self) -> Cluster:
         return get_profile(self.profile).cluster
+
+    @property
+    def synchronous(self) -> bool:
+        """Every op sleeps at its call (the device of before issue 41)."""
+        return self.device_clock == "sync"
+
+    def virtual_time(self):
+        """A new virtual clock for one rank (``None`` unless ``device_clock`` is ``virtual``):
+        the rank's timed devices (:meth:`backend`) and its software links share it."""
+        from charm_megatron.lab.emulate.virtual_time import VirtualTime
+
+        return VirtualTime() if self.device_clock == "virtual" else None
 
     @property
     def bytes_scale(self) -> int:
@@ -138,11 +157,18 @@ class DeviceSetup:
         times longer like all device time; the wire scale does not touch it."""
         return self.wire_links().intra.latency_s
 
-    def backend(self, rank: int, *, te_kernel: bool = False):
+    def backend(self, rank: int, *, te_kernel: bool = False, virtual=None):
         """CP-local rank ``rank``'s timed device (imports torch); the hardware groups say
         which of its messages cross, so for how long their bytes move (a message alone on its
         ports: :meth:`links`' per-message rate and latency). ``te_kernel``: the device on
-        TransformerEngine's kernel curve (:meth:`te_cluster`), for the ``te-*`` contenders."""
+        TransformerEngine's kernel curve (:meth:`te_cluster`), for the ``te-*`` contenders.
+        ``virtual``: the rank's virtual clock with ``device_clock="virtual"`` (one per rank
+        for all its devices and links; ``None``: a new one, :meth:`virtual_time`, which the
+        rank's software links must then follow, ``LinkTransport.follow(device.virtual)``)."""
+        if virtual is not None and self.device_clock != "virtual":
+            raise ValueError(f"device_clock {self.device_clock!r}: no virtual clock wanted")
+        if virtual is None:
+            virtual = self.virtual_time()
         from charm_megatron.lab.emulate.device import LinkClock, TimedBackend, WireScale
 
         spec = self.links()
@@ -152,11 +178,11 @@ class DeviceSetup:
                             dilation=self.dilation,
                             scale=WireScale(self.batch_scale, self.rows_scale),
                             sm_contention=self.sm_contention, links=links,
-                            synchronous=self.synchronous)
+                            synchronous=self.synchronous, virtual=virtual)
 
     def describe(self) -> str:
         return (f"device {self.profile} ({self.model_cluster.describe()}); "
-                f"{'synchronous' if self.synchronous else 'asynchronous'} device; "
+                f"device clock {self.device_clock}; "
                 f"dilation x{self.dilation:g}; "
                 f"wire scale: batch / {self.batch_scale}, rows / {self.rows_scale} "
                 f"(messages {self.bytes_scale}x smaller than real)")
@@ -261,12 +287,12 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
               sm_contention: bool = True, nic: str | None = None,
               divides: Sequence[int] = (), link_order: str | None = None,
               algos: Sequence[str] = ("ring",),
-              synchronous: bool = False) -> DeviceSetup:
+              device_clock: str = "virtual") -> DeviceSetup:
     """The emulated cluster of a bench run on a ``grid`` of (nodes, GPUs per node): the wire
     scale given (checked against every point) or chosen (:func:`choose_scale`), the dilation
     given or ``auto`` (``None``: :func:`auto_dilation` on the run's real links, sized on the
-    shortest dependent unit of the run's contenders ``algos``); ``synchronous``: the timed
-    device of before issue 41 (:attr:`DeviceSetup.synchronous`)."""
+    shortest dependent unit of the run's contenders ``algos``); ``device_clock``: how the
+    timed device keeps time (:data:`DEVICE_CLOCKS`)."""
     world = grid[0] * grid[1]
     batch, rows = wire_scale or choose_scale(points, world, elem, wire_bytes, divides)
     for p in points:
@@ -281,7 +307,7 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
         dilation = auto_dilation(links.model_cluster, points, groups, causal, elem, algos,
                                  links.with_links(links.te_cluster()))
     return DeviceSetup(profile, dilation, batch, rows, cross_Bps, intra_Bps, sm_contention,
-                       groups, nic, link_order, synchronous)
+                       groups, nic, link_order, device_clock)
 
 
 class CoreMeter:

@@ -25,7 +25,7 @@ from charm_megatron.lab.emulate import LinkTransport, SoftwareLinks
 
 ENV_FLAG = "CHARM_BENCH_LINKS"
 TRANSPORT = LinkTransport.name  # the registered name, what CHARM_TRANSPORT selects
-_INSTALLED: list[Any] = []  # the RankLinks of this process, once installed
+_INSTALLED: list[Any] = []  # the RankLinks of this process and its transport, once installed
 
 
 def install(links: Any) -> None:
@@ -38,7 +38,18 @@ def install(links: Any) -> None:
     register_transport(TRANSPORT, lambda: transport)
     os.environ["CHARM_TRANSPORT"] = TRANSPORT
     os.environ[ENV_FLAG] = "software"
-    _INSTALLED[:] = [links]
+    _INSTALLED[:] = [links, transport]
+
+
+def follow(clock: Any) -> bool:
+    """Book this process's messages on ``clock``, the rank's virtual clock (a
+    :class:`~charm_megatron.lab.emulate.virtual_time.VirtualTime` its timed devices share;
+    ``None``: the wall clock), and report their arrivals to it. False (nothing done) without
+    the software links installed (``--emulate-backend netns``: TCP has no virtual time)."""
+    if not _INSTALLED:
+        return False
+    _INSTALLED[1].follow(clock)
+    return True
 
 
 def booked_cross_bytes() -> int | None:

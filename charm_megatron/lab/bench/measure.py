@@ -93,9 +93,31 @@ def _gc_between_calls():
             gc.enable()
 
 
+class _CallClock:
+    """What a timed call's duration is read from: the wall clock (``time.perf_counter``), or,
+    on an emulated GPU cluster with ``--device-clock virtual``, the rank's virtual clock
+    (lab/emulate/virtual_time.py): a call starts when the clock is re-anchored at the wall
+    after the barrier and ends at ``max(host_t, busy_until)`` once it synchronised with its
+    device, so the host's lateness on this machine is not in it (the wall sleeps that keep
+    the ranks causal still happen inside the call)."""
+
+    def __init__(self, virtual: Any = None) -> None:
+        self.virtual = virtual
+
+    def start(self) -> float:
+        return self.virtual.begin() if self.virtual is not None else time.perf_counter()
+
+    def end(self) -> float:
+        return self.virtual.now() if self.virtual is not None else time.perf_counter()
+
+
+WALL_CLOCK = _CallClock()  # calls timed on the wall clock
+
+
 def _run_once(c: Contender, mode: str, inputs: tuple[torch.Tensor, ...], backward: bool,
-              device: torch.device) -> Timing:
-    """One timed call of ``c`` in ``mode`` (``full``, ``compute`` or ``comm``)."""
+              device: torch.device, clock: _CallClock = WALL_CLOCK) -> Timing:
+    """One timed call of ``c`` in ``mode`` (``full``, ``compute`` or ``comm``), its duration
+    read from ``clock``."""
     q, k, v, dout = inputs
     # Fresh leaves sharing the inputs' storage (detach() copies nothing).
     qa, ka, va = (t.detach().requires_grad_(backward) for t in (q, k, v))
@@ -104,17 +126,17 @@ def _run_once(c: Contender, mode: str, inputs: tuple[torch.Tensor, ...], backwar
     with c.session(), torch.set_grad_enabled(backward), _gc_between_calls():
         dist.barrier()
         _sync(device)
-        c0, t0 = time.process_time(), time.perf_counter()
+        c0, t0 = time.process_time(), clock.start()
         out = c(qa, ka, va)
         _sync(device)
-        fwd, fcpu = time.perf_counter() - t0, time.process_time() - c0
+        fwd, fcpu = clock.end() - t0, time.process_time() - c0
         if backward:
             dist.barrier()
             _sync(device)
-            c0, t0 = time.process_time(), time.perf_counter()
+            c0, t0 = time.process_time(), clock.start()
             out.backward(dout)
             _sync(device)
-            bwd, bcpu = time.perf_counter() - t0, time.process_time() - c0
+            bwd, bcpu = clock.end() - t0, time.process_time() - c0
     return Timing(fwd, bwd, fcpu, bcpu)
 
 
@@ -166,8 +188,10 @@ def _inputs(point: Point, cfg: BenchConfig, rank: int, world: int,
 
 
 def _measure_point(job: Job, point: Point, lineup: Lineup, rank: int, world: int,
-                   device: torch.device, progress: Progress) -> dict[str, Any]:
-    """Warm-up and timed rounds of every variant at ``point`` (rotated order), then memory."""
+                   device: torch.device, progress: Progress,
+                   clock: _CallClock = WALL_CLOCK) -> dict[str, Any]:
+    """Warm-up and timed rounds of every variant at ``point`` (rotated order), then memory;
+    each call timed on ``clock``."""
     cfg = job.cfg
     inputs = _inputs(point, cfg, rank, world, device)
     todo = [(a, m) for a, m in cfg.variants() if a in lineup.contenders
@@ -184,7 +208,8 @@ def _measure_point(job: Job, point: Point, lineup: Lineup, rank: int, world: int
         for algo, mode in todo[shift:] + todo[:shift]:
             if meter is not None and it >= cfg.warmup:
                 meter.start()
-            timing = _run_once(lineup.contenders[algo], mode, inputs, cfg.backward, device)
+            timing = _run_once(lineup.contenders[algo], mode, inputs, cfg.backward, device,
+                               clock)
             if meter is not None and it >= cfg.warmup:
                 meter.stop()
             if dilation != 1.0:
@@ -231,17 +256,23 @@ def rank_main(rank: int, world: int, job: Job) -> dict[str, Any]:
     progress = Progress(len(job.points) * (cfg.warmup + cfg.iters),
                         enabled=job.progress and rank == 0)
     torch_probe: dict = {}  # PyTorch CP's way of running, per head shape (a collective probe)
-    # One timed device per rank for the whole run (an emulated GPU cluster), else the kernels.
-    backend = cfg.device.backend(rank) if cfg.device is not None else None
-    # TransformerEngine's contenders time their tiles on TE's kernel curve.
-    te_backend = (cfg.device.backend(rank, te_kernel=True)
+    # One timed device per rank for the whole run (an emulated GPU cluster), else the kernels;
+    # with --device-clock virtual one virtual clock per rank, which its devices and its
+    # software links share and its calls are timed on.
+    virtual = cfg.device.virtual_time() if cfg.device is not None else None
+    if not links.follow(virtual) and virtual is not None:
+        raise RuntimeError("--device-clock virtual: this rank has no software links to take "
+                           "its messages' arrivals from (use --device-clock async)")
+    backend = cfg.device.backend(rank, virtual=virtual) if cfg.device is not None else None
+    # TransformerEngine's contenders time their tiles on TE's kernel curve (the same device).
+    te_backend = (cfg.device.backend(rank, te_kernel=True, virtual=virtual)
                   if cfg.device is not None and any(a in TE_NAMES for a in cfg.algos) else None)
     try:
         points_out = [
             _measure_point(job, point, line_up(cfg, job.topology, point, device, torch_probe,
                                                _packed(point, cfg, world, device),
                                                backend=backend, te_backend=te_backend),
-                           rank, world, device, progress)
+                           rank, world, device, progress, _CallClock(virtual))
             for point in job.points]
     finally:
         progress.close()

@@ -101,9 +101,10 @@ class BenchRow:
     device_model: str | None = None
     dilation: float | None = None
     wire_scale: str | None = None  # e.g. "16x14"
-    # async: the timed device queues its ops like a GPU's stream (issue 41); sync: every op
-    # slept at its call (--sync-device, and every run before the column), the host's own CPU
-    # work then in the device time.
+    # virtual: the timed device's ops and posts on each rank's virtual clock, calls timed on
+    # it (--device-clock virtual, issue 41); async: ops queued like a GPU's stream on the wall
+    # clock; sync: every op slept at its call (--sync-device, and every run before the
+    # column), the host's own CPU work then in the device time.
     device_clock: str | None = None
     busiest_core_pct: float | None = None
     cpu_limited: bool | None = None
