@@ -1,4 +1,4 @@
-"""The backward's stand-in output (ops.executor._out_with_delta) gives the kernels the same
+"""The backward's stand-in output (ops.row_delta.out_with_delta) gives the kernels the same
 gradients as the real output for any finite dout: checked against the plain kernel with the
 real output, one block, no communication."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from charm_megatron.kernels import get_backend
-from charm_megatron.ops.executor import _out_with_delta, delta_exponent, scaled_delta
+from charm_megatron.ops.row_delta import delta_exponent, out_with_delta, scaled_delta
 
 
 def _rel(a, b):
@@ -31,7 +31,7 @@ def test_stand_in_matches_the_real_output(dtype, scale):
     assert delta.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert torch.isfinite(delta).all()
     assert _rel(delta, exact) < (1e-14 if dtype == torch.float64 else 1e-6)
-    standin = _out_with_delta(dout, delta.to(lse.dtype))
+    standin = out_with_delta(dout, delta.to(lse.dtype))
     assert torch.isfinite(standin).all()
     got = be.backward(dout, q, k, v, standin, lse, True, 0.35)
     tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}[dtype]

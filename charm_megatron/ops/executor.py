@@ -28,6 +28,7 @@ from charm_megatron.kernels.base import AttentionBackend
 from charm_megatron.kernels.merge import merge_into
 from charm_megatron.kernels.window import Window, masked_backward, masked_forward
 from charm_megatron.ops.joint import JointKv
+from charm_megatron.ops.row_delta import out_with_delta
 from charm_megatron.ops.streams import StreamGroups
 from charm_megatron.ops.transport import P2P, TorchTransport, Transport
 from charm_megatron.plan.core import (
@@ -118,53 +119,6 @@ def _lifetimes_of(ops: list[Op]) -> Lifetimes:
         _LIFETIMES.clear()
     _LIFETIMES[id(ops)] = (ops, life)
     return life
-
-
-def delta_exponent(dout: torch.Tensor) -> torch.Tensor:
-    """Per row and head, the power of two ``e`` with ``max|dout| < 2**e`` (0 for zero rows):
-    ``dout * 2**-e`` is exact (a power-of-two scaling) and of order one."""
-    peak = dout.detach().abs().amax(-1).float()
-    _, e = torch.frexp(peak)
-    return e.float()
-
-
-def scaled_delta(dout: torch.Tensor, out: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
-    """``rowsum(dout * out) * 2**-e`` per row and head (``e``: :func:`delta_exponent` of
-    ``dout``), in fp32 (float64 for float64 inputs), without overflow or underflow for any
-    finite ``dout``: what the q-side bundle carries instead of ``out``.
-
-    fp32, not float64: the sum is a d-term dot product, exact enough in fp32 (FlashAttention
-    computes it so); in fp32 it takes 0.09 ms less per step at CP size 1, 8k tokens on an
-    H200 and half the temporaries (docs/gpu-check.md). ``dout * 2**-e`` is exact and below 1,
-    so no product overflows; rows below fp32's normal range (``e < -125``, where ``2**-e``
-    itself would overflow) are scaled by ``2**125`` first and the rest after the sum."""
-    wide = torch.float64 if dout.dtype == torch.float64 else torch.float32
-    first = e.clamp(min=-125)
-    u = dout.to(wide) * torch.exp2(-first).to(wide).unsqueeze(-1)
-    return torch.ldexp((u * out.to(wide)).sum(-1), (first - e).to(wide))
-
-
-def _out_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """A stand-in for the attention output with the same ``rowsum(dout * out)``.
-
-    Flash-attention backward uses the output only through ``delta = rowsum(dout * out)`` per
-    row and head. Sending ``delta`` (one float per row and head) instead of ``out`` (``d``
-    values) cuts a third of the backward q-side traffic; the receiver rebuilds an ``out`` with
-    the right ``delta``. What travels is the *scaled* ``delta * 2**-e`` with ``2**e`` just above
-    ``max|dout|`` of the row (:func:`delta_exponent`, recomputed here from the received
-    ``dout``, bit for bit the sender's): with ``u = dout * 2**-e`` (exact, ``|u| < 1``) the
-    stand-in ``u * scaled / |u|^2`` has ``rowsum(dout * out) = 2**e * scaled = delta`` and no
-    intermediate overflows or underflows for any finite ``dout`` (``|dout|^2`` itself would
-    past ~1.8e19 or below ~1e-23 in fp32). Zero rows give zero (their delta is zero too).
-    """
-    e = delta_exponent(dout).unsqueeze(-1)
-    wide = torch.float64 if dout.dtype == torch.float64 else torch.float32
-    # Two half steps: 2**-e alone overflows fp32 for denormal rows (e down to -149).
-    half = torch.trunc(e / 2)
-    u = torch.ldexp(torch.ldexp(dout.to(wide), -half.to(wide)), (half - e).to(wide))
-    norm = u.square().sum(-1, keepdim=True)
-    coef = torch.where(norm > 0, delta.to(wide).unsqueeze(-1) / norm, torch.zeros_like(norm))
-    return (u * coef).to(dout.dtype)
 
 
 class Executor(OpInterpreter[None]):
@@ -284,7 +238,7 @@ class Executor(OpInterpreter[None]):
     def set_own_output(self, loc: Loc | str, out: torch.Tensor) -> None:
         """The attention output of the caller's own q-side block ``loc`` (set by
         :meth:`set_own`): backward tiles on that block give it to the kernel as it is, instead
-        of rebuilding a stand-in from the bundle's ``delta`` (:func:`_out_with_delta`, six
+        of rebuilding a stand-in from the bundle's ``delta`` (:func:`.row_delta.out_with_delta`, six
         elementwise passes over the block, once per tile). Received blocks still carry only
         ``delta``; their stand-in is built per tile, so no q-sized tensor is held for them."""
         loc = as_loc(loc)
@@ -297,7 +251,7 @@ class Executor(OpInterpreter[None]):
         own = self._own_out
         if own is not None and own[0] == loc and self.bufs.get(loc) is own[1]:
             return own[2][self._acc_rows(own[1], half)]
-        return _out_with_delta(dout, stats[..., 1])
+        return out_with_delta(dout, stats[..., 1])
 
     def result(self, loc: Loc) -> tuple[torch.Tensor, ...]:
         return self.bufs[loc].tensors

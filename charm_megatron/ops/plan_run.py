@@ -13,16 +13,11 @@ from charm_megatron.kernels.head_dims import HeadDimPadding
 from charm_megatron.kernels.window import Window
 from charm_megatron.ops import agreement, head_stage, softmax_offset
 from charm_megatron.ops.agreement import CPAttentionError
-from charm_megatron.ops.executor import (
-    BlockShape,
-    ExecOptions,
-    Executor,
-    delta_exponent,
-    scaled_delta,
-)
+from charm_megatron.ops.executor import BlockShape, ExecOptions, Executor
 from charm_megatron.ops.failsafe import GuardedBackend
 from charm_megatron.ops.options import kernel_backend
 from charm_megatron.ops.prepare import Call
+from charm_megatron.ops.row_delta import delta_exponent, scaled_delta
 from charm_megatron.ops.streams import StreamGroups, control_timeout_s, stream_groups
 from charm_megatron.ops.transport import get_transport
 from charm_megatron.plan.core import Plan
@@ -205,7 +200,7 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if stage is not None:
             (d_out,) = _into_lanes(call, ex, stage, rank, d_out)
         # delta = rowsum(dout * out) is all the tiles' backward needs of the output (see
-        # executor._out_with_delta), so the q-side bundle carries it instead of out, scaled
+        # row_delta.out_with_delta), so the q-side bundle carries it instead of out, scaled
         # by the row's power of two 2**-e (e from max|dout|) so that it never overflows or
         # underflows; the receiver recomputes e from the dout it receives.
         e = delta_exponent(d_out)
