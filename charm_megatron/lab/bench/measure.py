@@ -10,7 +10,10 @@ One run of a variant: barrier, forward (timed), barrier, backward (timed). The b
 the forward and the backward separately measurable; each rank reports its own durations and the
 analysis takes the slowest rank per round (a CP call is as slow as its slowest rank). CPU time
 (``time.process_time``: all threads of the rank, including gloo's) is recorded beside wall time:
-summed over ranks it is the total CPU work the lower bound needs.
+summed over ranks it is the total CPU work the lower bound needs. On an emulated GPU cluster
+with ``--device-clock virtual`` a call's duration is read from the rank's virtual clock
+(:class:`_CallClock`, lab/emulate/virtual_time.py) instead of the wall clock, so the host's
+lateness on this machine is not in it.
 
 Afterwards one untimed forward+backward per algorithm measures peak memory
 (:mod:`charm_megatron.lab.bench.memory`).

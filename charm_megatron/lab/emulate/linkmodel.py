@@ -28,7 +28,11 @@ message uses it meanwhile, as in the model). Messages booked earlier keep their 
 one never slows them), as in the model's fifo order.
 
 The booking is made by whichever side posts second, at its post (the first leaves its post
-time in the pair's mailbox), so links serve messages in the order they start. Both sides'
+time in the pair's mailbox), so links serve messages in the order they start. A side's post
+time is the wall clock's at its post, or, on a rank's virtual clock
+(:mod:`charm_megatron.lab.emulate.virtual_time`, ``LinkTransport(clock=...)``), the virtual
+time at which its data was ready, possibly a little in the past: the message then takes what
+the bookings made before it left on its links from that time on. Both sides'
 ``wait()`` return no earlier than the arrival: a send completes when its bytes have arrived
 (as the model completes a batch when all its messages arrived, and as NCCL's point-to-point
 does), so a waited send whose receiver has not posted yet blocks until it does (bounded by
