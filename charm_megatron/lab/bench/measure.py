@@ -99,16 +99,24 @@ def _gc_between_calls():
 class _CallClock:
     """What a timed call's duration is read from: the wall clock (``time.perf_counter``), or,
     on an emulated GPU cluster with ``--device-clock virtual``, the rank's virtual clock
-    (lab/emulate/virtual_time.py): a call starts when the clock is re-anchored at the wall
-    after the barrier and ends at ``max(host_t, busy_until)`` once it synchronised with its
-    device, so the host's lateness on this machine is not in it (the wall sleeps that keep
-    the ranks causal still happen inside the call)."""
+    (lab/emulate/virtual_time.py): a call starts, on every rank alike, when the last rank
+    reached it after the barrier, and ends at ``max(host_t, busy_until)`` once it synchronised
+    with its device, so the host's lateness on this machine is not in it (the wall sleeps that
+    keep the ranks causal still happen inside the call)."""
 
     def __init__(self, virtual: Any = None) -> None:
         self.virtual = virtual
 
     def start(self) -> float:
-        return self.virtual.begin() if self.virtual is not None else time.perf_counter()
+        """The call's start, after the barrier. Virtual: the latest rank's wall time here (a
+        MAX all-reduce, itself a barrier), so that no rank's start holds how late its host
+        left the barrier on this crowded machine (a GPU cluster's barrier skew is
+        microseconds)."""
+        if self.virtual is None:
+            return time.perf_counter()
+        latest = torch.tensor([time.monotonic()], dtype=torch.float64)
+        dist.all_reduce(latest, op=dist.ReduceOp.MAX)
+        return self.virtual.begin(float(latest))
 
     def end(self) -> float:
         return self.virtual.now() if self.virtual is not None else time.perf_counter()

@@ -47,12 +47,14 @@ class VirtualTime:
         self._idle = True  # between calls: re-anchor at the wall clock on the next use
         self._lock = threading.Lock()
 
-    def begin(self) -> float:
-        """A call starts now: the clock is re-anchored at the wall clock (never moved back);
-        returns the call's virtual start."""
+    def begin(self, at: float | None = None) -> float:
+        """A call starts at ``at`` (``time.monotonic`` s, already past; default now): the
+        clock is re-anchored there (never moved back); returns the call's virtual start. The
+        bench passes every rank the same ``at``, when the last rank reached the call."""
         with self._lock:
             self._idle = False
-            self.host_t = max(self.host_t, self.busy_until, time.monotonic())
+            self.host_t = max(self.host_t, self.busy_until,
+                              time.monotonic() if at is None else at)
             return self.host_t
 
     def end_call(self) -> None:
