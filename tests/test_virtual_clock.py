@@ -114,6 +114,17 @@ def test_two_gloo_ranks_the_late_receivers_answer_is_booked_at_its_virtual_time(
                                                           abs=1e-9)
 
 
+def test_every_rank_starts_a_timed_call_when_the_last_one_reached_it():
+    """The bench's call start on the virtual clock: one time for all ranks, the latest
+    rank's arrival, so an early rank's start does not hold how late the other left the
+    barrier."""
+    (s0, reached0), (s1, reached1) = run_ranks(cases.call_start, 2, LATE_S, timeout_s=60,
+                                               pg_timeout_s=30)
+    assert s0 == s1
+    assert reached1 <= s1 < reached1 + 0.05  # rank 1's time when it got there
+    assert s0 >= reached0 + LATE_S * 0.9  # not rank 0's own
+
+
 def test_the_clock_re_anchors_at_the_wall_between_calls_and_never_runs_ahead():
     clock = VirtualTime()
     t0 = clock.begin()

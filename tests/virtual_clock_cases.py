@@ -64,3 +64,15 @@ def late_receiver(rank: int, world: int, spec: SoftwareLinks, nbytes: int, tile_
     dev.synchronize()
     got["end"] = virtual.now()
     return got
+
+
+def call_start(rank: int, world: int, late_s: float) -> tuple[float, float]:
+    """The bench's virtual start of a timed call on this rank, rank 1 reaching it ``late_s``
+    after the barrier; (that start, this rank's wall time when it reached it)."""
+    from charm_megatron.lab.bench.measure import _CallClock
+
+    dist.barrier()
+    if rank == 1:
+        time.sleep(late_s)
+    reached = time.monotonic()
+    return _CallClock(VirtualTime()).start(), reached
