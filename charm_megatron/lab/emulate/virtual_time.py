@@ -86,10 +86,8 @@ class VirtualTime:
 
     def start(self) -> float:
         """When an op queued now starts on the device: when it is free and the host has what
-        the op needs."""
-        with self._lock:
-            self._anchor()
-            return max(self.busy_until, self.host_t)
+        the op needs: the same time as :meth:`ready`."""
+        return self.ready()
 
     def queue(self, seconds: float) -> float:
         """Queue an op of ``seconds`` (wall seconds, the dilation applied) on the device;
