@@ -91,8 +91,8 @@ def test_contention_counts_from_the_ops_start_on_the_device(monkeypatch):
     monkeypatch.setattr("charm_megatron.lab.emulate.device.time.perf_counter", lambda: now[0])
     links = LinkClock(0, ((0,), (1,)), intra_Bps=1e12, cross_Bps=1e9)
     dev = TimedBackend(H200, links=links, sleep=lambda s: None)
+    dev.posted(3, [(1, 1_500_000_000)])  # posted on an idle device: moves until 101.5
     dev._wait(1.0, tile=False)  # the device is busy until 101.0
-    dev.posted(3, [(1, 1_500_000_000)])  # moves until 101.5
     slow = 1.0 + H200.comm_slowdown
     assert dev._slowed(1.0) == pytest.approx(0.5 + (1.0 - 0.5 / slow))  # not 1.0 * slow
     now[0] = 101.0  # the host catches up with the device: the same start, the same price

@@ -42,8 +42,9 @@ message's modelled arrival, the device's end at a synchronisation), so a host th
 after a message, or spends long in Python before its next op, no longer shifts the device's
 timeline; its posts are booked at the virtual time too (``LinkTransport``), and the bench
 times a call on this clock (:meth:`TimedBackend.virtual_now`). Without it the device is
-asynchronous on the wall clock (``device_clock`` ``async``, the device of a747235): an op
-starts no earlier than its call. docs/emulator.md has the whole method.
+asynchronous on the wall clock (``device_clock`` ``async``, the device of a747235): the same
+queue, a :class:`~.virtual_time.WallTime` whose host time is always the wall clock's now, so an
+op starts no earlier than its call. docs/emulator.md has the whole method.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from charm_megatron.lab.emulate.virtual_time import VirtualTime
+from charm_megatron.lab.emulate.virtual_time import VirtualTime, WallTime
 from charm_megatron.model import effects
 from charm_megatron.model.cluster import Cluster
 from charm_megatron.plan.cost import Problem
@@ -175,12 +176,10 @@ class TimedBackend:
         if synchronous and virtual is not None:
             raise ValueError("the synchronous device sleeps every op at its call: it has no "
                              "virtual clock")
-        self.synchronous = synchronous
-        self.virtual = virtual
-        # Wall time (perf_counter) at which the work queued on the device ends; always in the
-        # past on the synchronous device, which never queues (on the virtual clock it is the
-        # clock's).
-        self._busy_until = 0.0
+        # The device's one queue (None: the synchronous device, which never queues): the
+        # rank's virtual clock, or a timeline on the wall clock (the asynchronous device).
+        self.timeline: VirtualTime | None = (
+            virtual if virtual is not None else None if synchronous else WallTime())
         self.clock = DeviceClock()
 
     @classmethod
@@ -230,20 +229,31 @@ class TimedBackend:
     def device_clock(self) -> str:
         """Which device this is: ``virtual`` (ops on the rank's virtual clock), ``async`` (ops
         queued on the wall clock) or ``sync`` (every op slept at its call)."""
-        if self.synchronous:
+        if self.timeline is None:
             return "sync"
-        return "async" if self.virtual is None else "virtual"
+        return "async" if isinstance(self.timeline, WallTime) else "virtual"
+
+    @property
+    def synchronous(self) -> bool:
+        """Every op sleeps at its call (no queue)."""
+        return self.timeline is None
+
+    @property
+    def virtual(self) -> VirtualTime | None:
+        """The rank's virtual clock (``None`` on the wall-clock devices)."""
+        return None if isinstance(self.timeline, WallTime) else self.timeline
 
     @property
     def busy_until(self) -> float:
-        """When the work queued on the device ends (``time.perf_counter``, the same clock as
-        ``time.monotonic`` on Linux; on the virtual clock, its virtual time)."""
-        return self.virtual.busy_until if self.virtual is not None else self._busy_until
+        """When the work queued on the device ends (``time.monotonic`` seconds, the clock of
+        ``time.perf_counter`` on Linux; on the virtual clock its virtual time; 0 on the
+        synchronous device, which never queues)."""
+        return self.timeline.busy_until if self.timeline is not None else 0.0
 
     def virtual_now(self) -> float:
         """The time the host has reached: on the virtual clock ``max(host_t, busy_until)``
         (a call's virtual end once it synchronised), else the wall clock's now."""
-        return self.virtual.now() if self.virtual is not None else time.perf_counter()
+        return self.timeline.now() if self.timeline is not None else time.perf_counter()
 
     def synchronize(self) -> None:
         """The host waits until the device has run everything queued on it (a GPU's
@@ -252,16 +262,16 @@ class TimedBackend:
         device. On the virtual clock the host's time is then the device's end, and the call is
         over (:meth:`.VirtualTime.end_call`)."""
         self._drain()
-        if self.virtual is not None:
-            self.virtual.end_call()
+        if self.timeline is not None:
+            self.timeline.end_call()
 
     def before_post(self) -> None:
         """The executor is about to post a batch of messages: its sends may hold what the
         device's queued ops produce, and on a GPU the transfer (NCCL on a stream) starts only
         after the kernels before it, so the post waits for the device."""
         self._drain()
-        if self.virtual is not None:
-            self.virtual.synced()
+        if self.timeline is not None:
+            self.timeline.synced()
 
     def _drain(self) -> None:
         """Sleep until the device's queue ends on the wall clock. On the virtual clock too:
@@ -277,14 +287,12 @@ class TimedBackend:
     def _start(self) -> float:
         """When an op queued now starts on the device: when the device is free, or, if it is
         idle, now (the wall clock) or the host's virtual time (the virtual clock)."""
-        if self.virtual is not None:
-            return self.virtual.start()
-        return max(self._busy_until, time.perf_counter())
+        return self.timeline.start() if self.timeline is not None else time.perf_counter()
 
     def _post_time(self) -> float:
-        """When a batch posted now starts: the wall clock's now, or the virtual time at which
-        its data is ready."""
-        return self.virtual.ready() if self.virtual is not None else time.perf_counter()
+        """When a batch posted now starts: when its data is ready (after the host synced with
+        the device before posting: the wall clock's now, or the virtual time)."""
+        return self.timeline.ready() if self.timeline is not None else time.perf_counter()
 
     def _contended_s(self, at: float | None = None) -> list[float]:
         """Wall seconds from ``at`` (default now; an op's start on the device) during which
@@ -339,12 +347,8 @@ class TimedBackend:
     def _wait(self, device_s: float, tile: bool) -> None:
         """Run an op of ``device_s`` on the device: queued after what it holds (the host goes
         on at once), or, on the synchronous device, slept through here."""
-        if self.virtual is not None:
-            self.virtual.queue(device_s * self.dilation)
-            self.clock.add(device_s, 0.0, tile)
-            return
-        if not self.synchronous:
-            self._busy_until = self._start() + device_s * self.dilation
+        if self.timeline is not None:
+            self.timeline.queue(device_s * self.dilation)
             self.clock.add(device_s, 0.0, tile)
             return
         t0 = time.perf_counter()

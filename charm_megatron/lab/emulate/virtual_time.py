@@ -29,6 +29,9 @@ memory probe or a tuning warm-up then do not book their messages seconds in the 
 The object is one per rank and shared by everything that rank's device and links do (the
 bench's ranks hold two timed devices, ours and TransformerEngine's kernel curve: one GPU, one
 timeline). Thread-safe: the executor's waits may run on other threads.
+
+:class:`WallTime` is the same device timeline with the host's time always the wall clock's now:
+the asynchronous device of ``--device-clock async`` (a late host starts what it queues late).
 """
 
 from __future__ import annotations
@@ -114,3 +117,19 @@ class VirtualTime:
     def lag(self) -> float:
         """How far the virtual clock trails the wall clock now (seconds, >= 0 when causal)."""
         return time.monotonic() - self.ready()
+
+
+class WallTime(VirtualTime):
+    """The asynchronous device's timeline (``--device-clock async``, and the timed device's
+    without a virtual clock): ops queue as on :class:`VirtualTime`, but the host's time is
+    always the wall clock's now (``time.perf_counter``, the same clock as ``time.monotonic``
+    on Linux), so a host that runs late starts what it queues late; arrivals and
+    synchronisations it reports are already behind that now."""
+
+    def _anchor(self) -> None:
+        self._idle = False  # caller holds the lock
+        self.host_t = max(self.host_t, time.perf_counter())
+
+    def now(self) -> float:
+        """The wall clock's now: the host's time is never modelled here."""
+        return time.perf_counter()
