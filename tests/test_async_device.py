@@ -99,6 +99,32 @@ def test_contention_counts_from_the_ops_start_on_the_device(monkeypatch):
     assert dev._slowed(1.0) == pytest.approx(0.5 + (1.0 - 0.5 / slow))
 
 
+class _Booked:
+    """A link handle whose arrival the software links have booked (``None``: not yet)."""
+
+    def __init__(self, deadline):
+        self.deadline = deadline
+
+
+def test_contention_lasts_until_the_links_booked_arrival(monkeypatch):
+    """A transfer that queues behind others on a shared link moves longer than alone: once
+    the links have booked its arrival the slowdown lasts until then (the model counts a
+    queued message as moving), and until they have, the alone-time estimate holds."""
+    now = [100.0]
+    monkeypatch.setattr("charm_megatron.lab.emulate.device.time.perf_counter", lambda: now[0])
+    links = LinkClock(0, ((0,), (1,)), intra_Bps=1e12, cross_Bps=1e9)
+    slow = 1.0 + H200.comm_slowdown
+    dev = TimedBackend(H200, links=links, sleep=lambda s: None)
+    late, unknown = _Booked(102.0), _Booked(None)
+    dev.posted(3, [(1, 500_000_000)], works=[(1, late)])  # alone 0.5 s, booked 2 s
+    assert dev._slowed(1.0) == pytest.approx(slow)  # slowed all through, not 0.5 s of it
+    dev.waited(3)
+    dev.posted(4, [(1, 500_000_000)], works=[(1, unknown)])  # not booked: 0.5 s alone
+    assert dev._slowed(1.0) == pytest.approx(0.5 + (1.0 - 0.5 / slow))
+    unknown.deadline = 100.25  # booked sooner than alone would take: its own arrival
+    assert dev._slowed(1.0) == pytest.approx(0.25 + (1.0 - 0.25 / slow))
+
+
 def test_a_ranks_posts_wait_for_its_device_and_a_call_for_its_device_work():
     """Two gloo ranks, ring forward and backward on the asynchronous timed device: no batch
     with sends is posted before the device has run the ops queued before it (the backward's

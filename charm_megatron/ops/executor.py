@@ -462,12 +462,14 @@ class Executor(OpInterpreter[None]):
         ranks = self.streams.ranks
         p2p: list[P2P] = []
         keep: list[torch.Tensor] = []
+        peer_of: list[int] = []  # each transfer's CP peer (a timed device's contention)
         for x in op.sends:
             tensors = self._to_wire(x.kind, self._view(x.loc, x.half))
             for t in tensors:
                 t = t if t.is_contiguous() else t.contiguous()
                 keep.append(t)
                 p2p.append(P2P(True, t, ranks[x.peer], group))
+                peer_of.append(x.peer)
         for x in op.recvs:
             joint = self._joint.receive(self._i, x.loc, lambda h: _n_rows(h, self.shape.s),
                                         lambda n: self._alloc(Kind.KV, True, n=n))
@@ -483,6 +485,7 @@ class Executor(OpInterpreter[None]):
                     # zeros): the ablated timing must not depend on stale bytes.
                     t.zero_()
                 p2p.append(P2P(False, t, ranks[x.peer], group))
+                peer_of.append(x.peer)
         if not self.comm:
             p2p = []  # only timing is meaningful in an ablated run
         peers = sorted({ranks[x.peer] for x in (*op.sends, *op.recvs)})
@@ -497,7 +500,8 @@ class Executor(OpInterpreter[None]):
         if self._posted is not None and works:
             self._posted(op.handle, [(x.peer, sum(t.numel() * t.element_size()
                                                   for t in self._view(x.loc, x.half)))
-                                     for x in (*op.sends, *op.recvs)], op.stream)
+                                     for x in (*op.sends, *op.recvs)], op.stream,
+                         works=list(zip(peer_of, works)))
 
     def synchronize(self) -> None:
         """The host waits for the work this rank's device still has queued (a timed device's;
@@ -535,7 +539,7 @@ class Executor(OpInterpreter[None]):
         self.pending[handle] = (works, [t for _, t in sends], stream, peers)
         if self._posted is not None and works:
             self._posted(handle, [(p, t.numel() * t.element_size()) for p, t in (*sends, *recvs)],
-                         stream)
+                         stream, works=list(zip([p for p, _ in (*sends, *recvs)], works)))
         self._wait(handle)
 
     def _wait(self, handle: int) -> None:

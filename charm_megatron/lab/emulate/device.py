@@ -49,9 +49,10 @@ op starts no earlier than its call. docs/emulator.md has the whole method.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -112,6 +113,24 @@ class LinkClock:
         return self.latency_s + nbytes / rate
 
 
+@dataclass(frozen=True)
+class _Moving:
+    """A posted batch whose bytes may still move: until ``estimate`` (its longest message
+    alone on its links), or, once the links have booked every transfer of it (``works``:
+    handles with a ``deadline``, the software links'), until the last arrival."""
+
+    estimate: float
+    stream: object
+    works: tuple[object, ...] = ()
+
+    def end(self) -> float:
+        known = [getattr(w, "deadline", None) for w in self.works]
+        known = [d for d in known if d is not None and not math.isnan(d)]
+        if self.works and len(known) == len(self.works):
+            return max(known)
+        return max([self.estimate, *known])
+
+
 @dataclass
 class DeviceClock:
     """What a timed device has run and the host has waited for it, in device seconds (wall
@@ -170,9 +189,9 @@ class TimedBackend:
         self.sm_contention = sm_contention
         self._sleep = sleep
         self.links = links
-        # handle -> (wall time until which its transfer is expected to move, its stream):
-        # the slowdown counts the streams with something still moving (contention)
-        self._moving: dict[int, tuple[float, object]] = {}
+        # handle -> its transfers that may still move, on which stream: the slowdown counts
+        # the streams with something still moving (contention)
+        self._moving: dict[int, _Moving] = {}
         if synchronous and virtual is not None:
             raise ValueError("the synchronous device sleeps every op at its call: it has no "
                              "virtual clock")
@@ -204,21 +223,26 @@ class TimedBackend:
         return self.scale
 
     def posted(self, handle: int, messages: list[tuple[int, int]],
-               stream: object = None) -> None:
+               stream: object = None, works: Sequence[tuple[int, object]] = ()) -> None:
         """The executor posted batch ``handle`` on ``stream`` (its communicator; ``None``: one
-        unnamed stream): ``(peer, wire bytes)`` per message. Its bytes move, by the device's
-        links (:class:`LinkClock`), for the longest message's real time: the span during which
-        this rank's compute is slowed (``comm_slowdown`` for this stream; only its cross
-        messages count with ``comm_slowdown_links="cross"``)."""
+        unnamed stream): ``(peer, wire bytes)`` per message, and ``(peer, handle)`` per
+        transfer it posted. Its bytes move until its last message arrives: the span during
+        which this rank's compute is slowed (``comm_slowdown`` for this stream; only its
+        cross messages count with ``comm_slowdown_links="cross"``). The software links know
+        each arrival once both sides have posted (a handle's ``deadline``: the message's
+        queueing behind others on a shared link included, as the model counts it); until
+        then the device's links (:class:`LinkClock`) give the longest message's time alone."""
         if self.links is None or not (self.sm_contention and self.cluster.comm_slowdown):
             return
         if self.cluster.comm_slowdown_links == "cross":  # intra copies hold no SMs here
             messages = [(p, b) for p, b in messages if self.links.crosses(p)]
+            works = [(p, w) for p, w in works if self.links.crosses(p)]
             if not messages:
                 return
         seconds = max((self.links.seconds(peer, nbytes * self.scale.bytes)
                        for peer, nbytes in messages), default=0.0)
-        self._moving[handle] = (self._post_time() + seconds * self.dilation, stream)
+        self._moving[handle] = _Moving(self._post_time() + seconds * self.dilation, stream,
+                                       tuple(w for _, w in works))
 
     def waited(self, handle: int) -> None:
         """Batch ``handle`` completed: whatever it moved has arrived by now."""
@@ -300,11 +324,12 @@ class TimedBackend:
         transfer's end)."""
         at = self._post_time() if at is None else at
         # An op queued later starts no earlier than ``at``: what ends by then never counts.
-        for h in [h for h, (end, _) in self._moving.items() if end <= at]:
+        ends_of = {h: m.end() for h, m in self._moving.items()}
+        for h in [h for h, end in ends_of.items() if end <= at]:
             del self._moving[h]
         ends: dict[object, float] = {}
-        for end, stream in self._moving.values():
-            ends[stream] = max(ends.get(stream, at), end)
+        for h, m in self._moving.items():
+            ends[m.stream] = max(ends.get(m.stream, at), ends_of[h])
         return [end - at for end in ends.values()]
 
     # -- device time ------------------------------------------------------------------------
