@@ -91,11 +91,10 @@ class _Buf:
 
 
 def _rows(half: Half, s: int) -> slice:
-    """Where rows ``half`` of an ``s``-row block are: the first ``s // 2``, then the rest
-    (an odd block's SECOND half is one row longer; ``plan/tile_rule.py`` splits alike)."""
-    if half is Half.FULL:
-        return slice(0, s)
-    return slice(0, s // 2) if half is Half.FIRST else slice(s // 2, s)
+    """Where rows ``half`` of an ``s``-row block are (:meth:`Half.span`: a half is the first
+    ``s // 2`` rows or the rest, a quarter its half's cut alike; an odd part's second piece
+    is one row longer; ``plan/tile_rule.py`` splits alike)."""
+    return slice(*half.span(s))
 
 
 def _n_rows(half: Half, s: int) -> int:
@@ -184,14 +183,17 @@ class Executor(OpInterpreter[None]):
         return self._life.rows.get((self._i, loc), Half.FULL)
 
     def _acc_rows(self, buf: _Buf, half: Half) -> slice:
-        """Where rows ``half`` of a block are in ``buf`` (which may hold only some rows)."""
+        """Where rows ``half`` of a block are in ``buf`` (which may hold only some rows: a
+        half, or a quarter; ``half`` must lie inside them)."""
         s = self.shape.s
         if buf.held is Half.FULL:
             return _rows(half, s)
-        if half is not buf.held:
+        if not buf.held.covers(half):
             raise RuntimeError(f"{self.what}: a buffer holding rows {buf.held} is asked for rows "
                                f"{half} (the plan's lifetimes are wrong)")
-        return slice(0, _n_rows(half, s))
+        base = buf.held.span(s)[0]
+        lo, hi = half.span(s)
+        return slice(lo - base, hi - base)
 
     def _torch_dtype(self, dtype: Dtype) -> torch.dtype:
         # Accumulators and stats: fp32, or float64 for float64 inputs (float64 end to end).

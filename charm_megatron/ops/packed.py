@@ -80,31 +80,37 @@ class THDLayout:
     def doc_rows(self, owner: int, half: Half) -> list[list[int]]:
         """Per document, the real rows of ``owner``'s block in the view of rows ``half``
         (internal order), in position order."""
-        halves = (0, 1) if half is Half.FULL else ((0,) if half is Half.FIRST else (1,))
-        offsets = [0]
-        for c in self.chunks:
-            offsets.append(offsets[-1] + c)
-        rows: list[list[int]] = []
-        for i in range(len(self.chunks)):
-            doc: list[int] = []
-            for h in halves:
-                chunk = self.chunk_of(owner, h)
-                base = offsets[i] + (self.half_rows if (h == 1 and half is Half.FULL) else 0)
-                doc.extend(range(base, base + self.real_in_chunk(i, chunk)))
-            rows.append(doc)
-        return rows
+        return [[r for r, _ in doc] for doc in self._doc_rows_positions(owner, half)]
 
     def doc_positions(self, owner: int, half: Half) -> list[list[int]]:
         """Per document, the positions *within the document* of :meth:`doc_rows`' rows (what a
         sliding window is measured in on packed sequences)."""
+        return [[p for _, p in doc] for doc in self._doc_rows_positions(owner, half)]
+
+    def _doc_rows_positions(self, owner: int, half: Half) -> list[list[tuple[int, int]]]:
+        """Per document, (row in the view of rows ``half``, position in the document) of the
+        real rows of ``owner``'s block. A half is one chunk of every document; a quarter is a
+        contiguous range of its half's internal rows (:meth:`Half.span`), which cuts across
+        documents: its rows are the half's rows inside that range, counted from its start."""
+        parent = half.parent
+        if parent is not None and parent is not Half.FULL:  # a quarter: cut its half's rows
+            lo, hi = half.span(self.t_local)
+            base = parent.span(self.t_local)[0]
+            lo, hi = lo - base, hi - base
+            return [[(r - lo, p) for r, p in doc if lo <= r < hi]
+                    for doc in self._doc_rows_positions(owner, parent)]
         halves = (0, 1) if half is Half.FULL else ((0,) if half is Half.FIRST else (1,))
-        out: list[list[int]] = []
+        offsets = [0]
+        for c in self.chunks:
+            offsets.append(offsets[-1] + c)
+        out: list[list[tuple[int, int]]] = []
         for i, c in enumerate(self.chunks):
-            pos: list[int] = []
+            doc: list[tuple[int, int]] = []
             for h in halves:
                 chunk = self.chunk_of(owner, h)
-                pos.extend(range(chunk * c, chunk * c + self.real_in_chunk(i, chunk)))
-            out.append(pos)
+                base = offsets[i] + (self.half_rows if (h == 1 and half is Half.FULL) else 0)
+                doc.extend((base + t, chunk * c + t) for t in range(self.real_in_chunk(i, chunk)))
+            out.append(doc)
         return out
 
     def lanes(self, a: int) -> THDLayout:

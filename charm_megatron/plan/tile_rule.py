@@ -50,7 +50,15 @@ class WindowGeometry:
     group: int = 1
 
     def start(self, owner: int, half: Half) -> int:
-        """First global position of half ``half`` (FIRST or SECOND) of ``owner``'s block."""
+        """First global position of rows ``half`` (a half or a quarter, not FULL) of
+        ``owner``'s block: a half is one chunk; a quarter lies in its half's chunk, as many
+        rows in as :meth:`Half.span` puts it."""
+        parent = half.parent
+        if parent is None:
+            raise ValueError("the start of a whole block's rows: ask for each half's")
+        if parent is not Half.FULL:  # a quarter, inside its half's chunk
+            return self.start(owner, parent) + half.span(self.rows)[0] - \
+                parent.span(self.rows)[0]
         c = self.rows // 2
         block, blocks = owner // self.group, self.n // self.group
         if self.causal:
@@ -62,8 +70,10 @@ class WindowGeometry:
         return (q_owner - kv_owner) % self.group == 0
 
     def size(self, half: Half) -> int:
-        """Rows of half ``half`` (the executor's split: the first ``rows // 2``, the rest)."""
-        return self.rows // 2 if half is Half.FIRST else self.rows - self.rows // 2
+        """Rows of ``half`` (the executor's split, :meth:`Half.span`: the first
+        ``rows // 2``, the rest; a quarter its half's cut alike)."""
+        lo, hi = half.span(self.rows)
+        return hi - lo
 
     def bounds(self, causal_tile: bool) -> tuple[float, float]:
         """The kept ``query - key`` differences ``[lo, hi]``: the window's, and ``>= 0``

@@ -9,11 +9,13 @@ named function or method below:
   needs, and at the end each rank's output (forward) or dq and dkv (backward) hold exactly the
   tiles of the full attention; a super-tile (one kernel call over several kv blocks) counts
   as exactly its member tiles, and its shape is checked (:func:`super_tile_refusal`). An unmasked tile that needs all rows of one side may instead
-  be computed as its two *half sub-tiles* along that side (:func:`sub_tiles`): kv rows 1st
-  and 2nd with the tile's q rows (a split visiting pass of pass-kv), or q rows 1st and 2nd
-  with its kv rows (a split counterpart pass of pass-q). Then both must be computed exactly
-  once, never with the whole tile or a crossing sub-tile of the other side, and a result
-  holds the tile when it holds both (every (q row, kv row) pair still counted exactly once);
+  be computed as the *sub-tiles* of one partition of that side (:func:`sub_tiles`): its two
+  halves or its four quarters, e.g. kv rows 1st and 2nd with the tile's q rows (a split
+  visiting pass of pass-kv; kv quarters where it crosses in four pieces), or q rows 1st and
+  2nd with its kv rows (a split counterpart pass of pass-q). Then every piece must be
+  computed exactly once, never with the whole tile, a piece of the side's other partition,
+  or a crossing sub-tile of the other side, and a result holds the tile when it holds all
+  pieces of one partition (every (q row, kv row) pair still counted exactly once);
 * **buffer hazards** (:meth:`_SymbolicRun.read`, :meth:`~_SymbolicRun.check_no_transfer`,
   :meth:`~_SymbolicRun.check_partial_send`, :meth:`~_SymbolicRun.free`): every op reads data
   that is present and complete (a receive is waited before use, a tile's rows are inside the
@@ -91,7 +93,8 @@ class PlanStats:
 
     critical_path: int  # longest chain of data-dependent messages
     messages: list[int]  # messages sent per rank
-    tiles: list[float]  # tile work per rank, in tiles (a half sub-tile counts one half)
+    tiles: list[float]  # tile work per rank, in tiles (a half sub-tile counts one half,
+    # a quarter one quarter)
 
 
 def validate(plan: Plan) -> PlanStats:
@@ -101,14 +104,18 @@ def validate(plan: Plan) -> PlanStats:
     check_all_completed(run)
     check_tiles_once(plan, run.tile_count)
     check_results(plan, run.state)
-    # In halves internally; whole numbers print as before.
-    tiles = [h // 2 if h % 2 == 0 else h / 2 for h in run.halves_done]
+    # In quarters internally; whole numbers print as before.
+    tiles = [w // 4 if w % 4 == 0 else w / 4 for w in run.work_done]
     return PlanStats(run.max_depth, run.messages, tiles)
 
 
-def _halves(h: Half) -> tuple[Half, ...]:
-    """The row halves a tile that needs rows ``h`` may be cut into (none if it needs one)."""
-    return (Half.FIRST, Half.SECOND) if h is Half.FULL else ()
+def _partitions(h: Half) -> tuple[tuple[Half, ...], ...]:
+    """The ways a tile that needs rows ``h`` of a side may cut that side: a whole side into
+    its two halves or its four quarters, a half into its two quarters (a tile that a window
+    narrowed to one half of a side cut in quarters); none for a quarter."""
+    if h is Half.FULL:
+        return Half.pieces(2), Half.pieces(4)
+    return tuple(p for p in (Half.pieces(4)[:2], Half.pieces(4)[2:]) if p[0].parent is h)
 
 
 def _overlap(a: Half, b: Half) -> bool:
@@ -116,37 +123,38 @@ def _overlap(a: Half, b: Half) -> bool:
 
 
 @functools.lru_cache(maxsize=4096)  # pure functions of a tile, asked at every tile op
-def sub_tiles(want: TileSpec) -> tuple[tuple[TileSpec, TileSpec], ...]:
-    """The ways tile ``want`` may be computed as two half sub-tiles: along each side (q or
-    kv) whose rows it needs whole, the pair (1st half, 2nd half) of that side, the other side
-    as the tile's. None for a masked tile (its halves are not two unmasked halves)."""
+def sub_tiles(want: TileSpec) -> tuple[tuple[TileSpec, ...], ...]:
+    """The ways tile ``want`` may be computed as sub-tiles: along each side (q or kv) whose
+    rows it needs whole, the pieces of one partition of that side (its two halves, or its
+    four quarters), in row order, the other side as the tile's. None for a masked tile (its
+    pieces are not unmasked tiles)."""
     if want.causal:
         return ()
-    out = []
-    q1 = [replace(want, q_half=h) for h in _halves(want.q_half)]
-    kv1 = [replace(want, kv_half=h) for h in _halves(want.kv_half)]
-    for pair in (q1, kv1):
-        if pair:
-            out.append((pair[0], pair[1]))
+    out = [tuple(replace(want, q_half=h) for h in part) for part in _partitions(want.q_half)]
+    out += [tuple(replace(want, kv_half=h) for h in part) for part in _partitions(want.kv_half)]
     return tuple(out)
 
 
 @functools.lru_cache(maxsize=4096)
 def _variants(want: TileSpec) -> tuple[TileSpec, ...]:
     """The specs a plan may compute of the tile ``want`` of a block pair: the tile, or one of
-    its half sub-tiles (:func:`sub_tiles`)."""
-    return (want,) + tuple(t for pair in sub_tiles(want) for t in pair)
+    its sub-tiles (:func:`sub_tiles`)."""
+    return (want,) + tuple(t for part in sub_tiles(want) for t in part)
 
 
 def _is_sub_tile(s: TileSpec, want: TileSpec) -> bool:
-    """``s`` is one half sub-tile of the tile ``want`` (along q or kv)."""
+    """``s`` is one sub-tile of the tile ``want`` (a piece of q or of kv)."""
     return s != want and s in _variants(want)
 
 
-def _sibling(t: TileSpec, want: TileSpec) -> TileSpec:
-    """The other half sub-tile of sub-tile ``t``'s pair."""
-    pair = next(p for p in sub_tiles(want) if t in p)
-    return pair[1] if t == pair[0] else pair[0]
+def _partition_of(t: TileSpec, want: TileSpec) -> tuple[TileSpec, ...]:
+    """The sub-tiles of the partition sub-tile ``t`` is a piece of (each piece is in one)."""
+    return next(part for part in sub_tiles(want) if t in part)
+
+
+def _work(t: TileSpec, want: TileSpec) -> int:
+    """Tile work of ``t`` in quarters of the tile ``want`` (a half sub-tile: 2, a quarter: 1)."""
+    return 4 if t == want else 4 // len(_partition_of(t, want))
 
 
 def _rivals(t: TileSpec, want: TileSpec) -> tuple[TileSpec, ...]:
@@ -169,13 +177,14 @@ def _as_rule(rule: TileRule | bool, tiles) -> TileRule:
 
 def covered(tiles: frozenset[TileSpec] | set[TileSpec], rule: TileRule | bool) -> set[TileSpec]:
     """The whole tiles in ``tiles`` (``rule``: the call's :class:`TileRule`, or ``causal``
-    for the full attention's): a tile, or both sub-tiles of one pair; a lone sub-tile stays
-    as it is (and so matches no tile the rule needs)."""
+    for the full attention's): a tile, or every sub-tile of one partition; a sub-tile whose
+    partition is incomplete stays as it is (and so matches no tile the rule needs)."""
     rule = _as_rule(rule, tiles)
     out = set()
     for t in tiles:
         want = rule.want(t.q_owner, t.kv_owner)
-        if want is not None and _is_sub_tile(t, want) and _sibling(t, want) in tiles:
+        if want is not None and _is_sub_tile(t, want) and all(
+                u in tiles for u in _partition_of(t, want)):
             out.add(want)
         else:
             out.add(t)
@@ -207,7 +216,7 @@ class _SymbolicRun(OpInterpreter[bool]):
         # (q owner, kv owner) -> the spec of each tile (or sub-tile) computed for it
         self.tile_count: dict[tuple[int, int], list[TileSpec]] = defaultdict(list)
         self.messages = [0] * n
-        self.halves_done = [0] * n  # tile work per rank, in half sub-tiles
+        self.work_done = [0] * n  # tile work per rank, in quarters of a tile
         self.max_depth = 0
         self.r = 0  # the rank whose op is being interpreted
         try:  # the executor's buffer lifetimes, replayed (frees, accumulator rows)
@@ -313,7 +322,7 @@ class _SymbolicRun(OpInterpreter[bool]):
 
     # ------------------------------------------------------------------ tiles
     def check_tile_halves(self, s: TileSpec) -> TileSpec:
-        """``s`` is the tile its pair needs, or a half sub-tile of it; returns that tile."""
+        """``s`` is the tile its pair needs, or a sub-tile of it; returns that tile."""
         want = self.rule.want(s.q_owner, s.kv_owner)
         if want is None:
             self.fail(f"tile {_tile_name(s)} is computed but the call needs none of its pairs "
@@ -330,7 +339,7 @@ class _SymbolicRun(OpInterpreter[bool]):
         qc = self.read(op.q_loc, self.plan.direction.query, s.q_owner, s.q_half)
         kc = self.read(op.kv_loc, Kind.KV, s.kv_owner, s.kv_half)
         self.tile_count[(s.q_owner, s.kv_owner)].append(s)
-        self.halves_done[self.r] += 1 if _is_sub_tile(s, want) else 2
+        self.work_done[self.r] += _work(s, want)
         return max(qc.depth, kc.depth)
 
     def _result(self, loc: Loc, fresh: bool, kind: Kind, owner: int, half: Half,
@@ -483,20 +492,23 @@ def check_all_completed(run: _SymbolicRun) -> None:
 
 
 def check_tiles_once(plan: Plan, tile_count: dict[tuple[int, int], list[TileSpec]]) -> None:
-    """Each tile computed once: whole, or as the two half sub-tiles of one side, each once."""
+    """Each tile computed once: whole, or as the pieces of one partition of one side (two
+    halves, or four quarters), each once."""
     rule = plan.rule
     for (i, j), specs in tile_count.items():
         want = rule.want(i, j)
         if specs == [want]:
             continue
-        if any(sorted(specs, key=_order) == list(pair) for pair in sub_tiles(want)):
+        if any(sorted(specs, key=_order) == list(part) for part in sub_tiles(want)):
             continue
         raise PlanError(f"{plan.algo} {plan.direction}: tile ({i}, {j}) computed "
                         f"{len(specs)} times (rows {', '.join(map(_rows_name, specs))})")
 
 
-def _order(t: TileSpec) -> tuple[str, str]:
-    return t.q_half.value, t.kv_half.value  # "first" < "full" < "second": a pair sorts 1st, 2nd
+def _order(t: TileSpec) -> tuple[float, float, float, float]:
+    """Sub-tiles in row order (a partition's pieces sort as :func:`sub_tiles` lists them)."""
+    return (t.q_half.start_fraction, t.q_half.fraction, t.kv_half.start_fraction,
+            t.kv_half.fraction)
 
 
 def _rows_name(t: TileSpec) -> str:

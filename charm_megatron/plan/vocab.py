@@ -59,11 +59,14 @@ class Kind(_Named):
 
 
 class Stream(_Named):
-    """The communicator a batch is posted on (one process group each, so they overlap)."""
+    """The communicator a batch is posted on (one process group each, so they overlap).
+    ``home``: the dK, dV pieces a split visiting pass sends home (so a return does not queue
+    behind the round's later pieces still crossing on ``cross``)."""
 
     KV = "kv"
     Q = "q"
     CROSS = "cross"
+    HOME = "home"
 
 
 class Role(_Named):
@@ -110,12 +113,14 @@ class RoleMix(_Named):
 
 
 class SplitMode(_Named):
-    """Whether a CHARM+ block crosses in two row halves: ``on``, ``off``, or ``auto`` (the
-    performance model's per-direction pick; off where no model times the plans)."""
+    """Whether a CHARM+ block crosses in row pieces: ``on`` (two halves), ``quarters`` (four
+    quarters; visiting kv only), ``off``, or ``auto`` (the performance model's per-direction
+    pick; off where no model times the plans)."""
 
     AUTO = "auto"
     OFF = "off"
     ON = "on"
+    QUARTERS = "quarters"
 
 
 class SuperTileMode(_Named):
@@ -152,25 +157,94 @@ class HeadParallel(_Named):
 
 
 class Half(enum.Enum):
-    """Rows of a block: all, the first half, or the second half (Megatron's two chunks)."""
+    """Rows of a block: all, the first half, the second half (Megatron's two chunks), or a
+    quarter: each half's first or second half (a visiting kv block crossing in four pieces,
+    docs/algorithm.md, *Visiting kv in pieces*).
+
+    Rows nest exactly: a half is its block's rows cut at ``s // 2`` (:meth:`span`), a quarter
+    its half's rows cut the same way, so quarters 1 and 2 are the first half's rows and 3 and
+    4 the second's, for any row count (an odd part's second piece is one row longer)."""
 
     FULL = "full"
     FIRST = "first"
     SECOND = "second"
+    Q1 = "quarter1"
+    Q2 = "quarter2"
+    Q3 = "quarter3"
+    Q4 = "quarter4"
+
+    @property
+    def parent(self) -> Half | None:
+        """The rows this piece is one half of (``None`` for FULL)."""
+        return _PARENT.get(self)
 
     def union(self, other: Half) -> Half:
-        return self if self is other else Half.FULL
+        """The smallest rows that hold both: their closest common enclosing rows (quarters of
+        different halves: FULL, a safe over-approximation for every caller, which sizes
+        buffers and messages with it)."""
+        mine = self._chain()
+        for h in other._chain():
+            if h in mine:
+                return h
+        return Half.FULL
 
     def covers(self, other: Half) -> bool:
         """True if these rows include ``other``'s rows."""
-        return self is Half.FULL or self is other
+        return self in other._chain()
+
+    def _chain(self) -> tuple[Half, ...]:
+        """These rows and every rows that enclose them, innermost first."""
+        return _CHAIN[self]
 
     @property
     def fraction(self) -> float:
-        return 1.0 if self is Half.FULL else 0.5
+        """The share of the block's rows (exact for even row counts)."""
+        return _FRACTION[self]
+
+    @property
+    def start_fraction(self) -> float:
+        """Where these rows start, as a share of the block's rows (orders pieces)."""
+        return _START[self]
+
+    def span(self, s: int) -> tuple[int, int]:
+        """``(start, stop)`` of these rows in an ``s``-row block: a piece is the first
+        ``len // 2`` or the rest of its parent's rows (the executor's, the windows' and the
+        packed layout's one rule)."""
+        parent = self.parent
+        if parent is None:
+            return 0, s
+        lo, hi = parent.span(s)
+        mid = lo + (hi - lo) // 2
+        return (lo, mid) if self in (Half.FIRST, Half.Q1, Half.Q3) else (mid, hi)
+
+    @staticmethod
+    def pieces(n: int) -> tuple[Half, ...]:
+        """A block's rows in ``n`` pieces, in row order: 1 (FULL), 2 (the halves) or 4 (the
+        quarters)."""
+        if n not in _PIECES:
+            raise ValueError(f"a block's rows are cut in 1, 2 or 4 pieces, not {n}")
+        return _PIECES[n]
 
     def __str__(self) -> str:  # short form for printouts
-        return {"full": "all", "first": "1st", "second": "2nd"}[self.value]
+        return _SHORT[self]
+
+
+_PARENT = {Half.FIRST: Half.FULL, Half.SECOND: Half.FULL, Half.Q1: Half.FIRST,
+           Half.Q2: Half.FIRST, Half.Q3: Half.SECOND, Half.Q4: Half.SECOND}
+_CHAIN: dict[Half, tuple[Half, ...]] = {}
+for _h in Half:
+    _c, _p = [_h], _PARENT.get(_h)
+    while _p is not None:
+        _c.append(_p)
+        _p = _PARENT.get(_p)
+    _CHAIN[_h] = tuple(_c)
+_FRACTION = {h: 0.5 ** (len(_CHAIN[h]) - 1) for h in Half}
+_START = {Half.FULL: 0.0, Half.FIRST: 0.0, Half.SECOND: 0.5, Half.Q1: 0.0, Half.Q2: 0.25,
+          Half.Q3: 0.5, Half.Q4: 0.75}
+_PIECES = {1: (Half.FULL,), 2: (Half.FIRST, Half.SECOND),
+           4: (Half.Q1, Half.Q2, Half.Q3, Half.Q4)}
+_SHORT = {Half.FULL: "all", Half.FIRST: "1st", Half.SECOND: "2nd", Half.Q1: "1/4",
+          Half.Q2: "2/4", Half.Q3: "3/4", Half.Q4: "4/4"}
 
 
 # ------------------------------------------------------------------------------ block table
