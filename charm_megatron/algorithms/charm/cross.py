@@ -5,12 +5,12 @@ same local index). Per round the pair picks a role (:func:`cross_roles`): pass-q
 the counterpart's q block visits our group and its partial goes home,
 :mod:`charm_megatron.algorithms.charm.pass_q`) or pass-kv (our kv block visits theirs and,
 backward, its dK, dV come home, :mod:`charm_megatron.algorithms.charm.pass_kv`). Both post the
-visiting block, whole or as two row halves (:func:`post_cross_halves`), and send a partial
-home the same way (:func:`home`), at most one pass's return in flight
-(:func:`keep_one_return`).
+visiting block, whole or in row pieces (two halves, or four quarters for pass-kv,
+:func:`post_cross_pieces`), and send a partial home the same way (:func:`home`), at most one
+pass's return in flight (:func:`keep_one_return`).
 
 Functions over :class:`~charm_megatron.algorithms.charm.state.RankState` (its ``cross_in``,
-``cross_in2``, ``trailing`` and ``going_home``).
+``cross_rest``, ``trailing`` and ``going_home``).
 
 Plan layer: no torch.
 """
@@ -26,28 +26,32 @@ from charm_megatron.plan.program import Return
 from charm_megatron.plan.roles import Decision, choose, row_bytes
 from charm_megatron.plan.vocab import Role
 
-__all__ = ["CrossReturn", "cross_roles", "home", "keep_one_return", "post_cross_halves"]
+__all__ = ["CrossReturn", "cross_roles", "home", "keep_one_return", "post_cross_pieces"]
 
-_CROSS_RET = Loc("cross.ret")  # our partial coming home from the counterpart
-_CROSS_RET2 = Loc("cross.retb")  # a split return's second message (pass-kv dkv, pass-q)
+# Our partial coming home from the counterpart: a whole return, or each piece of a split
+# one (pass-kv dkv, pass-q) in a location of its own (the names of the two-halves plans kept).
+_CROSS_RETS = (Loc("cross.ret"), Loc("cross.retb"), Loc("cross.retc"), Loc("cross.retd"))
 
 
 @dataclass(frozen=True)
 class CrossReturn:
     """The partials of a cross round that go home to counterpart ``cp`` (pass-kv backward:
     its visiting block's dK, dV; pass-q: its q block's partial) and ours coming back, blocks
-    of ``kind`` merged into ``result``. ``accs``: where the partial accumulated (whole or 1st
-    half, 2nd half); ``rows``: the rows that go home and that come back (whole returns);
-    ``slot``: the return buffers' copy; ``split``: whether our pass of the round was split,
-    and whether the counterpart's was."""
+    of ``kind`` merged into ``result``. ``accs``: where the partial accumulated, one location
+    per piece (whole: one); ``rows``: the rows that go home and that come back (whole
+    returns); ``slot``: the return buffers' copy; ``pieces``: how many row pieces our pass of
+    the round ran in (1: whole), and the counterpart's; ``stream``: the communicator the
+    returns travel on (:data:`Stream.CROSS`, or :data:`Stream.HOME` so that a return does not
+    queue behind the round's later pieces still crossing on the cross stream)."""
 
     cp: int
     kind: Kind
     result: Loc
-    accs: tuple[Loc, Loc]
+    accs: tuple[Loc, ...]
     rows: tuple[Half, Half]
     slot: int
-    split: tuple[bool, bool]
+    pieces: tuple[int, int]
+    stream: Stream = Stream.CROSS
 
 
 def cross_roles(st: RankState) -> list[Role]:
@@ -79,62 +83,57 @@ def _cross_role(st: RankState, k: int) -> Role:
     return role
 
 
-def post_cross_halves(st: RankState, k: int, cp: int, src: Loc, kind: Kind,
-                      rx: tuple[Loc, Loc], rows: tuple[Half, Half],
-                      split: tuple[bool, bool]) -> None:
+def post_cross_pieces(st: RankState, k: int, cp: int, src: Loc, kind: Kind,
+                      rx: tuple[Loc, ...], rows: tuple[Half, Half],
+                      pieces: tuple[int, int]) -> None:
     """Post the cross exchange of round ``k`` with counterpart ``cp``: block ``kind`` from
     ``src`` out, the counterpart's into ``rx[0]``; ``rows``: the rows sent and received
-    (whole blocks). Where a side splits (``split``: whether the counterpart splits what we
-    send, whether we split what we receive), the first row half goes in this batch and the
-    second in one of its own right after (same stream, so it arrives second, into ``rx[1]``),
-    waited for only by the second sub-pass (``st.cross_in2[k]``); a send-only second half is
-    waited for at the end (``st.trailing``)."""
+    (whole blocks). ``pieces``: how many row pieces (1, 2 or 4, :meth:`Half.pieces`) the
+    counterpart cuts what we send into, and we what we receive. The first piece (or the
+    whole block) goes in this batch and each further one in a batch of its own right after
+    (same stream, so they arrive in row order, piece ``i`` into ``rx[i]``); the handles of
+    the further received pieces are waited for by the later sub-passes
+    (``st.cross_rest[k]``); a send-only batch is waited for at the end (``st.trailing``)."""
     r, slot = st.rank, k % 2
-    (send_rows, recv_rows), (out_split, in_split) = rows, split
+    (send_rows, recv_rows), (out_n, in_n) = rows, pieces
+    out_rows = Half.pieces(out_n) if out_n > 1 else (send_rows,)
+    in_rows = Half.pieces(in_n) if in_n > 1 else (recv_rows,)
     st.cross_in[k] = st.p.comm(
         Stream.CROSS,
-        sends=[Xfer(cp, src, kind, r, Half.FIRST if out_split else send_rows)],
-        recvs=[Xfer(cp, rx[0].at(slot), kind, cp, Half.FIRST if in_split else recv_rows)],
+        sends=[Xfer(cp, src, kind, r, out_rows[0])],
+        recvs=[Xfer(cp, rx[0].at(slot), kind, cp, in_rows[0])],
     )
-    if not (out_split or in_split):
-        return
-    h = st.p.comm(
-        Stream.CROSS,
-        sends=[Xfer(cp, src, kind, r, Half.SECOND)] if out_split else [],
-        recvs=[Xfer(cp, rx[1].at(slot), kind, cp, Half.SECOND)] if in_split else [],
-    )
-    if in_split:
-        st.cross_in2[k] = h
-    else:
-        st.trailing.append(h)
+    for i in range(1, max(out_n, in_n)):
+        h = st.p.comm(
+            Stream.CROSS,
+            sends=[Xfer(cp, src, kind, r, out_rows[i])] if i < out_n else [],
+            recvs=[Xfer(cp, rx[i].at(slot), kind, cp, in_rows[i])] if i < in_n else [],
+        )
+        if i < in_n:
+            st.cross_rest.setdefault(k, []).append(h)
+        else:
+            st.trailing.append(h)
 
 
-def home(st: RankState, ret: CrossReturn, first: bool) -> list[Return]:
-    """Post the partial ``ret`` that goes home and ours coming back. Where our pass was split
-    (the block came in halves) ours go in two batches, posted after each sub-pass
-    (``first``: the one after the first); where the counterpart's was, theirs come in two:
-    the first batch carries the first halves (or a whole return), the second the rest. Both
-    sides derive the same two batches, so the messages pair up in order."""
+def home(st: RankState, ret: CrossReturn, piece: int) -> list[Return]:
+    """Post the partial ``ret`` that goes home and ours coming back, after our sub-pass
+    ``piece`` (0 where our pass was whole). Where our pass ran in pieces, ours go one batch
+    per piece, each posted right after its sub-pass; where the counterpart's did, theirs
+    come one batch per piece. Batch ``i`` carries our piece ``i`` (or our whole return, in
+    the first) and their piece ``i`` (or theirs whole, in the first); the batches past our
+    last piece are posted with it. Both sides derive the same batches, on the same stream,
+    so the messages pair up in order."""
     cp, kind, accs, slot = ret.cp, ret.kind, ret.accs, ret.slot
-    mine, theirs = ret.split
+    mine, theirs = ret.pieces
     send_h, recv_h = ret.rows
-    if not (mine or theirs):  # one batch, both ways whole
-        loc = _CROSS_RET.at(slot)
-        h = st.p.comm(Stream.CROSS,
-                      sends=[Xfer(cp, accs[0], kind, cp, send_h)],
-                      recvs=[Xfer(cp, loc, kind, st.rank, recv_h)])
-        return [Return(-1, h, (Merge(ret.result, loc),))]
-    batches = []
-    if first:  # the first batch: first halves (or whole, where not split)
-        batches.append(([(accs[0], Half.FIRST if mine else send_h)],
-                        [(_CROSS_RET.at(slot), Half.FIRST if theirs else recv_h)]))
-    if not (first and mine):  # the second batch: what is left in halves
-        batches.append(([(accs[1], Half.SECOND)] if mine else [],
-                        [(_CROSS_RET2.at(slot), Half.SECOND)] if theirs else []))
+    send_rows = Half.pieces(mine) if mine > 1 else (send_h,)
+    recv_rows = Half.pieces(theirs) if theirs > 1 else (recv_h,)
+    last = max(mine, theirs) if piece == mine - 1 else piece + 1
     out = []
-    for sends, recvs in batches:
-        h = st.p.comm(Stream.CROSS,
-                      sends=[Xfer(cp, loc, kind, cp, hf) for loc, hf in sends],
+    for i in range(piece, last):
+        sends = [Xfer(cp, accs[i], kind, cp, send_rows[i])] if i < mine else []
+        recvs = [(_CROSS_RETS[i].at(slot), recv_rows[i])] if i < theirs else []
+        h = st.p.comm(ret.stream, sends=sends,
                       recvs=[Xfer(cp, loc, kind, st.rank, hf) for loc, hf in recvs])
         out.append(Return(-1, h, tuple(Merge(ret.result, loc) for loc, _ in recvs)))
     return out

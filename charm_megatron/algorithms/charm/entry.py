@@ -69,12 +69,13 @@ ROLES = Setting(
 SPLIT_VISITING = Setting(
     "split_visiting", SplitMode, SplitMode.AUTO,
     "charm pass-kv: visiting kv blocks that every tile needs whole cross in two row halves "
+    "(on) or four quarters (quarters; their dK, dV go home on a stream of their own) "
     "(docs/algorithm.md)",
     env="CHARM_SPLIT_VISITING")
 SPLIT_COUNTERPART_Q = Setting(
     "split_counterpart_q", SplitMode, SplitMode.AUTO,
     "charm pass-q: a counterpart's q block that every tile needs whole crosses in two row "
-    "halves, its partial going home per half (docs/algorithm.md)",
+    "halves, its partial going home per half (docs/algorithm.md; no quarters)",
     env="CHARM_SPLIT_COUNTERPART_Q")
 SETTINGS = (PASS_ORDER, ROLES, SPLIT_VISITING, SPLIT_COUNTERPART_Q, SUPER_TILES)
 HEAD_PARALLEL = Setting(
@@ -99,8 +100,11 @@ class CharmVariant:
 
     ``order``: the pass order; ``roles``: the role mix and the shape its bytes are weighed
     for; ``split_visiting`` (pass-kv) / ``split_counterpart_q`` (pass-q): the visiting kv /
-    the counterpart's q crosses in two row halves where every tile needs it whole
-    (docs/algorithm.md, *Visiting kv in two halves*, *Counterpart q in two halves*);
+    the counterpart's q crosses in row pieces where every tile needs it whole
+    (docs/algorithm.md, *Visiting kv in pieces*, *Counterpart q in two halves*):
+    ``visiting_pieces`` of them for the visiting kv (2: halves, 4: quarters), two for the
+    counterpart's q; ``home_stream``: a split visiting pass's dK, dV go home on
+    :data:`~charm_megatron.plan.vocab.Stream.HOME` instead of the cross stream;
     ``lean`` / ``early_returns``: the memory variants (:func:`within_memory_bound`);
     ``head_parallel``: the head all-to-all's degree (1: none), the same in both directions
     (the backward runs on the heads layout the forward kept); ``super_tiles``: adjacent kv
@@ -111,6 +115,8 @@ class CharmVariant:
     split_visiting: bool = False
     split_counterpart_q: bool = False
     lean: bool = False
+    visiting_pieces: int = 2
+    home_stream: bool = False
     early_returns: bool = False
     head_parallel: int = 1
     super_tiles: bool = False
@@ -118,6 +124,9 @@ class CharmVariant:
     def __post_init__(self) -> None:
         # A plain string is accepted and stored as its member (the builders compare by `is`).
         object.__setattr__(self, "order", PASS_ORDER.parse(self.order, "CharmVariant"))
+        if self.visiting_pieces not in (2, 4):
+            raise ValueError(f"CharmVariant: visiting_pieces={self.visiting_pieces!r}; a split "
+                             f"visiting kv block crosses in 2 (halves) or 4 (quarters) pieces")
 
 
 def charm_rank(rank: int, groups: Groups, causal: bool, direction: Direction,
@@ -135,6 +144,7 @@ def charm_rank(rank: int, groups: Groups, causal: bool, direction: Direction,
     st = RankState(rank, groups, causal, direction, roles=variant.roles, lean=variant.lean,
                    early_returns=variant.early_returns, order=variant.order,
                    split_visiting=variant.split_visiting,
+                   visiting_pieces=variant.visiting_pieces, home_stream=variant.home_stream,
                    split_counterpart_q=variant.split_counterpart_q,
                    super_tiles=variant.super_tiles)
     ops = rank_program(st)
@@ -187,10 +197,16 @@ def charm_variants(values: Values, ctx: VariantContext) -> tuple[CharmVariant, C
 def _with_splits(values: Values, base: CharmVariant,
                  ctx: VariantContext) -> tuple[CharmVariant, CharmVariant]:
     """``base`` in each direction with its splits as the settings (and the model) say."""
-    visiting = _split(values[SPLIT_VISITING.name], "split_visiting", base, ctx)
-    counterpart_q = _split(values[SPLIT_COUNTERPART_Q.name], "split_counterpart_q", base, ctx)
-    fwd, bwd = (replace(base, split_visiting=v, split_counterpart_q=q)
-                for v, q in zip(visiting, counterpart_q))
+    cq_mode = values[SPLIT_COUNTERPART_Q.name]
+    if cq_mode is SplitMode.QUARTERS:
+        raise ValueError(
+            f"{SPLIT_COUNTERPART_Q.name}={cq_mode.value!r}: a counterpart's q block crosses "
+            f"whole or in two halves only (quarters are for split_visiting); choose one of "
+            f"{', '.join(m.value for m in SplitMode if m is not SplitMode.QUARTERS)} "
+            f"({SPLIT_COUNTERPART_Q.env})")
+    visiting = _visiting(values[SPLIT_VISITING.name], base, ctx)
+    counterpart_q = _split(cq_mode, "split_counterpart_q", base, ctx)
+    fwd, bwd = (replace(v, split_counterpart_q=q) for v, q in zip(visiting, counterpart_q))
     return _super_tiles(values[SUPER_TILES.name], fwd, bwd, ctx)
 
 
@@ -269,6 +285,55 @@ def _split(mode: SplitMode, field: str, base: CharmVariant,
     fwd, bwd = (_faster(_plan(d, ctx, split), _plan(d, ctx, base), ctx.timer)
                 for d in (Direction.FORWARD, Direction.BACKWARD))
     return fwd, bwd
+
+
+def _visiting(mode: SplitMode, base: CharmVariant,
+              ctx: VariantContext) -> tuple[CharmVariant, CharmVariant]:
+    """Forward and backward of ``base`` with the visiting kv split as ``mode`` says: ``on``
+    two halves (their returns on the cross stream, as before the home stream existed),
+    ``quarters`` four pieces (returns on the home stream); ``auto``, per direction, the
+    simplest of whole blocks, halves and quarters that no more pieces beat by more than
+    :data:`SPLIT_MARGIN` (the model's), the halves' returns on the home stream only where
+    that is predicted faster by the same margin; whole blocks without a timer."""
+    halves = replace(base, split_visiting=True)
+    quarters = replace(halves, visiting_pieces=4, home_stream=True)
+    if len(ctx.groups) < 2 or mode is SplitMode.OFF:
+        return base, base
+    if mode is SplitMode.ON:
+        return halves, halves
+    if mode is SplitMode.QUARTERS:
+        return quarters, quarters
+    if ctx.timer is None:  # auto with nothing to time the plans with: whole blocks
+        return base, base
+    return (_visiting_pick(Direction.FORWARD, ctx, base, halves, quarters),
+            _visiting_pick(Direction.BACKWARD, ctx, base, halves, quarters))
+
+
+def _visiting_pick(direction: Direction, ctx: VariantContext, whole: CharmVariant,
+                   halves: CharmVariant, quarters: CharmVariant) -> CharmVariant:
+    """``split_visiting=auto`` in one direction (:func:`_visiting`): halves (their returns on
+    the cross stream, or on the home stream where that is faster) where they beat whole
+    blocks, then quarters where they beat that; each plan built and simulated once."""
+    assert ctx.timer is not None
+    timer = ctx.timer
+    plans: dict[CharmVariant, Plan] = {}
+    seconds: dict[CharmVariant, float] = {}
+
+    def faster(split: CharmVariant, simpler: CharmVariant) -> bool:
+        for v in (split, simpler):
+            if v not in plans:
+                plans[v] = _plan(direction, ctx, v)
+        if plans[split].ops == plans[simpler].ops:
+            return False
+        for v in (split, simpler):
+            if v not in seconds:
+                seconds[v] = timer.seconds(plans[v])
+        return seconds[split] < (1.0 - SPLIT_MARGIN) * seconds[simpler]
+
+    home = replace(halves, home_stream=True)
+    two = home if faster(home, halves) else halves
+    best = two if faster(two, whole) else whole
+    return quarters if faster(quarters, best) else best
 
 
 def _faster(split: Plan, whole: Plan, timer: PlanTimer) -> bool:

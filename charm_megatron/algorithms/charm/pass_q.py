@@ -23,7 +23,7 @@ from charm_megatron.algorithms.charm.cross import (
     CrossReturn,
     home,
     keep_one_return,
-    post_cross_halves,
+    post_cross_pieces,
 )
 from charm_megatron.algorithms.charm.rmplus import Item, Pass, hold_own_kv, owners, q_half, run_pass
 from charm_megatron.algorithms.charm.state import RankState
@@ -33,17 +33,18 @@ from charm_megatron.plan.vocab import PassOrder
 
 __all__ = ["post_counterpart_q", "q_splits", "run_q_pass"]
 
-_CROSS_Q = Loc("cross.q")  # the counterpart's q block (slot: the cross round's parity)
-_CROSS_Q2 = Loc("cross.qb")  # split: the counterpart's q block's second half
-_CROSS_ACC = Loc("acc.cross")  # the counterpart's partial, accumulated here
-_CROSS_ACC2 = Loc("acc.crossb")  # split: the second half's partial
+# The counterpart's q block (slot: the cross round's parity), or its first half; split: its
+# second half.
+_CROSS_Q = (Loc("cross.q"), Loc("cross.qb"))
+# The counterpart's partial, accumulated here (split: the first half's, the second half's).
+_CROSS_ACC = (Loc("acc.cross"), Loc("acc.crossb"))
 
 
 def post_counterpart_q(st: RankState, k: int, cp: int, other: Sequence[int]) -> None:
     """Swap q blocks with ``cp``, our counterpart of pass-q round ``k`` in group ``other``,
     in halves where either side splits."""
-    post_cross_halves(
-        st, k, cp, st.own_q, st.qkind, (_CROSS_Q, _CROSS_Q2),
+    post_cross_pieces(
+        st, k, cp, st.own_q, st.qkind, _CROSS_Q,
         (q_half(st, st.rank, other), q_half(st, cp, st.group)),
         (q_splits(st, k, other, st.group), q_splits(st, k, st.group, other)))
 
@@ -57,9 +58,9 @@ def run_q_pass(st: RankState, ps: Pass) -> None:
     if not held:
         return
     items = [Item(o, st.own_q, st.own_acc) if o == r else
-             Item(o, _CROSS_Q.at(k % 2), _CROSS_ACC.at(st.n_cross_done % 2))
+             Item(o, _CROSS_Q[0].at(k % 2), _CROSS_ACC[0].at(st.n_cross_done % 2))
              for o in held]
-    if not ps.own and k in st.cross_in2:
+    if not ps.own and k in st.cross_rest:
         _run_counterpart_pass(st, ps, k, held[0])
         return
     held_back = run_pass(st, ps, items, st.cross_in.get(k) if k is not None else None)
@@ -67,8 +68,8 @@ def run_q_pass(st: RankState, ps: Pass) -> None:
         if it.owner == r:
             continue
         slot = st.n_cross_done % 2
-        ret = _q_return(st, k, it.owner, (it.acc, _CROSS_ACC2.at(slot)), slot)
-        st.going_home.append(home(st, ret, first=True))
+        ret = _q_return(st, k, it.owner, (it.acc, _CROSS_ACC[1].at(slot)), slot)
+        st.going_home.append(home(st, ret, 0))
         st.n_cross_done += 1
     for op in held_back:
         p.add(op)
@@ -82,8 +83,8 @@ def _q_return(st: RankState, k: int, cp: int, accs: tuple[Loc, Loc],
     round ``k`` ran split and whether the counterpart's did."""
     other = st.groups[st.cross[k][st.g]]
     rows = q_half(st, cp, st.group), q_half(st, st.rank, other)
-    split = k in st.cross_in2, q_splits(st, k, other, st.group)
-    return CrossReturn(cp, st.pkind, st.own_acc, accs, rows, slot, split)
+    pieces = 1 + len(st.cross_rest.get(k, ())), q_splits(st, k, other, st.group)
+    return CrossReturn(cp, st.pkind, st.own_acc, accs, rows, slot, pieces)
 
 
 def _run_counterpart_pass(st: RankState, ps: Pass, k: int, cp: int) -> None:
@@ -97,29 +98,29 @@ def _run_counterpart_pass(st: RankState, ps: Pass, k: int, cp: int) -> None:
     sub-passes). The return batches pair up with the counterpart's as in
     :func:`~charm_megatron.algorithms.charm.cross.home`."""
     slot = st.n_cross_done % 2
-    accs = (_CROSS_ACC.at(slot), _CROSS_ACC2.at(slot))
+    accs = tuple(loc.at(slot) for loc in _CROSS_ACC)
     ret = _q_return(st, k, cp, accs, slot)
     rets: list[Return] = []
-    for rows, q_loc, acc, handle in (
-            (Half.FIRST, _CROSS_Q.at(k % 2), accs[0], st.cross_in[k]),
-            (Half.SECOND, _CROSS_Q2.at(k % 2), accs[1], st.cross_in2[k])):
+    handles = (st.cross_in[k], *st.cross_rest[k])
+    for i, (rows, handle) in enumerate(zip(Half.pieces(2), handles)):
         st.q_rows = rows
-        held_back = run_pass(st, ps, [Item(cp, q_loc, acc)], handle)
+        held_back = run_pass(st, ps, [Item(cp, _CROSS_Q[i].at(k % 2), accs[i])], handle)
         st.q_rows = Half.FULL
         assert not held_back  # only an own q's tile is ever held back
-        rets += home(st, ret, first=rows is Half.FIRST)
+        rets += home(st, ret, i)
     st.going_home.append(rets)
     st.n_cross_done += 1
     keep_one_return(st)
 
 
-def q_splits(st: RankState, k: int, receiving: Sequence[int], visiting: Sequence[int]) -> bool:
-    """Whether group ``receiving`` runs its pass-q pass of cross round ``k`` with the q
-    blocks of group ``visiting`` in two row halves: asked for, the pass holds only those
-    blocks (not the joint order's first pass, which holds the own q too), and every one
+def q_splits(st: RankState, k: int, receiving: Sequence[int], visiting: Sequence[int]) -> int:
+    """How many row pieces group ``receiving`` runs its pass-q pass of cross round ``k`` with
+    the q blocks of group ``visiting`` in: 2 (halves) where asked for, the pass holds only
+    those blocks (not the joint order's first pass, which holds the own q too), and every one
     of their tiles needs all q rows and no mask (so each tile is exactly its two q-half
-    sub-tiles). Both groups compute it alike for both directions of the exchange."""
+    sub-tiles); else 1. Both groups compute it alike for both directions of the exchange."""
     if not st.split_counterpart_q or (st.order is PassOrder.JOINT and k == 0):
-        return False
-    return all((s := tile_spec(i, j, st.causal)).q_half is Half.FULL and not s.causal
-               for i in visiting for j in receiving)
+        return 1
+    split = all((s := tile_spec(i, j, st.causal)).q_half is Half.FULL and not s.causal
+                for i in visiting for j in receiving)
+    return 2 if split else 1

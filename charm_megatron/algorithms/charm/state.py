@@ -73,7 +73,14 @@ class RankState:
     # The pass order: read by charm_program (the passes) and charm_pass_q (the joint
     # order's first pass, which holds the own q too, is never split).
     order: PassOrder = PassOrder.SPLIT
-    split_visiting: bool = False  # pass-kv's visiting kv in row halves (charm_pass_kv)
+    split_visiting: bool = False  # pass-kv's visiting kv in row pieces (charm_pass_kv)
+    # How many row pieces a split visiting kv block crosses in: 2 (halves) or 4 (quarters).
+    # Read by charm_pass_kv.
+    visiting_pieces: int = 2
+    # A split visiting pass's dK, dV pieces go home on Stream.HOME, a communicator of their
+    # own, instead of the cross stream, where each would queue behind the round's later
+    # pieces still crossing. Read by charm_pass_kv.
+    home_stream: bool = False
     split_counterpart_q: bool = False  # pass-q's counterpart q in row halves (charm_pass_q)
     # super_tiles: adjacent kv units whose tiles share their q rows are fetched together and
     # their tiles written side by side (one super-tile per q block once fused, plan/fuse.py).
@@ -104,7 +111,7 @@ class RankState:
     # charm_pass_kv for its pass; read by rmplus's units, tiles and messages.
     kv: KvHeld = field(init=False)
     # The rows of the kv (q) blocks held in the current (sub-)pass: a split visiting pass
-    # (charm_pass_kv) holds one row half of each visiting kv block at a time, a split pass-q
+    # (charm_pass_kv) holds one row piece of each visiting kv block at a time, a split pass-q
     # pass (charm_pass_q) one of the counterpart's q block, and sets these around each
     # sub-pass; every tile and message of the pass is restricted to them (rmplus).
     kv_rows: Half = field(init=False, default=Half.FULL)
@@ -114,13 +121,15 @@ class RankState:
     # cross round -> handle of its block's exchange: posted by charm_cross (for pass-q /
     # pass-kv), waited for by the pass of that round.
     cross_in: dict[int, int] = field(init=False, default_factory=dict)
-    # cross round -> handle of its block's second half (rounds sent in halves only): posted
-    # by charm_cross, waited for by the second sub-pass (charm_pass_q / charm_pass_kv).
-    cross_in2: dict[int, int] = field(init=False, default_factory=dict)
-    # Send-only second halves: appended by charm_cross, waited for at the end (charm_program).
+    # cross round -> handles of its block's further row pieces, in row order (rounds sent in
+    # pieces only): posted by charm_cross, each waited for by its sub-pass (charm_pass_q /
+    # charm_pass_kv).
+    cross_rest: dict[int, list[int]] = field(init=False, default_factory=dict)
+    # Send-only further pieces: appended by charm_cross, waited for at the end
+    # (charm_program).
     trailing: list[int] = field(init=False, default_factory=list)
     # Our partials coming home from counterparts, one list per cross pass (a split return is
-    # two batches): appended by charm_pass_q / charm_pass_kv, drained to one in flight by
+    # a batch per piece): appended by charm_pass_q / charm_pass_kv, drained to one in flight by
     # charm_cross.keep_one_return, the rest at the end by charm_program.
     going_home: list[list[Return]] = field(init=False, default_factory=list)
     # Cross accumulators and return buffers alternate per pass that has a counterpart's q
