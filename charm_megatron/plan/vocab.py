@@ -60,13 +60,21 @@ class Kind(_Named):
 
 class Stream(_Named):
     """The communicator a batch is posted on (one process group each, so they overlap).
-    ``home``: the dK, dV pieces a split visiting pass sends home (so a return does not queue
-    behind the round's later pieces still crossing on ``cross``)."""
+    ``home_up`` / ``home_down``: the dK, dV pieces a split visiting pass sends home to a
+    higher / lower rank, so that a return neither queues behind the round's later pieces
+    still crossing on ``cross`` nor waits for the return going the other way (one stream
+    per direction: each batch is a send or a receive alone)."""
 
     KV = "kv"
     Q = "q"
     CROSS = "cross"
-    HOME = "home"
+    HOME_UP = "home_up"
+    HOME_DOWN = "home_down"
+
+    @staticmethod
+    def home(src: int, dst: int) -> Stream:
+        """The home stream of a return from rank ``src`` to rank ``dst``."""
+        return Stream.HOME_UP if dst > src else Stream.HOME_DOWN
 
 
 class Role(_Named):
@@ -224,6 +232,14 @@ class Half(enum.Enum):
         if n not in _PIECES:
             raise ValueError(f"a block's rows are cut in 1, 2 or 4 pieces, not {n}")
         return _PIECES[n]
+
+    def cut(self, n: int) -> tuple[Half, ...]:
+        """These rows as they lie in a block cut in ``n`` pieces (:meth:`pieces`), in row
+        order: FULL in 4 is the quarters, a half in 4 its two quarters, a half in 2 itself."""
+        out = tuple(p for p in Half.pieces(n) if self.covers(p))
+        if not out:
+            raise ValueError(f"rows {self} are not whole pieces of a block cut in {n}")
+        return out
 
     def __str__(self) -> str:  # short form for printouts
         return _SHORT[self]

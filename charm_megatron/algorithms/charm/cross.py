@@ -26,7 +26,8 @@ from charm_megatron.plan.program import Return
 from charm_megatron.plan.roles import Decision, choose, row_bytes
 from charm_megatron.plan.vocab import Role
 
-__all__ = ["CrossReturn", "cross_roles", "home", "keep_one_return", "post_cross_pieces"]
+__all__ = ["CrossReturn", "cross_roles", "home", "home_receives", "keep_one_return",
+           "post_cross_pieces"]
 
 # Our partial coming home from the counterpart: a whole return, or each piece of a split
 # one (pass-kv dkv, pass-q) in a location of its own (the names of the two-halves plans kept).
@@ -38,20 +39,20 @@ class CrossReturn:
     """The partials of a cross round that go home to counterpart ``cp`` (pass-kv backward:
     its visiting block's dK, dV; pass-q: its q block's partial) and ours coming back, blocks
     of ``kind`` merged into ``result``. ``accs``: where the partial accumulated, one location
-    per piece (whole: one); ``rows``: the rows that go home and that come back (whole
-    returns); ``slot``: the return buffers' copy; ``pieces``: how many row pieces our pass of
-    the round ran in (1: whole), and the counterpart's; ``stream``: the communicator the
-    returns travel on (:data:`Stream.CROSS`, or :data:`Stream.HOME` so that a return does not
-    queue behind the round's later pieces still crossing on the cross stream)."""
+    per piece; ``rows``: the row pieces that go home (our pass ran one sub-pass per piece;
+    one piece: the whole return's rows) and those that come back (the counterpart's);
+    ``slot``: the return buffers' copy; ``home_streams``: the returns travel on the home
+    streams (:meth:`Stream.home`, one per direction) instead of paired up on the cross
+    stream, so that a return queues neither behind the round's later pieces still crossing
+    nor behind the counterpart's return."""
 
     cp: int
     kind: Kind
     result: Loc
     accs: tuple[Loc, ...]
-    rows: tuple[Half, Half]
+    rows: tuple[tuple[Half, ...], tuple[Half, ...]]
     slot: int
-    pieces: tuple[int, int]
-    stream: Stream = Stream.CROSS
+    home_streams: bool = False
 
 
 def cross_roles(st: RankState) -> list[Role]:
@@ -84,32 +85,31 @@ def _cross_role(st: RankState, k: int) -> Role:
 
 
 def post_cross_pieces(st: RankState, k: int, cp: int, src: Loc, kind: Kind,
-                      rx: tuple[Loc, ...], rows: tuple[Half, Half],
-                      pieces: tuple[int, int]) -> None:
+                      rx: tuple[Loc, ...],
+                      rows: tuple[tuple[Half, ...], tuple[Half, ...]]) -> None:
     """Post the cross exchange of round ``k`` with counterpart ``cp``: block ``kind`` from
-    ``src`` out, the counterpart's into ``rx[0]``; ``rows``: the rows sent and received
-    (whole blocks). ``pieces``: how many row pieces (1, 2 or 4, :meth:`Half.pieces`) the
-    counterpart cuts what we send into, and we what we receive. The first piece (or the
-    whole block) goes in this batch and each further one in a batch of its own right after
-    (same stream, so they arrive in row order, piece ``i`` into ``rx[i]``); the handles of
-    the further received pieces are waited for by the later sub-passes
-    (``st.cross_rest[k]``); a send-only batch is waited for at the end (``st.trailing``)."""
+    ``src`` out, the counterpart's in; ``rows``: the row pieces we send (as the counterpart
+    cuts them for its sub-passes) and those we receive (as we cut them for ours); one piece:
+    the rows of a whole exchange. The first pieces go in this batch and each further one in
+    a batch of its own right after (same stream, so they arrive in row order, piece ``i``
+    into ``rx[i]``); the handles of the further received pieces are waited for by the later
+    sub-passes (``st.cross_rest[k]``); a send-only batch is waited for at the end
+    (``st.trailing``)."""
     r, slot = st.rank, k % 2
-    (send_rows, recv_rows), (out_n, in_n) = rows, pieces
-    out_rows = Half.pieces(out_n) if out_n > 1 else (send_rows,)
-    in_rows = Half.pieces(in_n) if in_n > 1 else (recv_rows,)
+    out_rows, in_rows = rows
     st.cross_in[k] = st.p.comm(
         Stream.CROSS,
         sends=[Xfer(cp, src, kind, r, out_rows[0])],
         recvs=[Xfer(cp, rx[0].at(slot), kind, cp, in_rows[0])],
     )
-    for i in range(1, max(out_n, in_n)):
+    for i in range(1, max(len(out_rows), len(in_rows))):
+        recv = i < len(in_rows)
         h = st.p.comm(
             Stream.CROSS,
-            sends=[Xfer(cp, src, kind, r, out_rows[i])] if i < out_n else [],
-            recvs=[Xfer(cp, rx[i].at(slot), kind, cp, in_rows[i])] if i < in_n else [],
+            sends=[Xfer(cp, src, kind, r, out_rows[i])] if i < len(out_rows) else [],
+            recvs=[Xfer(cp, rx[i].at(slot), kind, cp, in_rows[i])] if recv else [],
         )
-        if i < in_n:
+        if recv:
             st.cross_rest.setdefault(k, []).append(h)
         else:
             st.trailing.append(h)
@@ -117,25 +117,54 @@ def post_cross_pieces(st: RankState, k: int, cp: int, src: Loc, kind: Kind,
 
 def home(st: RankState, ret: CrossReturn, piece: int) -> list[Return]:
     """Post the partial ``ret`` that goes home and ours coming back, after our sub-pass
-    ``piece`` (0 where our pass was whole). Where our pass ran in pieces, ours go one batch
-    per piece, each posted right after its sub-pass; where the counterpart's did, theirs
-    come one batch per piece. Batch ``i`` carries our piece ``i`` (or our whole return, in
-    the first) and their piece ``i`` (or theirs whole, in the first); the batches past our
-    last piece are posted with it. Both sides derive the same batches, on the same stream,
-    so the messages pair up in order."""
+    ``piece`` (0 where our pass was whole): ours one piece per sub-pass, each posted right
+    after it; the counterpart's one piece per sub-pass of theirs.
+
+    On the cross stream the two directions pair up: batch ``i`` carries our piece ``i`` and
+    their piece ``i``, and the batches past our last piece are posted with it. On the home
+    streams (``ret.home_streams``) each direction has its own: each piece of ours is sent
+    in a batch of its own, and theirs are received in batches of their own that
+    :func:`home_receives` posted before our first sub-pass. Both sides derive the same
+    batches on each stream, so the messages pair up in order."""
+    if ret.home_streams:
+        return _home_apart(st, ret, piece)
     cp, kind, accs, slot = ret.cp, ret.kind, ret.accs, ret.slot
-    mine, theirs = ret.pieces
-    send_h, recv_h = ret.rows
-    send_rows = Half.pieces(mine) if mine > 1 else (send_h,)
-    recv_rows = Half.pieces(theirs) if theirs > 1 else (recv_h,)
+    send_rows, recv_rows = ret.rows
+    mine, theirs = len(send_rows), len(recv_rows)
     last = max(mine, theirs) if piece == mine - 1 else piece + 1
     out = []
     for i in range(piece, last):
         sends = [Xfer(cp, accs[i], kind, cp, send_rows[i])] if i < mine else []
         recvs = [(_CROSS_RETS[i].at(slot), recv_rows[i])] if i < theirs else []
-        h = st.p.comm(ret.stream, sends=sends,
+        h = st.p.comm(Stream.CROSS, sends=sends,
                       recvs=[Xfer(cp, loc, kind, st.rank, hf) for loc, hf in recvs])
         out.append(Return(-1, h, tuple(Merge(ret.result, loc) for loc, _ in recvs)))
+    return out
+
+
+def _home_apart(st: RankState, ret: CrossReturn, piece: int) -> list[Return]:
+    """:func:`home` on the home streams: a send batch with our piece ``piece`` (on the
+    stream of returns towards the counterpart); theirs were posted by
+    :func:`home_receives`."""
+    r = st.rank
+    h = st.p.comm(Stream.home(r, ret.cp),
+                  sends=[Xfer(ret.cp, ret.accs[piece], ret.kind, ret.cp, ret.rows[0][piece])])
+    return [Return(-1, h, ())]
+
+
+def home_receives(st: RankState, ret: CrossReturn) -> list[Return]:
+    """The receives of the counterpart's return pieces on the home stream towards us, one
+    batch per piece, posted before our pass's first sub-pass so that each can flow as soon
+    as the counterpart sends it (none where the returns pair up on the cross stream: there
+    :func:`home` posts them)."""
+    if not ret.home_streams:
+        return []
+    out = []
+    for i, hf in enumerate(ret.rows[1]):
+        loc = _CROSS_RETS[i].at(ret.slot)
+        h = st.p.comm(Stream.home(ret.cp, st.rank),
+                      recvs=[Xfer(ret.cp, loc, ret.kind, st.rank, hf)])
+        out.append(Return(-1, h, (Merge(ret.result, loc),)))
     return out
 
 

@@ -103,8 +103,9 @@ class CharmVariant:
     the counterpart's q crosses in row pieces where every tile needs it whole
     (docs/algorithm.md, *Visiting kv in pieces*, *Counterpart q in two halves*):
     ``visiting_pieces`` of them for the visiting kv (2: halves, 4: quarters), two for the
-    counterpart's q; ``home_stream``: a split visiting pass's dK, dV go home on
-    :data:`~charm_megatron.plan.vocab.Stream.HOME` instead of the cross stream;
+    counterpart's q; ``home_stream``: a split visiting pass's dK, dV go home on the home
+    streams (:meth:`~charm_megatron.plan.vocab.Stream.home`, one per direction) instead of
+    the cross stream;
     ``lean`` / ``early_returns``: the memory variants (:func:`within_memory_bound`);
     ``head_parallel``: the head all-to-all's degree (1: none), the same in both directions
     (the backward runs on the heads layout the forward kept); ``super_tiles``: adjacent kv

@@ -22,15 +22,16 @@ from collections.abc import Sequence
 from charm_megatron.algorithms.charm.cross import (
     CrossReturn,
     home,
+    home_receives,
     keep_one_return,
     post_cross_pieces,
 )
 from charm_megatron.algorithms.charm.rmplus import Item, Pass, hold_own_kv, kv_half, run_pass
 from charm_megatron.algorithms.charm.state import OWN_KV, KvHeld, RankState
-from charm_megatron.plan.core import Half, Kind, Loc, Plan, Reset, Stream, Wait, tile_spec
+from charm_megatron.plan.core import Half, Kind, Loc, Plan, Reset, Wait, tile_spec
 from charm_megatron.plan.program import Return
 
-__all__ = ["kv_splits", "post_visiting_kv", "run_visiting_pass"]
+__all__ = ["kv_splits", "post_visiting_kv", "run_visiting_pass", "visiting_rows"]
 
 # The counterpart's visiting kv block (or its first piece), then its further pieces; and,
 # backward, each piece's dkv, accumulated here (the names of the two-halves plans kept).
@@ -41,10 +42,9 @@ _VISIT_DKV = (Loc("acc.vdkv"), Loc("acc.vdkvb"), Loc("acc.vdkvc"), Loc("acc.vdkv
 def post_visiting_kv(st: RankState, k: int, cp: int, other: Sequence[int]) -> None:
     """Swap kv blocks with ``cp``, our counterpart of pass-kv round ``k`` in group ``other``
     (ours visits their group), in row pieces where either side splits."""
-    post_cross_pieces(
-        st, k, cp, OWN_KV, Kind.KV, _CROSS_KV,
-        (kv_half(st, st.rank, other), kv_half(st, cp, st.group)),
-        (kv_splits(st, other, st.group), kv_splits(st, st.group, other)))
+    post_cross_pieces(st, k, cp, OWN_KV, Kind.KV, _CROSS_KV,
+                      (visiting_rows(st, other, st.group, st.rank),
+                       visiting_rows(st, st.group, other, cp)))
 
 
 def run_visiting_pass(st: RankState, ps: Pass) -> None:
@@ -53,15 +53,16 @@ def run_visiting_pass(st: RankState, ps: Pass) -> None:
     visiting block's dkv (summed over every tile it served in our group) goes home and ours
     comes back.
 
-    Split (:func:`kv_splits`): one sub-pass per row piece of the visiting blocks (two
-    halves, or four quarters), in row order, each starting as soon as its piece arrived
-    (tiles ``q x kv.<piece>``) and circulating only that piece through the RM+ rounds.
-    Forward, a tile's sub-tiles lse-merge into the output like any tiles; backward, dq sums,
-    and each piece's dK, dV accumulate in their own piece-sized accumulator, which goes home
-    as soon as its sub-pass is done (it travels during the later sub-passes), on
-    :data:`Stream.HOME` where ``st.home_stream`` (else on the cross stream, behind the
-    round's pieces still crossing). A split return on either side is one batch per piece;
-    the counterpart receives them in that order
+    Split (:func:`visiting_rows`): one sub-pass per row piece of the visiting blocks (two
+    halves, or four quarters, of the rows the tiles need), in row order, each starting as
+    soon as its piece arrived (tiles ``q x kv.<piece>``) and circulating only that piece
+    through the RM+ rounds. Forward, a tile's sub-tiles lse-merge into the output like any
+    tiles; backward, dq sums, and each piece's dK, dV accumulate in their own piece-sized
+    accumulator, which goes home as soon as its sub-pass is done (it travels during the
+    later sub-passes), on the home streams where ``st.home_stream`` (one per direction,
+    :meth:`Stream.home`; else on the cross stream, behind the round's pieces still
+    crossing). A split return on either side is one
+    batch per piece; the counterpart receives them in that order
     (:func:`~charm_megatron.algorithms.charm.cross.home`)."""
     k = ps.cross_round
     partner = st.cross[k].get(st.g)
@@ -72,21 +73,19 @@ def run_visiting_pass(st: RankState, ps: Pass) -> None:
     other = st.groups[partner]
     slot = st.n_cross_done % 2
     handles = [st.cross_in[k], *st.cross_rest.get(k, ())]
-    pieces = (len(handles), kv_splits(st, other, st.group))
     # The rows that go home and come back, fixed before any sub-pass narrows kv_rows.
-    stream = Stream.HOME if st.home_stream and max(pieces) > 1 else Stream.CROSS
-    ret = CrossReturn(cp, Kind.DKV, Plan.DKV, tuple(loc.at(slot) for loc in _VISIT_DKV),
-                      (kv_half(st, cp, st.group), kv_half(st, r, other)), slot, pieces,
-                      stream)
+    rows = (visiting_rows(st, st.group, other, cp), visiting_rows(st, other, st.group, r))
+    split = len(rows[0]) > 1 or len(rows[1]) > 1
+    ret = CrossReturn(cp, Kind.DKV, Plan.DKV, tuple(loc.at(slot) for loc in _VISIT_DKV), rows,
+                      slot, home_streams=st.home_stream and split)
     items = [Item(r, st.own_q, st.own_acc)]
-    rets: list[Return] = []
-    rows = Half.pieces(len(handles)) if len(handles) > 1 else (Half.FULL,)
-    for i, (handle, piece) in enumerate(zip(handles, rows)):
+    rets: list[Return] = home_receives(st, ret) if st.bwd else []
+    for i, (handle, piece) in enumerate(zip(handles, rows[0])):
         st.kv = KvHeld(cp, _CROSS_KV[i].at(k % 2), ret.accs[i] if st.bwd else Plan.DKV)
         p.add(Wait(handle))
         if st.bwd:
             p.add(Reset(st.kv.dkv, Kind.DKV, cp))
-        st.kv_rows = piece
+        st.kv_rows = piece if len(rows[0]) > 1 else Half.FULL
         run_pass(st, ps, items, None)
         st.kv_rows = Half.FULL
         if st.bwd:
@@ -98,13 +97,24 @@ def run_visiting_pass(st: RankState, ps: Pass) -> None:
     keep_one_return(st)
 
 
-def kv_splits(st: RankState, receiving: Sequence[int], visiting: Sequence[int]) -> int:
-    """How many row pieces group ``receiving`` runs its visiting pass with the kv blocks of
-    group ``visiting`` in: ``st.visiting_pieces`` where a split is asked for and every one
-    of its tiles needs all kv rows and no mask (so each tile is exactly its kv sub-tiles),
-    else 1 (whole blocks). Both groups compute it alike for both directions of the
-    exchange."""
-    split = st.split_visiting and all(
-        (s := tile_spec(i, j, st.causal)).kv_half is Half.FULL and not s.causal
-        for i in receiving for j in visiting)
-    return st.visiting_pieces if split else 1
+def visiting_rows(st: RankState, receiving: Sequence[int], visiting: Sequence[int],
+                  owner: int) -> tuple[Half, ...]:
+    """The row pieces in which group ``receiving`` runs its visiting pass with kv block
+    ``owner`` of group ``visiting``: the rows its tiles need (:func:`kv_half`), cut in
+    ``st.visiting_pieces`` (:meth:`Half.cut`: whole blocks in halves or quarters, a half in
+    its two quarters) where :func:`kv_splits`, else those rows as one piece."""
+    need = kv_half(st, owner, receiving)
+    return need.cut(st.visiting_pieces) if kv_splits(st, receiving, visiting) else (need,)
+
+
+def kv_splits(st: RankState, receiving: Sequence[int], visiting: Sequence[int]) -> bool:
+    """Whether group ``receiving`` runs its visiting pass with the kv blocks of group
+    ``visiting`` in row pieces: asked for, and every one of its tiles needs the same kv rows
+    (all of them, or, cut in quarters, one half) and no mask, so each tile is exactly its
+    kv sub-tiles. Both groups compute it alike for both directions of the exchange."""
+    if not st.split_visiting:
+        return False
+    specs = [tile_spec(i, j, st.causal) for i in receiving for j in visiting]
+    need = {s.kv_half for s in specs}
+    return (not any(s.causal for s in specs) and len(need) == 1
+            and len(next(iter(need)).cut(st.visiting_pieces)) > 1)

@@ -43,10 +43,9 @@ _CROSS_ACC = (Loc("acc.cross"), Loc("acc.crossb"))
 def post_counterpart_q(st: RankState, k: int, cp: int, other: Sequence[int]) -> None:
     """Swap q blocks with ``cp``, our counterpart of pass-q round ``k`` in group ``other``,
     in halves where either side splits."""
-    post_cross_pieces(
-        st, k, cp, st.own_q, st.qkind, _CROSS_Q,
-        (q_half(st, st.rank, other), q_half(st, cp, st.group)),
-        (q_splits(st, k, other, st.group), q_splits(st, k, st.group, other)))
+    post_cross_pieces(st, k, cp, st.own_q, st.qkind, _CROSS_Q,
+                      (_q_rows(st, k, other, st.group, st.rank),
+                       _q_rows(st, k, st.group, other, cp)))
 
 
 def run_q_pass(st: RankState, ps: Pass) -> None:
@@ -79,12 +78,20 @@ def run_q_pass(st: RankState, ps: Pass) -> None:
 def _q_return(st: RankState, k: int, cp: int, accs: tuple[Loc, Loc],
               slot: int) -> CrossReturn:
     """The counterpart ``cp``'s partial of cross round ``k``, accumulated in ``accs``, going
-    home, and ours coming back: the rows of each (whole returns), and whether our pass of
-    round ``k`` ran split and whether the counterpart's did."""
+    home, and ours coming back, each in the row pieces its pass ran in."""
     other = st.groups[st.cross[k][st.g]]
-    rows = q_half(st, cp, st.group), q_half(st, st.rank, other)
-    pieces = 1 + len(st.cross_rest.get(k, ())), q_splits(st, k, other, st.group)
-    return CrossReturn(cp, st.pkind, st.own_acc, accs, rows, slot, pieces)
+    rows = _q_rows(st, k, st.group, other, cp), _q_rows(st, k, other, st.group, st.rank)
+    return CrossReturn(cp, st.pkind, st.own_acc, accs, rows, slot)
+
+
+def _q_rows(st: RankState, k: int, receiving: Sequence[int], visiting: Sequence[int],
+            owner: int) -> tuple[Half, ...]:
+    """The row pieces in which group ``receiving`` runs its pass-q pass of cross round ``k``
+    with q block ``owner`` of group ``visiting``: its two halves where :func:`q_splits`,
+    else the rows its tiles need as one piece."""
+    if q_splits(st, k, receiving, visiting):
+        return Half.pieces(2)
+    return (q_half(st, owner, receiving),)
 
 
 def _run_counterpart_pass(st: RankState, ps: Pass, k: int, cp: int) -> None:
@@ -113,14 +120,13 @@ def _run_counterpart_pass(st: RankState, ps: Pass, k: int, cp: int) -> None:
     keep_one_return(st)
 
 
-def q_splits(st: RankState, k: int, receiving: Sequence[int], visiting: Sequence[int]) -> int:
-    """How many row pieces group ``receiving`` runs its pass-q pass of cross round ``k`` with
-    the q blocks of group ``visiting`` in: 2 (halves) where asked for, the pass holds only
-    those blocks (not the joint order's first pass, which holds the own q too), and every one
+def q_splits(st: RankState, k: int, receiving: Sequence[int], visiting: Sequence[int]) -> bool:
+    """Whether group ``receiving`` runs its pass-q pass of cross round ``k`` with the q
+    blocks of group ``visiting`` in two row halves: asked for, the pass holds only those
+    blocks (not the joint order's first pass, which holds the own q too), and every one
     of their tiles needs all q rows and no mask (so each tile is exactly its two q-half
-    sub-tiles); else 1. Both groups compute it alike for both directions of the exchange."""
+    sub-tiles). Both groups compute it alike for both directions of the exchange."""
     if not st.split_counterpart_q or (st.order is PassOrder.JOINT and k == 0):
-        return 1
-    split = all((s := tile_spec(i, j, st.causal)).q_half is Half.FULL and not s.causal
-                for i in visiting for j in receiving)
-    return 2 if split else 1
+        return False
+    return all((s := tile_spec(i, j, st.causal)).q_half is Half.FULL and not s.causal
+               for i in visiting for j in receiving)

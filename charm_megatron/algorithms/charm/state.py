@@ -77,9 +77,10 @@ class RankState:
     # How many row pieces a split visiting kv block crosses in: 2 (halves) or 4 (quarters).
     # Read by charm_pass_kv.
     visiting_pieces: int = 2
-    # A split visiting pass's dK, dV pieces go home on Stream.HOME, a communicator of their
-    # own, instead of the cross stream, where each would queue behind the round's later
-    # pieces still crossing. Read by charm_pass_kv.
+    # A split visiting pass's dK, dV pieces go home on the home streams (Stream.home: one
+    # communicator per direction) instead of the cross stream, where each would queue behind
+    # the round's later pieces still crossing and the return coming the other way. Read by
+    # charm_pass_kv.
     home_stream: bool = False
     split_counterpart_q: bool = False  # pass-q's counterpart q in row halves (charm_pass_q)
     # super_tiles: adjacent kv units whose tiles share their q rows are fetched together and
