@@ -89,7 +89,8 @@ WINDOWS = [(True, 3, 0), (True, 9, -1), (True, 40, 0), (True, 0, 0),
 TOPOLOGIES = [("ring", (1, 5), {}), ("ring", (1, 8), {}), ("rmplus", (1, 6), {}),
               ("rmplus", (1, 8), {}), ("charm", (2, 2), {}), ("charm", (2, 4), {}),
               ("charm", (4, 2), {}), ("charm", (2, 4), {"roles": "kv", "pass_order": "joint"}),
-              ("charm", (2, 4), {"split_visiting": True}), ("allgather", (1, 6), {}),
+              ("charm", (2, 4), {"split_visiting": True}),
+              ("charm", (2, 4), {"split_visiting": "quarters"}), ("allgather", (1, 6), {}),
               ("a2a", (1, 4), {}), ("a2a", (1, 6), {}), ("a2a+p2p", (2, 4), {}),
               ("a2a+p2p", (4, 2), {}), ("a2a+p2p", (3, 2), {})]
 
