@@ -12,6 +12,7 @@ import pytest
 
 import dist_cases
 import packed_cases
+import visiting_pieces_cases
 import window_cases
 from charm_megatron.local_ranks import run_ranks
 from charm_megatron.model import get_profile
@@ -188,3 +189,9 @@ def test_windowed_quarters_match_float64_on_gloo_ranks() -> None:
            for case, errs in res.items() for name, err in errs.items()
            if not err < window_cases.TOL[case[3]]]
     assert not bad, bad
+
+
+def test_the_home_streams_are_made_by_the_first_plan_that_posts_on_them() -> None:
+    for before, after in run_ranks(visiting_pieces_cases.home_streams_made, 4, timeout_s=120):
+        assert before == ["cross", "kv", "q"]
+        assert after == ["cross", "home_down", "home_up", "kv", "q"]

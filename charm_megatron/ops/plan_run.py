@@ -18,7 +18,12 @@ from charm_megatron.ops.failsafe import GuardedBackend
 from charm_megatron.ops.options import kernel_backend
 from charm_megatron.ops.prepare import Call
 from charm_megatron.ops.row_delta import delta_exponent, scaled_delta
-from charm_megatron.ops.streams import StreamGroups, control_timeout_s, stream_groups
+from charm_megatron.ops.streams import (
+    StreamGroups,
+    control_timeout_s,
+    ensure_streams,
+    stream_groups,
+)
 from charm_megatron.ops.transport import get_transport
 from charm_megatron.plan.core import Plan
 from charm_megatron.plan.head_stage import HeadStage
@@ -153,6 +158,7 @@ def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     fwd, _ = call.plans()
     stage = _stage(call, fwd)
     sg = stream_groups(call.group, call.options.timeout_s)
+    ensure_streams(sg, fwd)
     ex = make_executor(call, sg, q, k, v, Direction.FORWARD, fwd.head_group)
     rank = dist.get_rank(call.group)
     held: dict[str, tuple[torch.Tensor, ...]] = {}
@@ -191,6 +197,7 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         agreement.open_call(sg, timeout_s, forward_call=call.seq)
         sig = agreement.Signature(call.fields(Direction.BACKWARD))
         agreement.agree(sg, sig, call.seq, True, timeout_s)
+    ensure_streams(sg, bwd)
     ex = make_executor(call, sg, q, k, v, Direction.BACKWARD, bwd.head_group, lanes_held=True)
     rank = dist.get_rank(call.group)
     held: dict[str, tuple[torch.Tensor, ...]] = {}

@@ -40,11 +40,17 @@ import torch
 import torch.distributed as dist
 
 from charm_megatron.ops.control import CONTROL_PG_TIMEOUT_S, ControlChannel
-from charm_megatron.plan.core import STREAMS
+from charm_megatron.plan.core import STREAMS, Comm, Plan
+from charm_megatron.plan.vocab import Stream
 
 log = logging.getLogger(__name__)
 
 CONTROL = "control"
+# The streams every CP group gets when its groups are made; the others (the home streams of a
+# split visiting pass's returns) are made by the first call whose plan posts on them
+# (:func:`ensure_streams`), so a job whose plans never use them never holds their
+# communicators.
+BASE_STREAMS = (Stream.KV, Stream.Q, Stream.CROSS)
 
 
 @dataclass(eq=False)
@@ -174,7 +180,7 @@ def _build(group: dist.ProcessGroup, ranks: list[int], timeout_s: float, uid: st
            generation: int) -> StreamGroups:
     backend = str(dist.get_backend(group)).lower()
     groups = {}
-    for name in STREAMS:
+    for name in BASE_STREAMS:
         groups[name] = _new_group(f"charm_cp/{uid}/{generation}/{name}", ranks, backend,
                                   timeout_s, f"charm_cp_{name}")
     control = _new_group(f"charm_cp/{uid}/{generation}/{CONTROL}", ranks, "gloo",
@@ -183,15 +189,37 @@ def _build(group: dist.ProcessGroup, ranks: list[int], timeout_s: float, uid: st
     # bounded by the call instead and an exchange given up on must stay alive until the late
     # rank completes it (ops/control.py).
     _set_op_timeout(control, CONTROL_PG_TIMEOUT_S)
-    if "nccl" in backend:
-        # NCCL creates communicators lazily, and a batched P2P call as a communicator's first
-        # operation must involve every rank; one tiny all-reduce per stream group creates them
-        # up front, collectively.
-        probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
-        for g in groups.values():
-            dist.all_reduce(probe, group=g)
+    _connect(backend, groups.values())
     return StreamGroups(list(ranks), groups, control, uid, generation, timeout_s,
                         weakref.ref(group), channel=ControlChannel(control, len(ranks)))
+
+
+def _connect(backend: str, groups) -> None:
+    """NCCL creates communicators lazily, and a batched P2P call as a communicator's first
+    operation must involve every rank; one tiny all-reduce per stream group creates them up
+    front, collectively (nothing to do on gloo)."""
+    if "nccl" not in backend:
+        return
+    probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+    for g in groups:
+        dist.all_reduce(probe, group=g)
+
+
+def ensure_streams(sg: StreamGroups, plan: Plan) -> None:
+    """Make the groups of the streams ``plan`` posts on that ``sg`` does not hold yet (the
+    home streams, :data:`BASE_STREAMS`). A collective of the CP group's members: every rank
+    runs the same plan (the agreement checks it) and calls this before the plan's first op,
+    so all make the same groups, in :data:`STREAMS` order, under the same names."""
+    used = {op.stream for ops in plan.ops for op in ops if type(op) is Comm}
+    missing = [name for name in STREAMS if name in used and name not in sg.groups]
+    if not missing or sg.size == 1:
+        return
+    group = sg.parent() if sg.parent is not None else None
+    backend = str(dist.get_backend(group if group is not None else dist.group.WORLD)).lower()
+    made = {name: _new_group(f"charm_cp/{sg.uid}/{sg.generation}/{name}", sg.ranks, backend,
+                             sg.timeout_s, f"charm_cp_{name}") for name in missing}
+    _connect(backend, made.values())
+    sg.groups.update(made)
 
 
 def _set_op_timeout(group: dist.ProcessGroup, seconds: float) -> None:
@@ -300,7 +328,7 @@ def rebuild(sg: StreamGroups, generation: int) -> StreamGroups:
     sg.generation = generation
     sg.groups = {name: _new_group(f"charm_cp/{sg.uid}/{sg.generation}/{name}", sg.ranks,
                                   backend, sg.timeout_s, f"charm_cp_{name}")
-                 for name in STREAMS}
+                 for name in BASE_STREAMS}  # the others made again when a plan needs them
     sg.needs_rebuild = False
     for g in old.values():
         if _registered(g):
@@ -308,10 +336,7 @@ def rebuild(sg: StreamGroups, generation: int) -> StreamGroups:
                 dist.destroy_process_group(g)
             except Exception as exc:  # noqa: BLE001
                 log.warning("cp_attention: could not destroy a failed stream group: %s", exc)
-    if "nccl" in backend:
-        probe = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
-        for g in sg.groups.values():
-            dist.all_reduce(probe, group=g)
+    _connect(backend, sg.groups.values())
     return sg
 
 
