@@ -1,4 +1,5 @@
-"""One process group per plan stream, so kv, q and cross traffic really run concurrently, plus a
+"""One process group per plan stream, so kv, q and cross traffic really run concurrently (the home
+streams' only once a plan posts on them: :func:`ensure_streams`), plus a
 CPU control group for the agreement and status checks (ops/agreement.py, over the control
 channel of ops/control.py).
 
