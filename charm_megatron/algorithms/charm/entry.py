@@ -122,6 +122,15 @@ class CharmVariant:
     head_parallel: int = 1
     super_tiles: bool = False
 
+    @property
+    def visiting_split(self) -> str:
+        """The visiting kv split in words, for printouts: ``whole``, ``halves`` (``+home``:
+        their returns on the home streams) or ``quarters``."""
+        if not self.split_visiting:
+            return "whole"
+        name = "quarters" if self.visiting_pieces == 4 else "halves"
+        return name + ("+home" if self.home_stream and self.visiting_pieces == 2 else "")
+
     def __post_init__(self) -> None:
         # A plain string is accepted and stored as its member (the builders compare by `is`).
         object.__setattr__(self, "order", PASS_ORDER.parse(self.order, "CharmVariant"))

@@ -327,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
         fwd, bwd = variants("charm", groups, problem, cluster, causal=args.causal,
                             **settings_from_args(args))
         print(f"# charm as a call with this profile runs it: head_parallel={fwd.head_parallel}, "
-              f"split_visiting {fwd.split_visiting}/{bwd.split_visiting}, split_counterpart_q "
+              f"split_visiting {fwd.visiting_split}/{bwd.visiting_split}, split_counterpart_q "
               f"{fwd.split_counterpart_q}/{bwd.split_counterpart_q}, super_tiles "
               f"{fwd.super_tiles}/{bwd.super_tiles} (fwd/bwd)")
     print(f"{'':12} {'time ms':^29}   {'speedup over ring':^17}   {'busy':^9}   "
