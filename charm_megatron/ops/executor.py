@@ -460,7 +460,12 @@ class Executor(OpInterpreter[None]):
             self._merged(sum(t[:n].numel() * t.element_size() for t in src.tensors))
 
     def _post(self, op: Comm) -> None:
-        group = self.streams.groups[op.stream]
+        group = self.streams.groups.get(op.stream)
+        if group is None:
+            raise RuntimeError(
+                f"{self.what}: the plan posts on stream {str(op.stream)!r}, which has no "
+                f"process group here; ops.streams.ensure_streams(streams, plan) makes the "
+                f"groups a plan needs (all ranks together, before its first op)")
         ranks = self.streams.ranks
         p2p: list[P2P] = []
         keep: list[torch.Tensor] = []
