@@ -10,6 +10,7 @@ from charm_megatron.lab.calibration.testbed import bench_cluster
 from charm_megatron.model import get_profile, variants
 from charm_megatron.model.predict import role_shape
 from charm_megatron.model.sim import simulate
+from charm_megatron.model.timer import ClusterTimer
 from charm_megatron.ops.options import CPOptions
 from charm_megatron.plan import registry
 from charm_megatron.plan.cost import Problem
@@ -272,3 +273,19 @@ def test_call_weighs_charm_with_its_options_splits():
                 cluster) == "ring"
     assert pick(CPOptions(auto_algos=paper), None) == pick(
         CPOptions(split_counterpart_q="off", auto_algos=paper), None)
+
+
+def test_under_a_window_auto_times_each_split_on_the_plan_pruned_to_it():
+    """A sliding window prunes the plan a call runs (plan/prune.py), so auto times the
+    splits on the pruned plans: at Llama-8B-like 64k under a 4k window (h200, 2x8, d = 8)
+    the backward's halves with their returns on the home streams beat whole blocks on the
+    full causal plan but not on the pruned one, where whole blocks stay."""
+    groups = ((0, 1, 2, 3, 4, 5, 6, 7), (8, 9, 10, 11, 12, 13, 14, 15))
+    windowed = Problem(1, 65536, 32, 8, 128, 2, window=(4096, 0))
+    cluster = get_profile("h200").cluster
+    settings = dict(head_parallel=8, split_counterpart_q="off")
+    unpruned = registry.variants("charm", groups, True, shape=role_shape(windowed),
+                                 timer=ClusterTimer(cluster, windowed, groups), **settings)
+    pruned = variants("charm", groups, windowed, cluster, **settings)
+    assert unpruned[1].visiting_split != "whole"  # the full causal plan's pick
+    assert pruned[1].visiting_split == "whole"

@@ -134,7 +134,8 @@ def variants(algo: str, groups: Sequence[Sequence[int]], problem: Problem,
     g = _groups(groups)
     cl = cluster if cluster is not None else default_cluster_for(g)
     return registry.variants(algo, g, causal, shape=role_shape(problem),
-                             timer=ClusterTimer(cl, problem, g), **settings)
+                             timer=ClusterTimer(cl, problem, g),
+                             tiles=problem.tiles(sum(len(x) for x in g), causal), **settings)
 
 
 def rank_algos(groups: Sequence[Sequence[int]], problem: Problem,

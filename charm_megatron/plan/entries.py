@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from charm_megatron.plan.core import Op, Plan
 from charm_megatron.plan.roles import Decision, RoleShape
 from charm_megatron.plan.settings import Setting, Values
+from charm_megatron.plan.tile_rule import TileRule
 from charm_megatron.plan.vocab import Direction
 
 __all__ = ["AUTO", "AUTO_DESCRIPTION", "Algorithm", "CallCheck", "CallTraits", "Groups", "PlanRule", "PlanTimer",
@@ -52,13 +53,16 @@ class PlanTimer(Protocol):
 class VariantContext:
     """What a variant or finish rule may read besides the settings: the ``groups`` as the
     algorithm sees them (flat for ``uses_topology=False``), the mask, the ``shape`` byte and
-    memory rules read (``None``: shape-free) and the ``timer`` (``None``: no profile to
-    predict with)."""
+    memory rules read (``None``: shape-free), the ``timer`` (``None``: no profile to
+    predict with) and a sliding window's ``tiles`` (``None``: full attention), to which the
+    plans a rule times are pruned as the call's are: a variant picked on the unpruned plans
+    can be the slower one under the window."""
 
     groups: Groups
     causal: bool
     shape: RoleShape | None = None
     timer: PlanTimer | None = None
+    tiles: TileRule | None = None
 
 
 #: ``(values of the entry's settings, context) -> (forward variant, backward variant)``.

@@ -265,7 +265,7 @@ def resolve(query: PlanQuery, choose: Chooser | None = None,
     if entry.variants is None and entry.finish is None:
         shape = timer = None  # nothing of the entry reads them: one plan for every shape
     tiles = query.tiles if query.tiles is not None and query.tiles.windowed else None
-    variants = _variants(entry, groups, query.causal, shape, timer, values)
+    variants = _variants(entry, groups, query.causal, shape, timer, values, tiles)
     fwd_bwd = _plans(entry, groups, query.causal, shape, timer, values, tiles)
     return Resolution(entry.name, hardware, groups, variants, fwd_bwd, choice)
 
@@ -273,15 +273,18 @@ def resolve(query: PlanQuery, choose: Chooser | None = None,
 # ---------------------------------------------------------------------------------- plans
 def variants(algo: str, groups: Sequence[Sequence[int]], causal: bool, *,
              shape: RoleShape | None = None, timer: PlanTimer | None = None,
-             **settings: object) -> tuple[Any, Any]:
+             tiles: TileRule | None = None, **settings: object) -> tuple[Any, Any]:
     """The forward and backward variant the builder of ``algo`` runs under ``settings`` (by
     name; the others at their defaults) on ``groups``: its variant rule's, or its settings'
     :class:`Values` for both directions where it has none. ``shape``: what byte and memory
     rules read (``None``: shape-free); ``timer``: the performance model's clock, without
-    which a setting left to the model (a split's ``auto``) is off. Memoised."""
+    which a setting left to the model (a split's ``auto``) is off; ``tiles``: a sliding
+    window's (the plans a rule times are pruned to it). Memoised."""
     entry = get(algo)
+    if tiles is not None and not tiles.windowed:
+        tiles = None
     return _variants(entry, _algo_groups(entry, groups), causal, shape, timer,
-                     _own(entry, settings_values(**settings)))
+                     _own(entry, settings_values(**settings)), tiles)
 
 
 def build_plan(algo: str, direction: Direction | str, groups: Sequence[Sequence[int]],
@@ -298,9 +301,11 @@ def build_plan(algo: str, direction: Direction | str, groups: Sequence[Sequence[
     entry = get(algo)
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
-    ctx = VariantContext(_algo_groups(entry, groups), causal, shape, timer)
+    if tiles is not None and not tiles.windowed:
+        tiles = None
+    ctx = VariantContext(_algo_groups(entry, groups), causal, shape, timer, tiles)
     fwd, bwd = _variants(entry, ctx.groups, causal, shape, timer,
-                         _own(entry, settings_values(**settings)))
+                         _own(entry, settings_values(**settings)), tiles)
     return _build(entry, Direction(direction), ctx, fwd if direction == "forward" else bwd,
                   tiles)
 
@@ -338,10 +343,11 @@ def _own(entry: Algorithm, values: Values) -> Values:
 
 @lru_cache(maxsize=256)
 def _variants(entry: Algorithm, groups: Groups, causal: bool, shape: RoleShape | None,
-              timer: PlanTimer | None, values: Values) -> tuple[Any, Any]:
+              timer: PlanTimer | None, values: Values,
+              tiles: TileRule | None = None) -> tuple[Any, Any]:
     if entry.variants is None:
         return values, values
-    return entry.variants(values, VariantContext(groups, causal, shape, timer))
+    return entry.variants(values, VariantContext(groups, causal, shape, timer, tiles))
 
 
 def _build(entry: Algorithm, direction: Direction, ctx: VariantContext, variant: Any,
@@ -369,7 +375,7 @@ def _plans(entry: Algorithm, groups: Groups, causal: bool, shape: RoleShape | No
            timer: PlanTimer | None, values: Values,
            tiles: TileRule | None = None) -> tuple[Plan, Plan]:
     # Keyed on the entry itself (not its name), so a re-registered name never hits old plans.
-    ctx = VariantContext(groups, causal, shape, timer)
-    fwd, bwd = _variants(entry, groups, causal, shape, timer, values)
+    ctx = VariantContext(groups, causal, shape, timer, tiles)
+    fwd, bwd = _variants(entry, groups, causal, shape, timer, values, tiles)
     return (_build(entry, Direction.FORWARD, ctx, fwd, tiles),
             _build(entry, Direction.BACKWARD, ctx, bwd, tiles))

@@ -38,6 +38,7 @@ from charm_megatron.plan.entries import (
 from charm_megatron.plan.fuse import SUPER_TILES, fuse_ops
 from charm_megatron.plan.head_stage import lift_ops, super_groups
 from charm_megatron.plan.memory import BOUND, max_peak, peak
+from charm_megatron.plan.prune import prune
 from charm_megatron.plan.roles import Decision, RoleChoice, RoleShape
 from charm_megatron.plan.settings import Setting, Values
 from charm_megatron.plan.validate import PlanError, validate
@@ -361,9 +362,14 @@ def _plan(direction: Direction, ctx: VariantContext, variant: CharmVariant) -> P
 
 @lru_cache(maxsize=256)
 def _plan_cached(direction: Direction, ctx: VariantContext, variant: CharmVariant) -> Plan:
-    # The rule times plans with two or more groups, which only charm builds.
-    plan = assemble("charm", charm_rank, direction, ctx.groups, ctx.causal, variant)
-    return charm_finish(plan, ctx, variant)
+    # The rule times plans with two or more groups, which only charm builds. Under a window
+    # the call runs the plan pruned to it (plan/registry.py's _build), so that is the one
+    # timed: whole blocks can win there where a split wins on the full causal plan.
+    plan = charm_finish(assemble("charm", charm_rank, direction, ctx.groups, ctx.causal,
+                                 variant), ctx, variant)
+    if ctx.tiles is not None and ctx.tiles.windowed:
+        plan = prune(plan, ctx.tiles.for_lanes(plan.head_group))
+    return plan
 
 
 def charm_finish(plan: Plan, ctx: VariantContext, variant: CharmVariant) -> Plan:
