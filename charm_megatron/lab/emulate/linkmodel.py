@@ -75,7 +75,6 @@ message: ``max(now, busy until) + bytes/rate + latency``), no pairing.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import math
 import os
@@ -83,14 +82,14 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from charm_megatron.lab.emulate.cluster import NIC_MODELS
 from charm_megatron.lab.emulate.link_fill import fill, used_at
 from charm_megatron.lab.emulate.link_work import LinkWork, ThrottledWork
+from charm_megatron.lab.emulate.locked import Locked
 from charm_megatron.lab.emulate.rates import parse_rate
 
 if TYPE_CHECKING:
@@ -109,49 +108,7 @@ _SLOT = struct.Struct("=dddQ")  # send posted, receive posted, arrival (NaN: not
 KEEP_PAST_S = 60.0
 
 
-class _Locked:
-    """A thread lock plus, with ``path``, an ``flock`` on that file: one section at a time
-    among the threads of this process and every process that opens the same file."""
-
-    keep_open = True  # False: open the file for each section (a mailbox per pair and channel)
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self._fd: int | None = None
-        self._pid = 0
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_lock"] = None
-        state["_fd"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def _held(self) -> Iterator[int | None]:
-        with self._lock:
-            if self.path is None:
-                yield None
-                return
-            if self._fd is None or self._pid != os.getpid():  # a forked copy: own description
-                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-                self._pid = os.getpid()
-            fd = self._fd
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                yield fd
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                if not self.keep_open:
-                    os.close(fd)
-                    self._fd = None
-
-
-class LinkModel(_Locked):
+class LinkModel(Locked):
     """One modelled link direction (a port): each message on it reaches at most ``rate`` (tc
     units or bytes/s), all messages at once at most ``port_rate`` (``None``: ``rate``, one
     message fills the port), plus a fixed ``latency_s``.
@@ -270,7 +227,7 @@ def book_message(egress: LinkModel, ingress: LinkModel, earliest: float, nbytes:
     return end + latency_s
 
 
-class _PairBox(_Locked):
+class _PairBox(Locked):
     """The mailbox of one (src, dst, channel): slot k holds the k-th send's and the k-th
     receive's post times, the sender's byte count, and the message's arrival once booked.
     Its file is opened per use: a long run makes new communicators, so new mailboxes."""
