@@ -160,6 +160,9 @@ class Executor(OpInterpreter[None]):
         # before it on the stream) and at the end of a call (synchronize).
         self._before_post = getattr(backend, "before_post", None)
         self._synchronize = getattr(backend, "synchronize", None)
+        # An emulated GPU on links that serve in virtual start order must say when its call
+        # has posted everything, so no rank's link wait waits on it during the status exchange.
+        self._posts_done = getattr(backend, "posts_done", None)
 
     # ---------------------------------------------------------------------------- buffers
     def _alloc(self, kind: Kind, wire: bool, rows: Half = Half.FULL,
@@ -509,6 +512,12 @@ class Executor(OpInterpreter[None]):
                                                   for t in self._view(x.loc, x.half)))
                                      for x in (*op.sends, *op.recvs)], op.stream,
                          works=list(zip(peer_of, works)))
+
+    def posts_done(self) -> None:
+        """This rank posts nothing more in this call (a timed device's hook; real kernels:
+        nothing)."""
+        if self._posts_done is not None:
+            self._posts_done()
 
     def synchronize(self) -> None:
         """The host waits for the work this rank's device still has queued (a timed device's;

@@ -87,6 +87,7 @@ def _run_and_share(call: Call, sg: StreamGroups, ex: Executor, work: Callable[[]
     except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
         exc, code = e, agreement.BROKEN
         sg.needs_rebuild = True
+    ex.posts_done()  # before the status exchange, which no rank's link wait may wait on
     if exc is None and ex.backend.error is not None:
         exc, code = ex.backend.error, agreement.RAISED
     if sg.size == 1 or not call.checked:

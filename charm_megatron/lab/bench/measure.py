@@ -114,6 +114,9 @@ class _CallClock:
         microseconds)."""
         if self.virtual is None:
             return time.perf_counter()
+        # Leave the idle floor first (start-order links, lab/emulate/floors.py): the time
+        # every rank then shares is no earlier than the one its floor took.
+        self.virtual.begin()
         latest = torch.tensor([time.monotonic()], dtype=torch.float64)
         dist.all_reduce(latest, op=dist.ReduceOp.MAX)
         return self.virtual.begin(float(latest))

@@ -118,8 +118,13 @@ def run_software(job: Job, groups: int, per_group: int, cross: str, intra: str |
     run's record)."""
     world = groups * per_group
     with tempfile.TemporaryDirectory(prefix="charm-bench-links-") as state:
+        # On every rank's virtual clock the links serve in virtual start order (ranks
+        # publish their floors, lab/emulate/link_order.py), so the device times do not hang
+        # on how this machine scheduled the ranks' processes.
+        order = job.cfg.device is not None and job.cfg.device.device_clock == "virtual"
         if links is not None:
-            spec = SoftwareLinks.from_links(groups, per_group, links, state_dir=state)
+            spec = SoftwareLinks.from_links(groups, per_group, links, state_dir=state,
+                                            start_order=order)
         else:
             spec = SoftwareLinks(groups, per_group, cross, intra, nic, state_dir=state,
                                  latency_s=latency_s)

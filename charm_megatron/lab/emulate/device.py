@@ -297,6 +297,12 @@ class TimedBackend:
         if self.timeline is not None:
             self.timeline.synced()
 
+    def posts_done(self) -> None:
+        """The executor has posted everything of this call (before its status exchange): on
+        start-order links the rank's floor is idle until its next call (:mod:`.floors`)."""
+        if self.virtual is not None:
+            self.virtual.posts_done()
+
     def _drain(self) -> None:
         """Sleep until the device's queue ends on the wall clock. On the virtual clock too:
         the wall must not run behind the times the rank books and reports (causality among

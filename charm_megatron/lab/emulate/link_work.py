@@ -60,9 +60,12 @@ class LinkWork(ThrottledWork):
     which exists once both sides posted (module doc). ``deadline`` is ``None`` until then."""
 
     def __init__(self, work: Any, box: Any, index: int, what: str,
-                 timeout_s: float) -> None:
+                 timeout_s: float, order: Any = None) -> None:
         super().__init__(work, math.nan)
         self.box, self.index, self.what, self.timeout_s = box, index, what, timeout_s
+        # start-order links (link_order.Await): the message is served once no earlier one
+        # can come; the wait publishes this rank's lookahead and serves what is due meanwhile
+        self.order = order
         self._arrival: float | None = None
 
     @property  # type: ignore[override]
@@ -77,10 +80,21 @@ class LinkWork(ThrottledWork):
 
     def wait(self, timeout: Any = None) -> bool:
         """Wait for the real transfer, then (bounded by ``timeout``, a ``timedelta`` or
-        seconds, else ``timeout_s``) for the other side's post, then for the arrival."""
-        self._wait_real(timeout)
+        seconds, else ``timeout_s``) for the other side's post, then for the arrival. On
+        start-order links: first (bounded alike) until the message is served, then for the
+        real transfer and the arrival."""
         bound = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        limit = time.monotonic() + float(bound if bound is not None else self.timeout_s)
+        seconds = float(bound if bound is not None else self.timeout_s)
+        if self.order is not None:
+            # The arrival first: a host blocked in the real op's wait would publish no
+            # lookahead; once served, both sides have posted their real ops, which complete.
+            arrival = self._arrival = self.order.arrival(time.monotonic() + seconds, self.what)
+            self._wait_real(timeout)
+            _sleep_until(arrival)
+            self._arrived(arrival)
+            return True
+        self._wait_real(timeout)
+        limit = time.monotonic() + seconds
         pause = 0.0005
         while (arrival := self.deadline) is None:
             if time.monotonic() > limit:

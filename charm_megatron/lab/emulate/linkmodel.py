@@ -87,7 +87,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from charm_megatron.lab.emulate.cluster import NIC_MODELS
+from charm_megatron.lab.emulate.floors import FloorBoard, FloorSlot
 from charm_megatron.lab.emulate.link_fill import fill, used_at
+from charm_megatron.lab.emulate.link_order import Await, Matched, StartOrder
 from charm_megatron.lab.emulate.link_work import LinkWork, ThrottledWork
 from charm_megatron.lab.emulate.locked import Locked
 from charm_megatron.lab.emulate.rates import parse_rate
@@ -258,9 +260,11 @@ class _PairBox(Locked):
         return list(_HEAD.unpack(raw)) if len(raw) == _HEAD.size else [0, 0]
 
     def post(self, send: bool, now: float, nbytes: int,
-             book: Callable[[float, int], float]) -> int:
+             book: Callable[[float, int], float] | None) -> tuple[int, float, int]:
         """One side posts its next op on the pair: it takes the next slot of its side; if the
-        other side is there already, ``book(start, bytes)`` books the message. Returns k."""
+        other side is there already, ``book(start, bytes)`` books the message (``None``: left
+        unbooked, the start-order links serve it later, :mod:`.link_order`). Returns k, the
+        message's start (NaN: the other side has not posted yet) and its bytes."""
         with self._held() as fd:
             counts = self._counts(fd)
             side = 0 if send else 1
@@ -274,16 +278,31 @@ class _PairBox(Locked):
             slot[side] = now
             if send:
                 slot[3] = int(nbytes)
-            other = slot[1 - side]
+            other, start = slot[1 - side], math.nan
             if not math.isnan(other):
-                slot[2] = book(max(now, other), int(slot[3]))
+                start = max(now, other)
+                if book is not None:
+                    slot[2] = book(start, int(slot[3]))
             self._put(fd, k, slot)
-            return k
+            return k, start, int(slot[3])
 
     def arrival(self, k: int) -> float | None:
         with self._held() as fd:
             t = self._get(fd, k)[2]
         return None if math.isnan(t) else t
+
+    def slot(self, k: int) -> tuple[float, float, float, int]:
+        """Slot k as it stands: send posted, receive posted, arrival (NaN: not yet), bytes."""
+        with self._held() as fd:
+            send_t, recv_t, arrival, nbytes = self._get(fd, k)
+        return send_t, recv_t, arrival, int(nbytes)
+
+    def deliver(self, k: int, arrival: float) -> None:
+        """Message k was served (start-order links): its arrival, for both sides' waits."""
+        with self._held() as fd:
+            slot = self._get(fd, k)
+            slot[2] = arrival
+            self._put(fd, k, slot)
 
 
 def _nbytes(tensor: Any) -> int:
@@ -322,6 +341,10 @@ class SoftwareLinks:
     ``tempfile.mkdtemp()`` made by the launcher) holds the links' reservations and the pairs'
     mailboxes: required when ranks run in separate processes. ``pair_timeout_s`` bounds a
     ``wait()`` on the other side's post when the caller gives no timeout. Module doc: the rule.
+    ``start_order``: serve messages in virtual start order, not in the order they are booked
+    on the wall clock (:mod:`.link_order`); every rank must then post through a
+    :class:`LinkTransport` that follows its virtual clock (the bench's ``--device-clock
+    virtual``), whose floors it waits for.
     """
 
     groups: int
@@ -334,6 +357,7 @@ class SoftwareLinks:
     pair_timeout_s: float = 300.0
     intra_port_rate: str | float | None = None
     cross_port_rate: str | float | None = None
+    start_order: bool = False
     # Tells this spec's in-process links apart from another's when there is no state_dir.
     token: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False, repr=False)
 
@@ -398,6 +422,25 @@ class SoftwareLinks:
     def pair(self, src: int, dst: int, channel: str) -> _PairBox:
         return self._shared(f"pair-{src}-{dst}-{channel}.fifo", _PairBox)
 
+    def floors(self) -> FloorBoard:
+        """Every rank's floor (:mod:`.floors`), for the start-order links."""
+        return self._shared("floors", lambda path: FloorBoard(
+            path, self.groups * self.ranks_per_group))
+
+    def start_queue(self) -> StartOrder:
+        """The matched messages waiting to be served in start order (:mod:`.link_order`)."""
+        board = self.floors()  # made first: _shared's lock is not re-entrant
+        return self._shared("order.queue", lambda path: StartOrder(
+            path, board, self._book_matched, self._deliver))
+
+    def _book_matched(self, m: Matched) -> float:
+        links = self.links(m.src, m.dst)
+        assert links is not None  # free links are never queued
+        return book_message(links[0], links[1], m.start, m.nbytes, self.latency_s)
+
+    def _deliver(self, m: Matched, arrival: float) -> None:
+        self.pair(m.src, m.dst, m.channel).deliver(m.k, arrival)
+
     def for_rank(self, rank: int) -> RankLinks:
         """The links ``rank`` uses."""
         if self.nic not in NIC_MODELS:
@@ -428,11 +471,13 @@ class RankLinks:
         return self.cross_out if outgoing else self.cross_in
 
     def post(self, nbytes: int, peer: int, outgoing: bool, group: Any = None,
-             tag: int = 0, at: float | None = None) -> ThrottledWork:
+             tag: int = 0, at: float | None = None, clock: Any = None) -> ThrottledWork:
         """Post one side of a message *before* the real op is posted (so the peer can never
         see the bytes before the mailbox entry); ``attach`` the real handle after. ``at``:
         the post's time (``time.monotonic`` s; default now), e.g. a rank's virtual time at
-        which the data is ready (:mod:`.virtual_time`): the booking starts no earlier."""
+        which the data is ready (:mod:`.virtual_time`): the booking starts no earlier.
+        ``clock``: that virtual clock, required on start-order links (the wait publishes its
+        lookahead on it, :mod:`.link_order`)."""
         src, dst = (self.rank, peer) if outgoing else (peer, self.rank)
         links = self.spec.links(src, dst)
         if links is None:
@@ -444,11 +489,28 @@ class RankLinks:
         def book(start: float, size: int) -> float:
             return book_message(links[0], links[1], start, size, latency)
 
-        k = box.post(outgoing, time.monotonic() if at is None else at, int(nbytes), book)
+        ordered = self.spec.start_order
+        if ordered and (at is None or clock is None):
+            raise ValueError("start-order software links serve messages by virtual start: "
+                             "every post needs its rank's virtual clock and its time on it "
+                             "(LinkTransport with a VirtualTime)")
+        now = time.monotonic() if at is None else at
+        k, start, size = box.post(outgoing, now, int(nbytes), None if ordered else book)
         what = (f"rank {self.rank}'s " + (f"send #{k} to rank {dst}" if outgoing
                                           else f"receive #{k} from rank {src}")
                 + f" (channel {channel})")
-        return LinkWork(None, box, k, what, self.spec.pair_timeout_s)
+        if not ordered:
+            return LinkWork(None, box, k, what, self.spec.pair_timeout_s)
+        queue = self.spec.start_queue()
+        if not math.isnan(start):  # this post matched the message
+            message = Matched(start, src, dst, channel, k, size)
+            if size > 0:
+                queue.add(message)
+            else:  # reserves nothing: the order cannot matter
+                box.deliver(k, book(start, 0))
+        wait = Await(queue, clock, box, k, outgoing, peer, now, int(nbytes),
+                     min(links[0].rate, links[1].rate), latency)
+        return LinkWork(None, box, k, what, self.spec.pair_timeout_s, order=wait)
 
     def wrap(self, work: Any, nbytes: int, peer: int, outgoing: bool, group: Any = None,
              tag: int = 0) -> ThrottledWork:
@@ -496,11 +558,15 @@ class LinkTransport:
 
             inner = TorchTransport()
         self.links, self.inner = links, inner
-        self.clock = clock
+        self.follow(clock)
 
     def follow(self, clock: Any) -> None:
-        """Book on ``clock`` (a :class:`~.virtual_time.VirtualTime`; ``None``: the wall)."""
+        """Book on ``clock`` (a :class:`~.virtual_time.VirtualTime`; ``None``: the wall). On
+        start-order links the clock publishes this rank's floor (:mod:`.floors`)."""
         self.clock = clock
+        spec = self.links.spec
+        if clock is not None and spec.start_order:
+            clock.publish_floor(FloorSlot(spec.floors(), self.links.rank))
 
     def _post_time(self) -> float | None:
         """The batch's virtual post time (``None``: now, on the wall clock), after sleeping
@@ -520,7 +586,8 @@ class LinkTransport:
 
     def post(self, ops: list) -> list[ThrottledWork]:
         at = self._post_time()
-        handles = [self.links.post(op.nbytes, op.peer, op.send, op.group, at=at) for op in ops]
+        handles = [self.links.post(op.nbytes, op.peer, op.send, op.group, at=at,
+                                   clock=self.clock) for op in ops]
         if self.clock is not None:
             for h in handles:
                 h.on_arrival = self.clock.arrived

@@ -26,6 +26,14 @@ Between calls the host is not modelled (barriers, other contenders, Python): the
 lazily at the first op or post after a call ended (:meth:`end_call`: untimed calls such as the
 memory probe or a tuning warm-up then do not book their messages seconds in the past).
 
+On start-order links (:mod:`.link_order`) the clock also publishes the rank's *floor*
+(:mod:`.floors`), a time before which it posts nothing more: ``ready()`` while the host runs (a
+post is booked at ``ready()``, which only grows within a call), the lookahead of the message
+it waits for while it waits (:meth:`waiting`), and *idle* between calls and once the call's
+posts are done (:meth:`posts_done`): its next post is then in a later call, whose re-anchoring
+at the wall clock takes its time from the floor board (``FloorBoard.wake``), after every rank
+that read it idle.
+
 The object is one per rank and shared by everything that rank's device and links do (the
 bench's ranks hold two timed devices, ours and TransformerEngine's kernel curve: one GPU, one
 timeline). Thread-safe: the executor's waits may run on other threads.
@@ -39,6 +47,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from typing import Any
 
 
 class VirtualTime:
@@ -49,15 +58,53 @@ class VirtualTime:
         self.busy_until = -math.inf
         self._idle = True  # between calls: re-anchor at the wall clock on the next use
         self._lock = threading.Lock()
+        # Start-order links: this rank's slot on the floor board (floors.FloorSlot), the floor
+        # last published, and whether the call's posts are done (its floor idle until the
+        # next call).
+        self.floor: Any = None
+        self._published = math.nan
+        self._done = False
+
+    def publish_floor(self, slot: Any) -> None:
+        """Publish this rank's floor to ``slot`` (a :class:`~.floors.FloorSlot`) from now on."""
+        with self._lock:
+            self.floor = slot
+            self._published = math.nan
+            if self._idle or self._done:
+                slot.idle()
+            else:
+                self._publish()
+
+    def _publish(self, floor: float = -math.inf) -> None:
+        """The floor is ``ready()`` or ``floor`` if later (caller holds the lock; nothing
+        while the rank's posts are done, its floor idle)."""
+        if self.floor is None or self._idle or self._done:
+            return
+        value = max(self.host_t, self.busy_until, floor)
+        if value != self._published:
+            self._published = value
+            self.floor.publish(value)
+
+    def _wake(self) -> None:
+        """Leave the idle floor before the clock is re-anchored (caller holds the lock): the
+        board's time for it is at or before the wall time the anchor reads next."""
+        if self.floor is not None and (self._idle or self._done):
+            self._published = self.floor.wake()
+        self._done = False
 
     def begin(self, at: float | None = None) -> float:
         """A call starts at ``at`` (``time.monotonic`` s, already past; default now): the
         clock is re-anchored there (never moved back); returns the call's virtual start. The
-        bench passes every rank the same ``at``, when the last rank reached the call."""
+        bench passes every rank the same ``at``, when the last rank reached the call. On
+        start-order links ``at`` must be no earlier than when this clock left its idle floor:
+        the bench calls ``begin()`` once before it reads the time it shares (its floor is
+        then the wall clock's, and every rank's ``at`` is later)."""
         with self._lock:
+            self._wake()
             self._idle = False
             self.host_t = max(self.host_t, self.busy_until,
                               time.monotonic() if at is None else at)
+            self._publish()
             return self.host_t
 
     def end_call(self) -> None:
@@ -66,11 +113,32 @@ class VirtualTime:
         with self._lock:
             self.host_t = max(self.host_t, self.busy_until)
             self._idle = True
+            if self.floor is not None:
+                self.floor.idle()
+
+    def posts_done(self) -> None:
+        """The call has posted everything it posts (the executor, before its status exchange,
+        a collective that must not wait on this rank's floor): until the next call the floor
+        is idle."""
+        with self._lock:
+            if self.floor is not None and not self._done:
+                self._done = True
+                self.floor.idle()
+
+    def waiting(self, lookahead: float) -> None:
+        """The host waits for a message and posts nothing before ``lookahead`` (its earliest
+        arrival, :mod:`.link_order`) until the wait returns: the floor says so."""
+        with self._lock:
+            self._publish(lookahead)
 
     def _anchor(self) -> None:
         if self._idle:  # caller holds the lock
+            self._wake()
             self._idle = False
             self.host_t = max(self.host_t, self.busy_until, time.monotonic())
+            self._publish()
+        elif self._done:  # a post after the call's posts were done: served late if need be
+            self._wake()
 
     def arrived(self, t: float | None) -> None:
         """The host waited on a message that arrived at ``t`` (None or NaN: no modelled
@@ -80,12 +148,14 @@ class VirtualTime:
         with self._lock:
             self._anchor()
             self.host_t = max(self.host_t, t)
+            self._publish()
 
     def synced(self) -> None:
         """The host waited for the device: everything queued on it is done."""
         with self._lock:
             self._anchor()
             self.host_t = max(self.host_t, self.busy_until)
+            self._publish()
 
     def start(self) -> float:
         """When an op queued now starts on the device: when it is free and the host has what
@@ -129,6 +199,10 @@ class WallTime(VirtualTime):
     def _anchor(self) -> None:
         self._idle = False  # caller holds the lock
         self.host_t = max(self.host_t, time.perf_counter())
+
+    def publish_floor(self, slot: Any) -> None:
+        raise ValueError("the wall-clock device has no floor: start-order software links "
+                         "need every rank on a virtual clock")
 
     def now(self) -> float:
         """The wall clock's now: the host's time is never modelled here."""

@@ -1,0 +1,108 @@
+"""The rank functions of the start-order links' gloo tests (module level so the forkserver can
+pickle them): tests/test_link_start_order.py."""
+
+from __future__ import annotations
+
+import datetime
+import random
+import time
+
+import torch
+import torch.distributed as dist
+import virtual_clock_cases as cases
+
+from charm_megatron.lab.emulate import SoftwareLinks
+from charm_megatron.lab.emulate.virtual_time import VirtualTime
+from charm_megatron.ops.transport import P2P
+
+TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _common_start(virtual: VirtualTime) -> float:
+    """Every rank's call starts at one time, as the bench's (``_CallClock.start``)."""
+    from charm_megatron.lab.bench.measure import _CallClock
+
+    dist.barrier()
+    return _CallClock(virtual).start()
+
+
+def late_early_sender(rank: int, world: int, spec: SoftwareLinks, nbytes: int,
+                      tile_wall_s: float, late_s: float) -> dict:
+    """2 nodes of 2 ranks on one NIC each: rank 0 sends to rank 2 at the call's start, but its
+    host sleeps ``late_s`` before posting; rank 1 runs a tile, then sends to rank 3, posting
+    before rank 0 on the wall and later in virtual time. Ranks 2 and 3 receive at once. Each
+    rank's start, its message's arrival and its call's virtual end."""
+    virtual = VirtualTime()
+    dev = cases.timed_device(tile_wall_s, virtual)
+    transport = spec.for_rank(rank).transport(clock=virtual)
+    buf = torch.zeros(nbytes // 4)
+    start = _common_start(virtual)
+    if rank == 0:
+        time.sleep(late_s)  # a host that runs late on the crowded machine
+        dev.before_post()
+        op = P2P(True, buf, 2)
+    elif rank == 1:
+        cases.tile(dev)
+        dev.before_post()
+        op = P2P(True, buf, 3)
+    else:
+        dev.before_post()
+        op = P2P(False, buf, rank - 2)
+    (work,) = transport.post([op])
+    work.wait(TIMEOUT)
+    dev.posts_done()
+    dev.synchronize()
+    return {"start": start, "arrival": work.deadline, "end": virtual.now(),
+            "late": spec.start_queue().late if spec.start_order else 0}
+
+
+def all_to_all(rank: int, world: int, spec: SoftwareLinks, nbytes: int, seeds: list) -> list:
+    """One all-to-all per entry of ``seeds``, each a call of its own: every rank sends
+    ``nbytes`` to every other and receives from each, all at the call's start in virtual
+    time, posting one message at a time in a wall order that ``seed`` shuffles across the
+    ranks (``None``: rank order). Each call's arrivals, from its start, by (src, dst)."""
+    virtual = VirtualTime()
+    transport = spec.for_rank(rank).transport(clock=virtual)
+    peers = [p for p in range(world) if p != rank]
+    out = []
+    for seed in seeds:
+        ops = [(True, p) for p in peers] + [(False, p) for p in peers]
+        if seed is None:
+            delay = {op: 0.02 * rank for op in ops}  # rank 0 first, then 1, ...
+        else:
+            rng = random.Random(seed * 1000 + rank)
+            rng.shuffle(ops)
+            delay = {op: rng.uniform(0.0, 0.08) for op in ops}
+        start = _common_start(virtual)
+        works = []
+        for send, peer in ops:
+            time.sleep(delay[(send, peer)])
+            buf = torch.zeros(nbytes // 4)
+            (w,) = transport.post([P2P(send, buf, peer)])
+            works.append(((rank, peer) if send else (peer, rank), w))
+        for _, w in works:
+            w.wait(TIMEOUT)
+        virtual.posts_done()
+        virtual.end_call()
+        out.append({key: w.deadline - start for key, w in works})
+    return out
+
+
+def stuck_rank(rank: int, world: int, spec: SoftwareLinks, nbytes: int, stuck_s: float,
+               wait_s: float) -> str:
+    """Rank 0 sends to rank 1; rank 2 starts the call with them and never posts (its host
+    stuck for ``stuck_s``). Ranks 0 and 1: the error their wait raised (``wait_s``), and how
+    long it took."""
+    virtual = VirtualTime()
+    transport = spec.for_rank(rank).transport(clock=virtual)
+    _common_start(virtual)
+    if rank == 2:
+        time.sleep(stuck_s)
+        return ""
+    t0 = time.monotonic()
+    (work,) = transport.post([P2P(rank == 0, torch.zeros(nbytes // 4), 1 - rank)])
+    try:
+        work.wait(datetime.timedelta(seconds=wait_s))
+    except TimeoutError as exc:
+        return f"{time.monotonic() - t0:.3f} {exc}"
+    return "served"
