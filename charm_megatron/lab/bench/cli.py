@@ -171,8 +171,11 @@ def register(parser: argparse.ArgumentParser) -> None:
                         "flight")
     d.add_argument("--device-clock", choices=DEVICE_CLOCKS,
                    help="virtual (default; netns: async): ops and posts on each rank's "
-                        "virtual clock, the host's lateness not counted; async: ops queued "
-                        "on the wall clock; sync: every op sleeps at its call (docs/emulator.md)")
+                        "virtual clock, the host's lateness not counted, the software links "
+                        "serving messages in virtual start order; virtual-post-order: the "
+                        "same clock, the links booking messages in wall-clock post order (an "
+                        "A/B of the links' order); async: ops queued on the wall clock; sync: "
+                        "every op sleeps at its call (docs/emulator.md)")
     d.add_argument("--sync-device", action="store_const", const="sync", dest="device_clock",
                    help="--device-clock sync (kept for older scripts)")
 
@@ -357,7 +360,7 @@ def _device_clock(args) -> str:
     modelled arrivals for the virtual clock to take its host time from."""
     netns = args.emulate_backend == "netns"
     clock = args.device_clock or ("async" if netns else "virtual")
-    if clock == "virtual" and netns:
+    if clock.startswith("virtual") and netns:
         raise ValueError("--device-clock virtual needs the software links (the default "
                          "--emulate-backend): with netns use --device-clock async or sync")
     return clock

@@ -44,7 +44,10 @@ MAX_DILATION = 5000.0
 #: How a rank's timed device keeps time (``--device-clock``, docs/emulator.md): ``virtual``
 #: (ops and posts on the rank's virtual clock, calls timed on it; issue 41), ``async`` (ops
 #: queued on the wall clock, a747235), ``sync`` (every op slept at its call, before issue 41).
-DEVICE_CLOCKS = ("virtual", "async", "sync")
+#: ``virtual-post-order``: the virtual clock with the software links booking each message when
+#: its second side posts, in wall-clock order (as before 2026-12-06's start order), for an A/B
+#: of the links' order (docs/emulator.md, *The links' order*).
+DEVICE_CLOCKS = ("virtual", "virtual-post-order", "async", "sync")
 #: Default size of a q block on the wire: large enough that per-message costs stay small next to
 #: the bytes, small enough that 32 ranks' messages fit 2 cores' copy rate.
 DEFAULT_WIRE_BYTES = 256 * 1024
@@ -89,16 +92,27 @@ class DeviceSetup:
         return get_profile(self.profile).cluster
 
     @property
+    def on_virtual_clock(self) -> bool:
+        """Ops, posts and calls on each rank's virtual clock (``virtual``,
+        ``virtual-post-order``)."""
+        return self.device_clock.startswith("virtual")
+
+    @property
+    def links_in_start_order(self) -> bool:
+        """The software links serve messages in virtual start order (``virtual``)."""
+        return self.device_clock == "virtual"
+
+    @property
     def synchronous(self) -> bool:
         """Every op sleeps at its call (the device of before issue 41)."""
         return self.device_clock == "sync"
 
     def virtual_time(self):
-        """A new virtual clock for one rank (``None`` unless ``device_clock`` is ``virtual``):
+        """A new virtual clock for one rank (``None`` unless on one, :attr:`on_virtual_clock`):
         the rank's timed devices (:meth:`backend`) and its software links share it."""
         from charm_megatron.lab.emulate.virtual_time import VirtualTime
 
-        return VirtualTime() if self.device_clock == "virtual" else None
+        return VirtualTime() if self.on_virtual_clock else None
 
     @property
     def bytes_scale(self) -> int:
@@ -165,7 +179,7 @@ class DeviceSetup:
         ``virtual``: the rank's virtual clock with ``device_clock="virtual"`` (one per rank
         for all its devices and links; ``None``: a new one, :meth:`virtual_time`, which the
         rank's software links must then follow, ``LinkTransport.follow(device.virtual)``)."""
-        if virtual is not None and self.device_clock != "virtual":
+        if virtual is not None and not self.on_virtual_clock:
             raise ValueError(f"device_clock {self.device_clock!r}: no virtual clock wanted")
         if virtual is None:
             virtual = self.virtual_time()

@@ -121,7 +121,7 @@ def run_software(job: Job, groups: int, per_group: int, cross: str, intra: str |
         # On every rank's virtual clock the links serve in virtual start order (ranks
         # publish their floors, lab/emulate/link_order.py), so the device times do not hang
         # on how this machine scheduled the ranks' processes.
-        order = job.cfg.device is not None and job.cfg.device.device_clock == "virtual"
+        order = job.cfg.device is not None and job.cfg.device.links_in_start_order
         if links is not None:
             spec = SoftwareLinks.from_links(groups, per_group, links, state_dir=state,
                                             start_order=order)

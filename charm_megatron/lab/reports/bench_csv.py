@@ -102,7 +102,9 @@ class BenchRow:
     dilation: float | None = None
     wire_scale: str | None = None  # e.g. "16x14"
     # virtual: the timed device's ops and posts on each rank's virtual clock, calls timed on
-    # it (--device-clock virtual, issue 41); async: ops queued like a GPU's stream on the wall
+    # it (--device-clock virtual, issue 41; the software links in virtual start order since
+    # 2026-12-06, virtual-post-order: in wall post order); async: ops queued like a GPU's
+    # stream on the wall
     # clock; sync: every op slept at its call (--sync-device, and every run before the
     # column), the host's own CPU work then in the device time.
     device_clock: str | None = None
