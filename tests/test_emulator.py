@@ -4,6 +4,7 @@ the performance model does, and an emulated run's ring matches the textbook ring
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 import torch
@@ -199,6 +200,9 @@ def test_an_emulated_windowed_run_times_the_windowed_plans(tmp_path):
                      "ring,charm", "--window", "1024", "--dtype", "bf16", "--warmup", "1",
                      "--iters", "2", "--out", str(out), "--no-plot", "--quiet"]) == 0
     rows = list(csv.DictReader(open(out / "results.csv")))
+    assert {r["device_clock"] for r in rows} == {"virtual"}  # links in virtual start order
+    notes = json.load(open(out / "results.json"))["meta"]["notes"]
+    assert not [n for n in notes if "start-order" in n]  # every message served in order
     assert {r["window"] for r in rows} == {"1024,0"}
     assert {r["algo"] for r in rows} == {"ring", "charm"}
     for r in rows:

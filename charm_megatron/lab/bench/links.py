@@ -61,6 +61,15 @@ def booked_cross_bytes() -> int | None:
     return int(_INSTALLED[0].cross_out.bytes_posted)
 
 
+def late_bookings() -> int | None:
+    """Messages the start-order links served after one that started later (a rank's floor was
+    wrong, lab/emulate/link_order.py; 0 when the order held). None: not installed or links
+    booked in wall order."""
+    if not _INSTALLED or not _INSTALLED[0].spec.start_order:
+        return None
+    return _INSTALLED[0].spec.start_queue().late
+
+
 class SoftwareLinkSetup:
     """Picklable ``setup(rank, world)`` hook for ``run_ranks``: install the model in the child."""
 

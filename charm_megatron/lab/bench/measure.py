@@ -301,6 +301,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict[str, Any]:
         "memory_method": _memory_method(cfg, device),
         "points": points_out,
         "links_booked_cross_bytes": links.booked_cross_bytes(),
+        "links_late_bookings": links.late_bookings(),
     }
 
 

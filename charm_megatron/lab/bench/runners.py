@@ -152,6 +152,13 @@ def run_software(job: Job, groups: int, per_group: int, cross: str, intra: str |
                "traffic bypassed it, so this run was PLAIN LOOPBACK with no slow link")
         info.notes.append(msg)
         log(msg)
+    late = max((r.get("links_late_bookings") or 0 for r in results), default=0)
+    if late:
+        msg = (f"WARNING: the start-order software links served {late} message(s) after one "
+               "that started later in virtual time (a rank's floor was wrong; "
+               "docs/emulator.md, The links' order)")
+        info.notes.append(msg)
+        log(msg)
     info.notes.append("software link model: rates as configured by construction; CPU cost of a "
                       "network stack and TCP sharing are not modelled (docs/topology.md)")
     return results, info
