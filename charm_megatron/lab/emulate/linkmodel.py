@@ -32,7 +32,12 @@ time in the pair's mailbox), so links serve messages in the order they start. A 
 time is the wall clock's at its post, or, on a rank's virtual clock
 (:mod:`charm_megatron.lab.emulate.virtual_time`, ``LinkTransport(clock=...)``), the virtual
 time at which its data was ready, possibly a little in the past: the message then takes what
-the bookings made before it left on its links from that time on. Both sides'
+the bookings made before it left on its links from that time on. With
+``SoftwareLinks(start_order=True)`` (every rank on a virtual clock: the bench's ``--device-clock
+virtual``) the second side does not book it: it waits, queued, until no message that starts
+earlier can still be posted (the ranks' floors), and is then booked in virtual start order
+(:mod:`.link_order`), so the order of service does not depend on which host posted first on
+the wall clock. Both sides'
 ``wait()`` return no earlier than the arrival: a send completes when its bytes have arrived
 (as the model completes a batch when all its messages arrived, and as NCCL's point-to-point
 does), so a waited send whose receiver has not posted yet blocks until it does (bounded by
@@ -61,8 +66,9 @@ the machine shares (``time.monotonic`` is machine-wide); the pairs' mailboxes li
 
 Where it differs from the model (``model/sim.py``): the links always serve in start order
 (the model's profiles share fairly unless told ``link_order="fifo"``, which the bench does);
-the order is the order of bookings, whose start times are post times taken before the locks,
-so two posts a few microseconds apart may be served in the other order; the model activates a
+without ``start_order`` the order is the order of bookings on the wall clock, whose start
+times are post times taken before the locks, so two posts a few microseconds apart (or, on a
+virtual clock, a late host's early post) may be served in the other order; the model activates a
 stream's batches one after another, here each op is booked when posted; no intra bus,
 ``cross_via_intra``, burst buckets or concurrency penalty. The emulator's own limits
 (docs/topology.md): no CPU contention in a network stack or TCP fair sharing, and a transfer
