@@ -8,7 +8,9 @@
 * :class:`LinkModel` / :class:`SoftwareLinks` - the fallback without namespaces: a send and
   its receive complete no earlier than the message could arrive over the sender's egress and
   the receiver's ingress, from the later of the two posts (the performance model's rule); a
-  rank's links are the executor's transport :class:`LinkTransport` (ops/transport.py).
+  rank's links are the executor's transport :class:`LinkTransport` (ops/transport.py). On
+  the ranks' virtual clocks they serve messages in virtual start order (``link_order``: a
+  message waits until every rank's floor, ``floors``, has passed its start).
 
 Importing this package does not import torch.
 """
