@@ -58,25 +58,25 @@ def late_early_sender(rank: int, world: int, spec: SoftwareLinks, nbytes: int,
 
 def all_to_all(rank: int, world: int, spec: SoftwareLinks, nbytes: int, seeds: list) -> list:
     """One all-to-all per entry of ``seeds``, each a call of its own: every rank sends
-    ``nbytes`` to every other and receives from each, all at the call's start in virtual
-    time, posting one message at a time in a wall order that ``seed`` shuffles across the
-    ranks (``None``: rank order). Each call's arrivals, from its start, by (src, dst)."""
+    ``nbytes`` to every other and receives from each (its sends, then its receives, one post
+    each), all at the call's start in virtual time, the hosts posting on the wall in an order
+    that ``seed`` shuffles across the ranks and their posts (``None``: rank 0's posts first,
+    then rank 1's, ...). Each call's arrivals, from its start, by (src, dst)."""
     virtual = VirtualTime()
     transport = spec.for_rank(rank).transport(clock=virtual)
     peers = [p for p in range(world) if p != rank]
+    ops = [(True, p) for p in peers] + [(False, p) for p in peers]
     out = []
     for seed in seeds:
-        ops = [(True, p) for p in peers] + [(False, p) for p in peers]
         if seed is None:
-            delay = {op: 0.02 * rank for op in ops}  # rank 0 first, then 1, ...
+            delay = [0.05 * rank] + [0.0] * (len(ops) - 1)
         else:
             rng = random.Random(seed * 1000 + rank)
-            rng.shuffle(ops)
-            delay = {op: rng.uniform(0.0, 0.08) for op in ops}
+            delay = [rng.uniform(0.0, 0.03) for _ in ops]
         start = _common_start(virtual)
         works = []
-        for send, peer in ops:
-            time.sleep(delay[(send, peer)])
+        for (send, peer), pause in zip(ops, delay):
+            time.sleep(pause)
             buf = torch.zeros(nbytes // 4)
             (w,) = transport.post([P2P(send, buf, peer)])
             works.append(((rank, peer) if send else (peer, rank), w))

@@ -8,7 +8,8 @@ the wall clock* left on its links: a host that runs late on this machine posts a
 early start after another rank's with a later one, and queues behind it. Here a message whose
 both sides have posted waits in a queue (:class:`StartOrder`, ``order.queue`` in the links'
 ``state_dir``) until no message that starts earlier can still be posted; the queue then books
-its due messages in key order, ``(start, src, dst, channel, k)``, with the links' own
+its due messages in key order (the start, then as the model orders messages of one start:
+:class:`Matched`), with the links' own
 :func:`~.linkmodel.book_message`, and writes each arrival into its pair's mailbox.
 
 **What can still come** is bounded by the ranks' *floors* (:mod:`.floors`): each rank's
@@ -57,19 +58,34 @@ from charm_megatron.lab.emulate.floors import FloorBoard
 from charm_megatron.lab.emulate.locked import Locked
 
 _QUEUE_HEAD = struct.Struct("=QQd")  # messages waiting, late ones so far, latest start served
-_ENTRY = struct.Struct("=dQIIQ16s")  # start, bytes, src, dst, k, channel
+_ENTRY = struct.Struct("=dIQIIQ16sQ")  # start, completer, its post, src, dst, k, channel, bytes
 
 
 @dataclass(frozen=True, order=True)
 class Matched:
-    """A message both of whose sides have posted: served in the order of these fields."""
+    """A message both of whose sides have posted: served in the order of these fields. Among
+    messages of one start, as the model (``model/sim.py``) starts them: by the rank whose post
+    completed the message at that start (the later side; the higher rank when both posted at
+    once, the model advancing ranks in order), then in that rank's program order (its post
+    number on these links), so a rank's batches and a batch's messages go in posted order."""
 
     start: float
+    completer: int
+    post: int
     src: int
     dst: int
-    channel: str
     k: int
+    channel: str
     nbytes: int = field(compare=False)
+
+    @classmethod
+    def of(cls, src: int, dst: int, channel: str, k: int, nbytes: int,
+           send: tuple[float, int], recv: tuple[float, int]) -> Matched:
+        """Message ``k`` of ``src`` -> ``dst`` on ``channel``, from its sides' (virtual post
+        time, post number on its rank)."""
+        later_is_send = send[0] > recv[0] or (send[0] == recv[0] and src > dst)
+        completer, post = (src, send[1]) if later_is_send else (dst, recv[1])
+        return cls(max(send[0], recv[0]), completer, post, src, dst, k, channel, nbytes)
 
 
 class StartOrder(Locked):
@@ -95,8 +111,9 @@ class StartOrder(Locked):
         n, late, served = _QUEUE_HEAD.unpack(raw)
         body = os.pread(fd, n * _ENTRY.size, _QUEUE_HEAD.size)
         waiting = []
-        for start, nbytes, src, dst, k, channel in _ENTRY.iter_unpack(body):
-            waiting.append(Matched(start, src, dst, channel.decode(), k, nbytes))
+        for start, completer, post, src, dst, k, channel, nbytes in _ENTRY.iter_unpack(body):
+            waiting.append(Matched(start, completer, post, src, dst, k, channel.decode(),
+                                   nbytes))
         return waiting, late, served
 
     def _write(self, fd: int | None, waiting: list[Matched], late: int, served: float) -> None:
@@ -104,7 +121,8 @@ class StartOrder(Locked):
             self._local = (waiting, late, served)
             return
         data = _QUEUE_HEAD.pack(len(waiting), late, served) + b"".join(
-            _ENTRY.pack(m.start, m.nbytes, m.src, m.dst, m.k, m.channel.encode())
+            _ENTRY.pack(m.start, m.completer, m.post, m.src, m.dst, m.k, m.channel.encode(),
+                        m.nbytes)
             for m in waiting)
         os.pwrite(fd, data, 0)
         os.ftruncate(fd, len(data))

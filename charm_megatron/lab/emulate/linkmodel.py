@@ -109,7 +109,10 @@ __all__ = ["LinkModel", "LinkTransport", "LinkWork", "RankLinks", "SoftwareLinks
 _HEADER = struct.Struct("=QQQ")  # a link's bytes posted, transfers posted, segments stored
 _SEGMENT = struct.Struct("=ddd")  # one reservation: from, until (monotonic s), bytes/s
 _HEAD = struct.Struct("=QQ")  # a pair's sends posted, receives posted
-_SLOT = struct.Struct("=dddQ")  # send posted, receive posted, arrival (NaN: not yet), bytes
+# send posted, receive posted, arrival (NaN: not yet), bytes, and each side's post number on
+# its rank (-1: not posted; the start-order links break ties of start by it)
+_SLOT = struct.Struct("=dddQqq")
+_EMPTY_SLOT = (math.nan, math.nan, math.nan, 0, -1, -1)
 #: Reservations that ended this long before now are dropped from a link's state: a booking's
 #: start (a post time) lags the clock by the locks it waited for and, on a rank's virtual clock,
 #: by how late its host runs (``LinkTransport`` refuses a lag of over half of this).
@@ -249,9 +252,9 @@ class _PairBox(Locked):
 
     def _get(self, fd: int | None, k: int) -> list:
         if fd is None:
-            return list(self._slots.get(k, (math.nan, math.nan, math.nan, 0)))
+            return list(self._slots.get(k, _EMPTY_SLOT))
         raw = os.pread(fd, _SLOT.size, _HEAD.size + k * _SLOT.size)
-        return list(_SLOT.unpack(raw)) if len(raw) == _SLOT.size else [math.nan] * 3 + [0]
+        return list(_SLOT.unpack(raw)) if len(raw) == _SLOT.size else list(_EMPTY_SLOT)
 
     def _put(self, fd: int | None, k: int, slot: list) -> None:
         if fd is None:
@@ -266,11 +269,12 @@ class _PairBox(Locked):
         return list(_HEAD.unpack(raw)) if len(raw) == _HEAD.size else [0, 0]
 
     def post(self, send: bool, now: float, nbytes: int,
-             book: Callable[[float, int], float] | None) -> tuple[int, float, int]:
+             book: Callable[[float, int], float] | None, seq: int = -1) -> tuple[int, list]:
         """One side posts its next op on the pair: it takes the next slot of its side; if the
         other side is there already, ``book(start, bytes)`` books the message (``None``: left
-        unbooked, the start-order links serve it later, :mod:`.link_order`). Returns k, the
-        message's start (NaN: the other side has not posted yet) and its bytes."""
+        unbooked, the start-order links serve it later, :mod:`.link_order`). ``seq``: the
+        post's number on its rank. Returns k and the slot as this post left it (send posted,
+        receive posted, arrival, bytes, send's number, receive's number)."""
         with self._held() as fd:
             counts = self._counts(fd)
             side = 0 if send else 1
@@ -282,15 +286,14 @@ class _PairBox(Locked):
                 os.pwrite(fd, _HEAD.pack(*counts), 0)
             slot = self._get(fd, k)
             slot[side] = now
+            slot[4 + side] = seq
             if send:
                 slot[3] = int(nbytes)
-            other, start = slot[1 - side], math.nan
-            if not math.isnan(other):
-                start = max(now, other)
-                if book is not None:
-                    slot[2] = book(start, int(slot[3]))
+            other = slot[1 - side]
+            if not math.isnan(other) and book is not None:
+                slot[2] = book(max(now, other), int(slot[3]))
             self._put(fd, k, slot)
-            return k, start, int(slot[3])
+            return k, slot
 
     def arrival(self, k: int) -> float | None:
         with self._held() as fd:
@@ -300,7 +303,7 @@ class _PairBox(Locked):
     def slot(self, k: int) -> tuple[float, float, float, int]:
         """Slot k as it stands: send posted, receive posted, arrival (NaN: not yet), bytes."""
         with self._held() as fd:
-            send_t, recv_t, arrival, nbytes = self._get(fd, k)
+            send_t, recv_t, arrival, nbytes = self._get(fd, k)[:4]
         return send_t, recv_t, arrival, int(nbytes)
 
     def deliver(self, k: int, arrival: float) -> None:
@@ -466,6 +469,7 @@ class RankLinks:
                  intra: tuple[LinkModel, LinkModel] | None) -> None:
         self.spec, self.rank = spec, rank
         self.cross_out, self.cross_in, self.intra = cross_out, cross_in, intra
+        self._posts = 0  # this rank's posts so far, in program order (ties of start order)
 
     def same_node(self, peer: int) -> bool:
         return self.spec.node(peer) == self.spec.node(self.rank)
@@ -501,19 +505,22 @@ class RankLinks:
                              "every post needs its rank's virtual clock and its time on it "
                              "(LinkTransport with a VirtualTime)")
         now = time.monotonic() if at is None else at
-        k, start, size = box.post(outgoing, now, int(nbytes), None if ordered else book)
+        self._posts += 1
+        k, slot = box.post(outgoing, now, int(nbytes), None if ordered else book, self._posts)
         what = (f"rank {self.rank}'s " + (f"send #{k} to rank {dst}" if outgoing
                                           else f"receive #{k} from rank {src}")
                 + f" (channel {channel})")
         if not ordered:
             return LinkWork(None, box, k, what, self.spec.pair_timeout_s)
         queue = self.spec.start_queue()
-        if not math.isnan(start):  # this post matched the message
-            message = Matched(start, src, dst, channel, k, size)
+        send_t, recv_t, _, size, send_seq, recv_seq = slot
+        if not (math.isnan(send_t) or math.isnan(recv_t)):  # this post matched the message
+            message = Matched.of(src, dst, channel, k, size, (send_t, send_seq),
+                                 (recv_t, recv_seq))
             if size > 0:
                 queue.add(message)
             else:  # reserves nothing: the order cannot matter
-                box.deliver(k, book(start, 0))
+                box.deliver(k, book(message.start, 0))
         wait = Await(queue, clock, box, k, outgoing, peer, now, int(nbytes),
                      min(links[0].rate, links[1].rate), latency)
         return LinkWork(None, box, k, what, self.spec.pair_timeout_s, order=wait)
