@@ -66,8 +66,9 @@ def test_an_all_to_all_posted_in_any_wall_order_gets_the_arrivals_of_rank_order(
     assert len(ordered) == 12
     # Node 0's egress carries four messages to node 1, one at a time. All start together;
     # each was completed by its receiver (the higher rank, as the model advances ranks in
-    # order), so they go by receiver, then in its program order (from rank 0, then 1).
-    for n, key in enumerate([(0, 2), (1, 2), (0, 3), (1, 3)]):
+    # order), each post a batch of its own: they go by the receiver's batch number (its
+    # receive from rank 0 is its 4th, from rank 1 its 5th), then by receiver.
+    for n, key in enumerate([(0, 2), (0, 3), (1, 2), (1, 3)]):
         assert ordered[key] == pytest.approx((n + 1) * MOVE_S + LATENCY_S, abs=1e-9)
     for shuffled in calls[1:]:
         assert shuffled.keys() == ordered.keys()

@@ -95,7 +95,7 @@ from typing import TYPE_CHECKING, Any
 from charm_megatron.lab.emulate.cluster import NIC_MODELS
 from charm_megatron.lab.emulate.floors import FloorBoard, FloorSlot
 from charm_megatron.lab.emulate.link_fill import fill, used_at
-from charm_megatron.lab.emulate.link_order import Await, Matched, StartOrder
+from charm_megatron.lab.emulate.link_order import BATCH_SEQ, Await, Matched, StartOrder
 from charm_megatron.lab.emulate.link_work import LinkWork, ThrottledWork
 from charm_megatron.lab.emulate.locked import Locked
 from charm_megatron.lab.emulate.rates import parse_rate
@@ -469,7 +469,7 @@ class RankLinks:
                  intra: tuple[LinkModel, LinkModel] | None) -> None:
         self.spec, self.rank = spec, rank
         self.cross_out, self.cross_in, self.intra = cross_out, cross_in, intra
-        self._posts = 0  # this rank's posts so far, in program order (ties of start order)
+        self._posts = 0  # this rank's posts so far, a post's number when not given one
 
     def same_node(self, peer: int) -> bool:
         return self.spec.node(peer) == self.spec.node(self.rank)
@@ -481,13 +481,15 @@ class RankLinks:
         return self.cross_out if outgoing else self.cross_in
 
     def post(self, nbytes: int, peer: int, outgoing: bool, group: Any = None,
-             tag: int = 0, at: float | None = None, clock: Any = None) -> ThrottledWork:
+             tag: int = 0, at: float | None = None, clock: Any = None,
+             seq: int | None = None) -> ThrottledWork:
         """Post one side of a message *before* the real op is posted (so the peer can never
         see the bytes before the mailbox entry); ``attach`` the real handle after. ``at``:
         the post's time (``time.monotonic`` s; default now), e.g. a rank's virtual time at
         which the data is ready (:mod:`.virtual_time`): the booking starts no earlier.
         ``clock``: that virtual clock, required on start-order links (the wait publishes its
-        lookahead on it, :mod:`.link_order`)."""
+        lookahead on it, :mod:`.link_order`); ``seq``: the post's number on its rank, which
+        orders messages of one start there (``link_order.Matched``; default: its count)."""
         src, dst = (self.rank, peer) if outgoing else (peer, self.rank)
         links = self.spec.links(src, dst)
         if links is None:
@@ -506,7 +508,8 @@ class RankLinks:
                              "(LinkTransport with a VirtualTime)")
         now = time.monotonic() if at is None else at
         self._posts += 1
-        k, slot = box.post(outgoing, now, int(nbytes), None if ordered else book, self._posts)
+        k, slot = box.post(outgoing, now, int(nbytes), None if ordered else book,
+                           self._posts if seq is None else seq)
         what = (f"rank {self.rank}'s " + (f"send #{k} to rank {dst}" if outgoing
                                           else f"receive #{k} from rank {src}")
                 + f" (channel {channel})")
@@ -571,6 +574,7 @@ class LinkTransport:
 
             inner = TorchTransport()
         self.links, self.inner = links, inner
+        self._call = self._batches = 0
         self.follow(clock)
 
     def follow(self, clock: Any) -> None:
@@ -599,8 +603,14 @@ class LinkTransport:
 
     def post(self, ops: list) -> list[ThrottledWork]:
         at = self._post_time()
+        seqs: list[int | None] = [None] * len(ops)
+        if self.clock is not None:  # numbered by batch in the call (start order's ties)
+            if self.clock.calls != self._call:
+                self._call, self._batches = self.clock.calls, 0
+            self._batches += 1
+            seqs = [self._batches * BATCH_SEQ + i for i in range(len(ops))]
         handles = [self.links.post(op.nbytes, op.peer, op.send, op.group, at=at,
-                                   clock=self.clock) for op in ops]
+                                   clock=self.clock, seq=seq) for op, seq in zip(ops, seqs)]
         if self.clock is not None:
             for h in handles:
                 h.on_arrival = self.clock.arrived

@@ -64,6 +64,7 @@ class VirtualTime:
         self.floor: Any = None
         self._published = math.nan
         self._done = False
+        self.calls = 0  # calls begun (the clock left its idle state), for the links' tie order
 
     def publish_floor(self, slot: Any) -> None:
         """Publish this rank's floor to ``slot`` (a :class:`~.floors.FloorSlot`) from now on."""
@@ -101,6 +102,8 @@ class VirtualTime:
         then the wall clock's, and every rank's ``at`` is later)."""
         with self._lock:
             self._wake()
+            if self._idle:
+                self.calls += 1
             self._idle = False
             self.host_t = max(self.host_t, self.busy_until,
                               time.monotonic() if at is None else at)
@@ -134,6 +137,7 @@ class VirtualTime:
     def _anchor(self) -> None:
         if self._idle:  # caller holds the lock
             self._wake()
+            self.calls += 1
             self._idle = False
             self.host_t = max(self.host_t, self.busy_until, time.monotonic())
             self._publish()
