@@ -39,7 +39,8 @@ in order on the calling thread, and autograd runs a CPU backward on it too), the
 a wait holds only then; every rank on the links follows a virtual clock that publishes its
 floor (``SoftwareLinks.start_order`` is for runs where they all do); and a rank posts nothing
 after it declared its call's posts done (:meth:`~.virtual_time.VirtualTime.posts_done`, called
-before the executor's status exchange, a collective no link message precedes). A message that
+before the executor's status exchange, a collective that waits for every rank and after which
+the call posts nothing on the links). A message that
 comes with a start below one already served (a floor was wrong) is still booked, taking what is
 left, and counted (:attr:`StartOrder.late`).
 """
