@@ -171,11 +171,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         "flight")
     d.add_argument("--device-clock", choices=DEVICE_CLOCKS,
                    help="virtual (default; netns: async): ops and posts on each rank's "
-                        "virtual clock, the host's lateness not counted, the software links "
-                        "serving messages in virtual start order; virtual-post-order: the "
-                        "same clock, the links booking messages in wall-clock post order (an "
-                        "A/B of the links' order); async: ops queued on the wall clock; sync: "
-                        "every op sleeps at its call (docs/emulator.md)")
+                        "virtual clock, the links serving in virtual start order; "
+                        "virtual-post-order: the links in wall post order (an A/B); async: "
+                        "ops queued on the wall clock; sync: every op sleeps at its call")
     d.add_argument("--sync-device", action="store_const", const="sync", dest="device_clock",
                    help="--device-clock sync (kept for older scripts)")
 

@@ -24,9 +24,9 @@ from charm_megatron.lab.emulate.cluster import (
     enter,
 )
 from charm_megatron.lab.emulate.cluster_ranks import run_ranks_in_cluster
+from charm_megatron.lab.emulate.link_transport import LinkTransport
 from charm_megatron.lab.emulate.linkmodel import (
     LinkModel,
-    LinkTransport,
     RankLinks,
     SoftwareLinks,
     ThrottledWork,

@@ -93,9 +93,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from charm_megatron.lab.emulate.cluster import NIC_MODELS
-from charm_megatron.lab.emulate.floors import FloorBoard, FloorSlot
+from charm_megatron.lab.emulate.floors import FloorBoard
 from charm_megatron.lab.emulate.link_fill import fill, used_at
-from charm_megatron.lab.emulate.link_order import BATCH_SEQ, Await, Matched, StartOrder
+from charm_megatron.lab.emulate.link_order import Await, Matched, StartOrder
 from charm_megatron.lab.emulate.link_work import LinkWork, ThrottledWork
 from charm_megatron.lab.emulate.locked import Locked
 from charm_megatron.lab.emulate.rates import parse_rate
@@ -103,7 +103,7 @@ from charm_megatron.lab.emulate.rates import parse_rate
 if TYPE_CHECKING:
     from charm_megatron.model.links import Links
 
-__all__ = ["LinkModel", "LinkTransport", "LinkWork", "RankLinks", "SoftwareLinks",
+__all__ = ["LinkModel", "LinkWork", "RankLinks", "SoftwareLinks",
            "ThrottledWork", "book_message", "fill"]
 
 _HEADER = struct.Struct("=QQQ")  # a link's bytes posted, transfers posted, segments stored
@@ -546,79 +546,9 @@ class RankLinks:
         handle = self.post(_nbytes(tensor), src, False, group, tag)
         return handle.attach(dist.irecv(tensor, src, group=group, tag=tag))
 
-    def transport(self, inner: Any = None, clock: Any = None) -> LinkTransport:
+    def transport(self, inner: Any = None, clock: Any = None) -> Any:
         """The executor's transport over these links (:class:`LinkTransport`; ``clock``: the
         rank's virtual clock)."""
+        from charm_megatron.lab.emulate.link_transport import LinkTransport
+
         return LinkTransport(self, inner, clock)
-
-
-class LinkTransport:
-    """A transport (ops/transport.py) that books every op on its modelled links: each op of a
-    batch is posted to :class:`RankLinks` (its side of the message, module doc), then the batch
-    goes through ``inner`` (default: torch.distributed) and each real handle is attached, so
-    its ``wait()`` returns no earlier than the message could have arrived. gloo only: it needs
-    one handle per op (NCCL gives one per batch).
-
-    ``clock``: the rank's virtual clock (:class:`~.virtual_time.VirtualTime`, the emulated GPU
-    cluster's default; :meth:`follow` sets it later): a batch is booked at the clock's
-    :meth:`~.virtual_time.VirtualTime.ready` time (its data is ready then) instead of the wall
-    clock's now, and each handle's wait reports its message's arrival to the clock. A host
-    early for that time sleeps until it, so wall and virtual time agree while the host is on
-    time."""
-
-    name = "software_links"
-
-    def __init__(self, links: RankLinks, inner: Any = None, clock: Any = None) -> None:
-        if inner is None:
-            from charm_megatron.ops.transport import TorchTransport
-
-            inner = TorchTransport()
-        self.links, self.inner = links, inner
-        self._call = self._batches = 0
-        self.follow(clock)
-
-    def follow(self, clock: Any) -> None:
-        """Book on ``clock`` (a :class:`~.virtual_time.VirtualTime`; ``None``: the wall). On
-        start-order links the clock publishes this rank's floor (:mod:`.floors`)."""
-        self.clock = clock
-        spec = self.links.spec
-        if clock is not None and spec.start_order:
-            clock.publish_floor(FloorSlot(spec.floors(), self.links.rank))
-
-    def _post_time(self) -> float | None:
-        """The batch's virtual post time (``None``: now, on the wall clock), after sleeping
-        until it if the host is early."""
-        if self.clock is None:
-            return None
-        at = self.clock.ready()
-        lag = time.monotonic() - at
-        if lag < 0:
-            time.sleep(-lag)
-        elif lag > KEEP_PAST_S / 2:
-            raise RuntimeError(
-                f"software link model: rank {self.links.rank}'s virtual clock trails the wall "
-                f"by {lag:.1f} s, more than the links keep ({KEEP_PAST_S:g} s / 2): this "
-                "machine's cores cannot keep up with the emulated devices (raise --dilation)")
-        return at
-
-    def post(self, ops: list) -> list[ThrottledWork]:
-        at = self._post_time()
-        seqs: list[int | None] = [None] * len(ops)
-        if self.clock is not None:  # numbered by batch in the call (start order's ties)
-            if self.clock.calls != self._call:
-                self._call, self._batches = self.clock.calls, 0
-            self._batches += 1
-            seqs = [self._batches * BATCH_SEQ + i for i in range(len(ops))]
-        handles = [self.links.post(op.nbytes, op.peer, op.send, op.group, at=at,
-                                   clock=self.clock, seq=seq) for op, seq in zip(ops, seqs)]
-        if self.clock is not None:
-            for h in handles:
-                h.on_arrival = self.clock.arrived
-        works = list(self.inner.post(ops))
-        if len(works) != len(ops):
-            raise RuntimeError("software link model: the backend coalesced a P2P batch; it "
-                               "only works with gloo (one work handle per operation)")
-        return [h.attach(w) for h, w in zip(handles, works)]
-
-    def __repr__(self) -> str:
-        return f"LinkTransport(rank {self.links.rank})"
