@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from charm_megatron.ops.control import CONTROL_PG_TIMEOUT_S, ControlChannel
-from charm_megatron.plan.core import STREAMS, Comm, Plan
+from charm_megatron.plan.core import STREAMS, Plan
 from charm_megatron.plan.vocab import Stream
 
 log = logging.getLogger(__name__)
@@ -211,8 +211,7 @@ def ensure_streams(sg: StreamGroups, plan: Plan) -> None:
     home streams, :data:`BASE_STREAMS`). A collective of the CP group's members: every rank
     runs the same plan (the agreement checks it) and calls this before the plan's first op,
     so all make the same groups, in :data:`STREAMS` order, under the same names."""
-    used = {op.stream for ops in plan.ops for op in ops if type(op) is Comm}
-    missing = [name for name in STREAMS if name in used and name not in sg.groups]
+    missing = [name for name in STREAMS if name in plan.streams and name not in sg.groups]
     if not missing or sg.size == 1:
         return
     group = sg.parent() if sg.parent is not None else None

@@ -341,6 +341,12 @@ class Plan:
             return lane_rule(self.n, self.head_group, self.causal)
         return full_rule(self.n, self.causal)
 
+    @functools.cached_property
+    def streams(self) -> frozenset[Stream]:
+        """The streams any rank of the plan posts on. Computed once per plan: a call's plans
+        are memoised and shared, and their ops do not change after assembly."""
+        return frozenset(op.stream for ops in self.ops for op in ops if type(op) is Comm)
+
     def comms(self, rank: int) -> list[Comm]:
         """``rank``'s batches, in posted order."""
         return [op for op in self.ops[rank] if type(op) is Comm]
