@@ -350,3 +350,33 @@ def check_clean_failure(res: list, bad: int, algo: str, where: str) -> None:
             assert f"algo={algo}, {where}" in text, text
         assert took < 30, (rank, took)
         assert err < 1e-5, (rank, err)  # the next calls are correct on every rank
+
+
+def home_stream_creation_fails(rank: int, world: int, bad_rank: int):
+    """``bad_rank`` fails to make the home streams' communicators at the first call whose
+    backward posts on them (a quarters split), then every rank makes ordinary calls. Returns
+    (error text of the failed call, seconds it took, the stream groups held after the next
+    call, error of the next call vs float64)."""
+    from charm_megatron.ops import streams
+
+    made = streams._new_group
+    failed = []
+
+    def fail_once(name, *args, **kw):
+        if rank == bad_rank and "/home_" in name and not failed:
+            failed.append(name)
+            raise RuntimeError("injected communicator failure")
+        return made(name, *args, **kw)
+
+    streams._new_group = fail_once
+    quarters = dict(split_visiting="quarters", roles="kv")
+    t0 = time.monotonic()
+    text = "no error"
+    try:
+        one_call(rank, world, "charm", "2x2", s_per_rank=8, options=opts(**quarters))
+    except (RuntimeError, CPAttentionError) as exc:
+        text = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - t0
+    err = one_call(rank, world, "charm", "2x2", s_per_rank=8, seed=11, options=opts(**quarters))
+    held = sorted(str(s) for s in streams.stream_groups(None).groups)
+    return text, took, held, err

@@ -136,3 +136,17 @@ def test_missing_peer_error_says_what_happened(stage, expect):
     if stage == "transfer":
         assert "peer rank(s) [1]" in text and "algo=ring" in text, text
     assert took < 3 * cases.TIMEOUT_S, took
+
+
+def test_a_failed_home_stream_creation_is_shared_and_the_next_call_rebuilds():
+    # The home streams' communicators are made by the first backward that posts on them: a
+    # failure there is every rank's error (the injected one on rank 3, its creation's on the
+    # others, within the bound), and the next call, on rebuilt communicators, is exact.
+    res = run_ranks(cases.home_stream_creation_fails, 4, 3, timeout_s=JOB_S)
+    for rank, (text, took, held, err) in enumerate(res):
+        assert text != "no error", rank
+        assert "creating the communicators of stream(s) ['home_up', 'home_down']" in text, text
+        assert ("injected communicator failure" in text) == (rank == 3), text
+        assert took < 30, (rank, took)
+        assert "home_up" in held and "home_down" in held, held
+        assert err < 1e-5, (rank, err)

@@ -159,12 +159,13 @@ def run_forward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     fwd, _ = call.plans()
     stage = _stage(call, fwd)
     sg = stream_groups(call.group, call.options.timeout_s)
-    ensure_streams(sg, fwd)
     ex = make_executor(call, sg, q, k, v, Direction.FORWARD, fwd.head_group)
     rank = dist.get_rank(call.group)
     held: dict[str, tuple[torch.Tensor, ...]] = {}
 
     def work() -> None:
+        # Inside the guarded work: a creation that fails is shared like a failed transfer.
+        ensure_streams(sg, fwd)
         qs, ks, vs = (q, k, v) if stage is None else _into_lanes(call, ex, stage, rank,
                                                                  q, k, v)
         ex.set_own("own.q", "q", qs)
@@ -198,12 +199,12 @@ def run_backward(call: Call, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         agreement.open_call(sg, timeout_s, forward_call=call.seq)
         sig = agreement.Signature(call.fields(Direction.BACKWARD))
         agreement.agree(sg, sig, call.seq, True, timeout_s)
-    ensure_streams(sg, bwd)
     ex = make_executor(call, sg, q, k, v, Direction.BACKWARD, bwd.head_group, lanes_held=True)
     rank = dist.get_rank(call.group)
     held: dict[str, tuple[torch.Tensor, ...]] = {}
 
     def work() -> None:
+        ensure_streams(sg, bwd)
         d_out = dout.to(q.dtype)
         if stage is not None:
             (d_out,) = _into_lanes(call, ex, stage, rank, d_out)

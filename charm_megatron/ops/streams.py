@@ -216,9 +216,26 @@ def ensure_streams(sg: StreamGroups, plan: Plan) -> None:
         return
     group = sg.parent() if sg.parent is not None else None
     backend = str(dist.get_backend(group if group is not None else dist.group.WORLD)).lower()
-    made = {name: _new_group(f"charm_cp/{sg.uid}/{sg.generation}/{name}", sg.ranks, backend,
-                             sg.timeout_s, f"charm_cp_{name}") for name in missing}
-    _connect(backend, made.values())
+    made: dict[str, dist.ProcessGroup] = {}
+    try:
+        for name in missing:
+            made[name] = _new_group(f"charm_cp/{sg.uid}/{sg.generation}/{name}", sg.ranks,
+                                    backend, sg.timeout_s, f"charm_cp_{name}")
+        _connect(backend, made.values())
+    except Exception as exc:
+        # Half-made groups are never used: the caller (ops/plan_run.py) runs this inside the
+        # call's guarded work, so the failure marks the communicators for rebuilding, which
+        # every rank does together at its next call under a new generation's names.
+        sg.needs_rebuild = True
+        for g in made.values():
+            _destroy_quietly(g)
+        raise RuntimeError(
+            f"cp_attention: creating the communicators of stream(s) "
+            f"{[str(n) for n in missing]} of CP group {sg.ranks} failed "
+            f"({type(exc).__name__}: {exc}). Likely causes: a rank of the CP group did not "
+            "reach this call or died, or is still busy past CHARM_COMM_TIMEOUT_S / "
+            "CPOptions.timeout_s; every rank rebuilds its communicators at the next call"
+        ) from exc
     sg.groups.update(made)
 
 
@@ -231,13 +248,17 @@ def _set_op_timeout(group: dist.ProcessGroup, seconds: float) -> None:
     setter(_timeout(seconds), group)
 
 
+def _destroy_quietly(g: dist.ProcessGroup) -> None:
+    if _registered(g):
+        try:
+            dist.destroy_process_group(g)
+        except Exception as exc:  # noqa: BLE001 - a broken group may fail to shut down
+            log.warning("cp_attention: could not destroy a stream group: %s", exc)
+
+
 def _destroy(sg: StreamGroups) -> None:
     for g in sg._all():
-        if _registered(g):
-            try:
-                dist.destroy_process_group(g)
-            except Exception as exc:  # noqa: BLE001 - a broken group may fail to shut down
-                log.warning("cp_attention: could not destroy a stream group: %s", exc)
+        _destroy_quietly(g)
     sg.groups, sg.control = {}, None
 
 
