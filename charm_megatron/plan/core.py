@@ -36,7 +36,7 @@ from charm_megatron.plan.vocab import RESULT, Direction, Half, Kind, Loc, Stream
 __all__ = [
     "STREAMS", "Comm", "Direction", "Half", "Kind", "Loc", "Merge", "Op", "OpInterpreter",
     "Plan", "Reset", "Stream", "SuperTile", "Tile", "TileBwd", "TileSpec", "Wait", "Xfer",
-    "format_op", "tile_spec",
+    "diagonal_sub_tiles", "format_op", "tile_spec",
 ]
 
 STREAMS = tuple(Stream)
@@ -77,6 +77,22 @@ def tile_spec(q_owner: int, kv_owner: int, causal: bool) -> TileSpec:
     if kv_owner < q_owner:
         return TileSpec(q_owner, kv_owner, Half.FULL, Half.FIRST, False)
     return TileSpec(q_owner, kv_owner, Half.SECOND, Half.FULL, False)
+
+
+def diagonal_sub_tiles(spec: TileSpec) -> tuple[TileSpec, TileSpec, TileSpec] | None:
+    """A causal diagonal tile (``q x kv`` of one block, both whole, under the load-balanced
+    layout) as its three sub-tiles, in row order: ``q.1st x kv.1st`` causal (chunk ``r``
+    against itself), ``q.2nd x kv.1st`` unmasked (chunk ``2n-1-r`` lies wholly after chunk
+    ``r``) and ``q.2nd x kv.2nd`` causal; ``q.1st x kv.2nd`` is wholly masked and so none.
+    Together they are exactly the diagonal's (q row, kv row) pairs (docs/algorithm.md, *The
+    own diagonal tile in three*). ``None`` for any other tile."""
+    if not (spec.causal and spec.q_owner == spec.kv_owner
+            and spec.q_half is Half.FULL and spec.kv_half is Half.FULL):
+        return None
+    q, k = spec.q_owner, spec.kv_owner
+    return (TileSpec(q, k, Half.FIRST, Half.FIRST, True),
+            TileSpec(q, k, Half.SECOND, Half.FIRST, False),
+            TileSpec(q, k, Half.SECOND, Half.SECOND, True))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ named function or method below:
   2nd with its kv rows (a split counterpart pass of pass-q). Then every piece must be
   computed exactly once, never with the whole tile, a piece of the side's other partition,
   or a crossing sub-tile of the other side, and a result holds the tile when it holds all
-  pieces of one partition (every (q row, kv row) pair still counted exactly once);
+  pieces of one partition (every (q row, kv row) pair still counted exactly once). A causal
+  diagonal tile may be computed as its three sub-tiles (``split_diagonal``), each once;
 * **buffer hazards** (:meth:`_SymbolicRun.read`, :meth:`~_SymbolicRun.check_no_transfer`,
   :meth:`~_SymbolicRun.check_partial_send`, :meth:`~_SymbolicRun.free`): every op reads data
   that is present and complete (a receive is waited before use, a tile's rows are inside the
@@ -57,6 +58,7 @@ from charm_megatron.plan.core import (
     TileSpec,
     Wait,
     Xfer,
+    diagonal_sub_tiles,
     format_op,
     super_tile_refusal,
 )
@@ -126,10 +128,12 @@ def _overlap(a: Half, b: Half) -> bool:
 def sub_tiles(want: TileSpec) -> tuple[tuple[TileSpec, ...], ...]:
     """The ways tile ``want`` may be computed as sub-tiles: along each side (q or kv) whose
     rows it needs whole, the pieces of one partition of that side (its two halves, or its
-    four quarters), in row order, the other side as the tile's. None for a masked tile (its
-    pieces are not unmasked tiles)."""
+    four quarters), in row order, the other side as the tile's. A causal diagonal tile has
+    one partition of its own, its three sub-tiles (:func:`diagonal_sub_tiles`: two causal
+    squares and the unmasked block between them); any other masked tile none."""
     if want.causal:
-        return ()
+        diagonal = diagonal_sub_tiles(want)
+        return () if diagonal is None else (diagonal,)
     out = [tuple(replace(want, q_half=h) for h in part) for part in _partitions(want.q_half)]
     out += [tuple(replace(want, kv_half=h) for h in part) for part in _partitions(want.kv_half)]
     return tuple(out)
@@ -153,8 +157,15 @@ def _partition_of(t: TileSpec, want: TileSpec) -> tuple[TileSpec, ...]:
 
 
 def _work(t: TileSpec, want: TileSpec) -> int:
-    """Tile work of ``t`` in quarters of the tile ``want`` (a half sub-tile: 2, a quarter: 1)."""
-    return 4 if t == want else 4 // len(_partition_of(t, want))
+    """Tile work of ``t`` in quarters of the tile ``want``, by the (q row, kv row) pairs it
+    computes: a half sub-tile 2, a quarter 1; of a causal diagonal, its causal squares 1 each
+    and the unmasked block between them 2."""
+    return round(4 * _pairs(t) / _pairs(want))
+
+
+def _pairs(t: TileSpec) -> float:
+    """The share of a block pair's (q row, kv row) pairs tile ``t`` computes."""
+    return t.q_half.fraction * t.kv_half.fraction * (0.5 if t.causal else 1.0)
 
 
 def _rivals(t: TileSpec, want: TileSpec) -> tuple[TileSpec, ...]:
