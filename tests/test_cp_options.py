@@ -16,7 +16,7 @@ def test_from_env_reads_every_listed_variable():
            "CHARM_SPLIT_COUNTERPART_Q": "off", "CHARM_AUTO_ALGOS": "ring, charm,a2a+p2p",
            "CHARM_PARTIALS": "fp32", "CHARM_AUTO_TUNE": "1.25",
            "CHARM_AUTO_TUNE_FILE": "runs/picks.json", "CHARM_TRANSPORT": "torch",
-           "CHARM_HEAD_PARALLEL": "4", "CHARM_SUPER_TILES": "on"}
+           "CHARM_HEAD_PARALLEL": "4", "CHARM_SUPER_TILES": "on", "CHARM_SPLIT_DIAGONAL": "on"}
     assert set(env) == set(ENV_VARS)
     o = CPOptions.from_env(env)
     assert (o.pass_order, o.timeout_s, o.backend, o.topology, o.check, o.model_profile,
@@ -25,6 +25,7 @@ def test_from_env_reads_every_listed_variable():
     assert o.auto_algos == ("ring", "charm", "a2a+p2p")
     assert o.head_parallel == "4" and CPOptions().head_parallel == "auto"
     assert o.super_tiles == "on" and CPOptions().super_tiles == "off"
+    assert o.split_diagonal == "on" and CPOptions().split_diagonal == "off"
     assert o.partials == "fp32" and o.wide_partials and not CPOptions().wide_partials
     assert o.auto_tune == 1.25 and CPOptions().auto_tune is None
     assert o.auto_tune_file == "runs/picks.json" and CPOptions().auto_tune_file is None

@@ -85,9 +85,10 @@ def add_setting_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
 
 
 def add_split_args(parser: argparse.ArgumentParser) -> None:
-    """The flags forcing CHARM+'s row-half splits on (``split_visiting``,
-    ``split_counterpart_q``), shared by ``charm-megatron plan`` and ``model``."""
-    add_setting_args(parser, ("split_visiting", "split_counterpart_q"))
+    """The flags forcing CHARM+'s row splits on (``split_visiting``,
+    ``split_counterpart_q``, ``split_diagonal``), shared by ``charm-megatron plan`` and
+    ``model``."""
+    add_setting_args(parser, ("split_visiting", "split_counterpart_q", "split_diagonal"))
 
 
 def settings_from_args(args: argparse.Namespace) -> dict[str, object]:

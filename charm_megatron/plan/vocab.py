@@ -7,8 +7,8 @@ validator, the cost model and the performance model agree by construction:
   their shapes and dtypes (in a message and in an accumulator) and so its bytes;
 * :class:`Stream` - which communicator a batch is posted on; :class:`Role` - what an RM+ pair
   exchanges; :class:`Direction` - forward or backward;
-* :class:`PassOrder`, :class:`RoleMix`, :class:`SplitMode`, :class:`SuperTileMode` - the
-  values of CHARM+'s
+* :class:`PassOrder`, :class:`RoleMix`, :class:`SplitMode`, :class:`SuperTileMode`,
+  :class:`DiagonalMode` - the values of CHARM+'s
   settings (:mod:`charm_megatron.algorithms.charm.entry`);
 * :class:`Half` - which rows of a block a message or a tile uses;
 * :class:`Loc` - a buffer of a rank (where a block or a partial lives).
@@ -134,6 +134,16 @@ class SplitMode(_Named):
 class SuperTileMode(_Named):
     """Whether a rank that holds several kv blocks for the same q rows at once makes one
     kernel call over them (a super-tile, plan/fuse.py): ``on``, ``off``, or ``auto`` (the
+    performance model's per-direction pick; off where no model times the plans)."""
+
+    AUTO = "auto"
+    OFF = "off"
+    ON = "on"
+
+
+class DiagonalMode(_Named):
+    """Whether CHARM+ runs the own causal diagonal tile as its three sub-tiles, placed to fill
+    the waits on the cross exchange (``split_diagonal``): ``on``, ``off``, or ``auto`` (the
     performance model's per-direction pick; off where no model times the plans)."""
 
     AUTO = "auto"

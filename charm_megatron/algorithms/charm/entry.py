@@ -43,6 +43,7 @@ from charm_megatron.plan.roles import Decision, RoleChoice, RoleShape
 from charm_megatron.plan.settings import Setting, Values
 from charm_megatron.plan.validate import PlanError, validate
 from charm_megatron.plan.vocab import (
+    DiagonalMode,
     Direction,
     HeadParallel,
     PassOrder,
@@ -52,8 +53,8 @@ from charm_megatron.plan.vocab import (
 )
 
 __all__ = ["CHARM", "SETTINGS_WITH_HEADS", "CharmVariant", "HEAD_PARALLEL", "PASS_ORDER", "RMPLUS",
-           "ROLES", "SETTINGS", "SPLIT_COUNTERPART_Q", "SPLIT_MARGIN", "SPLIT_VISITING",
-           "SUPER_TILES",
+           "ROLES", "SETTINGS", "SPLIT_COUNTERPART_Q", "SPLIT_DIAGONAL", "SPLIT_MARGIN",
+           "SPLIT_VISITING", "SUPER_TILES",
            "charm_finish", "charm_rank", "charm_variants", "head_parallel_refusal",
            "within_memory_bound"]
 
@@ -78,7 +79,17 @@ SPLIT_COUNTERPART_Q = Setting(
     "charm pass-q: a counterpart's q block that every tile needs whole crosses in two row "
     "halves, its partial going home per half (docs/algorithm.md; no quarters)",
     env="CHARM_SPLIT_COUNTERPART_Q")
-SETTINGS = (PASS_ORDER, ROLES, SPLIT_VISITING, SPLIT_COUNTERPART_Q, SUPER_TILES)
+# Off by default: the model predicts it at most ~3 % faster where it was asked (below
+# SPLIT_MARGIN, so auto would not pick it there) and slower in every forward.
+SPLIT_DIAGONAL = Setting(
+    "split_diagonal", DiagonalMode, DiagonalMode.OFF,
+    "charm: on the ranks whose first cross block arrives whole, the own causal diagonal tile "
+    "runs as its three sub-tiles, the two causal squares before the first cross block, the "
+    "block between them after the last cross pass (auto: the performance model's pick per "
+    "direction; a no-op without a causal mask or a second group; docs/algorithm.md)",
+    env="CHARM_SPLIT_DIAGONAL")
+SETTINGS = (PASS_ORDER, ROLES, SPLIT_VISITING, SPLIT_COUNTERPART_Q, SPLIT_DIAGONAL,
+            SUPER_TILES)
 HEAD_PARALLEL = Setting(
     "head_parallel", HeadParallel, HeadParallel.AUTO,
     "charm: head all-to-all in sub-groups of this many ranks of each topology group before "
@@ -110,7 +121,9 @@ class CharmVariant:
     ``lean`` / ``early_returns``: the memory variants (:func:`within_memory_bound`);
     ``head_parallel``: the head all-to-all's degree (1: none), the same in both directions
     (the backward runs on the heads layout the forward kept); ``super_tiles``: adjacent kv
-    units fetched together, their tiles fused (plan/fuse.py)."""
+    units fetched together, their tiles fused (plan/fuse.py); ``split_diagonal``: the own
+    causal diagonal tile as its three sub-tiles, placed around the cross passes
+    (docs/algorithm.md, *The own diagonal tile in three*)."""
 
     order: PassOrder = PassOrder.SPLIT
     roles: RoleChoice = RoleChoice()
@@ -122,6 +135,7 @@ class CharmVariant:
     early_returns: bool = False
     head_parallel: int = 1
     super_tiles: bool = False
+    split_diagonal: bool = False
 
     @property
     def visiting_split(self) -> str:
@@ -157,7 +171,7 @@ def charm_rank(rank: int, groups: Groups, causal: bool, direction: Direction,
                    split_visiting=variant.split_visiting,
                    visiting_pieces=variant.visiting_pieces, home_stream=variant.home_stream,
                    split_counterpart_q=variant.split_counterpart_q,
-                   super_tiles=variant.super_tiles)
+                   split_diagonal=variant.split_diagonal, super_tiles=variant.super_tiles)
     ops = rank_program(st)
     return (fuse_ops(ops) if variant.super_tiles else ops), st.decisions
 
@@ -218,7 +232,28 @@ def _with_splits(values: Values, base: CharmVariant,
     visiting = _visiting(values[SPLIT_VISITING.name], base, ctx)
     counterpart_q = _split(cq_mode, "split_counterpart_q", base, ctx)
     fwd, bwd = (replace(v, split_counterpart_q=q) for v, q in zip(visiting, counterpart_q))
+    fwd, bwd = _diagonal(values.get(SPLIT_DIAGONAL.name, DiagonalMode.OFF), fwd, bwd, ctx)
     return _super_tiles(values[SUPER_TILES.name], fwd, bwd, ctx)
+
+
+def _diagonal(mode: DiagonalMode, fwd: CharmVariant, bwd: CharmVariant,
+              ctx: VariantContext) -> tuple[CharmVariant, CharmVariant]:
+    """``fwd`` and ``bwd`` with the own diagonal tile split as ``mode`` says: ``on`` both
+    (a no-op where there is no causal diagonal or no second group: nothing to split, or no
+    cross pass to place its sub-tiles around); ``auto`` per direction where ``ctx.timer``
+    predicts the split plan more than :data:`SPLIT_MARGIN` faster than the one with the
+    visiting / counterpart splits already chosen (:func:`_beats`); off without a timer."""
+    if mode is DiagonalMode.OFF or not ctx.causal or len(ctx.groups) < 2:
+        return fwd, bwd
+    if mode is DiagonalMode.ON:
+        return replace(fwd, split_diagonal=True), replace(bwd, split_diagonal=True)
+    if ctx.timer is None:
+        return fwd, bwd
+    out = []
+    for d, v in ((Direction.FORWARD, fwd), (Direction.BACKWARD, bwd)):
+        split = replace(v, split_diagonal=True)
+        out.append(split if _faster(_plan(d, ctx, split), _plan(d, ctx, v), ctx.timer) else v)
+    return out[0], out[1]
 
 
 def _super_tiles(mode: SuperTileMode, fwd: CharmVariant, bwd: CharmVariant,

@@ -34,6 +34,7 @@ from charm_megatron.plan.core import (
     TileSpec,
     Wait,
     Xfer,
+    diagonal_sub_tiles,
     tile_spec,
 )
 from charm_megatron.plan.program import Return
@@ -233,6 +234,26 @@ def _tile(st: RankState, it: Item, kv: KvHeld, *, fresh_dq: bool = False,
     return Tile(spec, it.q_loc, kv.loc, it.acc)
 
 
+def _own_tile(st: RankState, it: Item, kv: KvHeld) -> None:
+    """The tile of the own q block ``it`` against the kv block held with it; with
+    ``st.split_diagonal``, a causal diagonal tile as its three sub-tiles
+    (:func:`~charm_megatron.plan.core.diagonal_sub_tiles`): the two causal squares (half its
+    work) here, where they fill the wait for the first cross block, the unmasked block
+    between them held back in ``st.diagonal_rest`` for the program to place after the last
+    cross pass (where it hides that pass's trip home). Of the placements the model was asked
+    about (h200, one NIC per node, Llama-like 16k-32k at degree 8), this one was the fastest
+    or within 0.1 % of it in every backward row (docs/algorithm.md)."""
+    op = _tile(st, it, kv)
+    pieces = diagonal_sub_tiles(op.spec) if st.split_diagonal and st.cross else None
+    if pieces is None:
+        st.p.add(op)
+        return
+    first, between, second = (replace(op, spec=s) for s in pieces)
+    st.p.add(first)
+    st.p.add(second)
+    st.diagonal_rest.append(between)
+
+
 # -- a pass: its units posted, computed and returned ----------------------------------------
 
 def run_pass(st: RankState, ps: Pass, items: list[Item], cross_handle: int | None) -> list[Op]:
@@ -257,7 +278,7 @@ def run_pass(st: RankState, ps: Pass, items: list[Item], cross_handle: int | Non
     kv = st.kv
     if ps.own_kv:
         for it in own:
-            p.add(_tile(st, it, kv))
+            _own_tile(st, it, kv)
     if awaiting:
         _await_cross(st, cross_handle, cross)
     if ps.own_kv and cross is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from charm_megatron.plan.core import Half, Kind, Loc, Plan
+from charm_megatron.plan.core import Half, Kind, Loc, Op, Plan
 from charm_megatron.plan.entries import Groups
 from charm_megatron.plan.pairing import Round, group_rounds, rmplus_rounds
 from charm_megatron.plan.program import Program, Return
@@ -83,6 +83,11 @@ class RankState:
     # charm_pass_kv.
     home_stream: bool = False
     split_counterpart_q: bool = False  # pass-q's counterpart q in row halves (charm_pass_q)
+    # split_diagonal: the own causal diagonal tile runs as its three sub-tiles
+    # (plan.core.diagonal_sub_tiles), the first where the whole tile ran (before the first
+    # cross block can have landed) and the others after the last cross pass, where they hide
+    # that pass's trip home. Read by rmplus (the tile) and charm_program (the rest).
+    split_diagonal: bool = False
     # super_tiles: adjacent kv units whose tiles share their q rows are fetched together and
     # their tiles written side by side (one super-tile per q block once fused, plan/fuse.py).
     # Read by rmplus.
@@ -137,6 +142,9 @@ class RankState:
     # (an idle group's rounds, when G is odd, do not count): counted by charm_pass_q /
     # charm_pass_kv.
     n_cross_done: int = field(init=False, default=0)
+    # The own diagonal's sub-tiles held back (split_diagonal): appended by rmplus where the
+    # diagonal tile would run, emitted by charm_program after the last cross pass.
+    diagonal_rest: list[Op] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.direction = direction = Direction(self.direction)

@@ -101,8 +101,8 @@ def register(parser: argparse.ArgumentParser) -> None:
                         help="sweep sequence lengths (comma list, k suffix allowed; "
                              "default 8k..256k) and print a table")
     parser.add_argument("--ranks", action="store_true", help="per-rank busy / idle detail")
-    add_setting_args(parser, ("roles", "split_visiting", "split_counterpart_q", "head_parallel",
-                              "super_tiles"))
+    add_setting_args(parser, ("roles", "split_visiting", "split_counterpart_q", "split_diagonal",
+                              "head_parallel", "super_tiles"))
     parser.add_argument("--kernel", default=None, metavar="NAME",
                         help="price our tiles on the profile's rate curve of this kernel (e.g. "
                              "cudnn, fa3; default: the profile's own, aten-flash on the GPU "
@@ -328,7 +328,8 @@ def run(args: argparse.Namespace) -> int:
                             **settings_from_args(args))
         print(f"# charm as a call with this profile runs it: head_parallel={fwd.head_parallel}, "
               f"split_visiting {fwd.visiting_split}/{bwd.visiting_split}, split_counterpart_q "
-              f"{fwd.split_counterpart_q}/{bwd.split_counterpart_q}, super_tiles "
+              f"{fwd.split_counterpart_q}/{bwd.split_counterpart_q}, split_diagonal "
+              f"{fwd.split_diagonal}/{bwd.split_diagonal}, super_tiles "
               f"{fwd.super_tiles}/{bwd.super_tiles} (fwd/bwd)")
     print(f"{'':12} {'time ms':^29}   {'speedup over ring':^17}   {'busy':^9}   "
           f"{'MiB sent per rank (max)':^27}")
