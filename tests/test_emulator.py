@@ -142,7 +142,7 @@ def test_a_two_rank_emulated_ring_matches_the_textbook_ring(tmp_path):
     rows = {r["pass"]: r for r in csv.DictReader(open(out / "results.csv"))}
     for p in ("fwd", "bwd"):
         r = rows[p]
-        assert r["device_model"] == "h100" and float(r["dilation"]) >= 50
+        assert r["device_model"] == "h100" and float(r["dilation"]) >= 10  # the virtual clock's floor
         measured, analytic = float(r["median_ms"]), float(r["analytic_ring_ms"])
         assert abs(measured / analytic - 1) < 0.10, (p, measured, analytic)
         assert abs(float(r["vs_model"]) - 1) < 0.10, (p, r["vs_model"])

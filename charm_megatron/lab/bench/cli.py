@@ -158,8 +158,9 @@ def register(parser: argparse.ArgumentParser) -> None:
                         "(device-time) rates, e.g. 42.5GB/s, over the profile's")
     d.add_argument("--dilation", default="auto",
                    help="wall seconds per device second: the emulator's own per-message cost "
-                        "shrinks by this factor in device time; auto (default): the smallest "
-                        "ring step of the grid stretched to 0.5 s, at least 50")
+                        "shrinks by this factor in device time; auto (default): the shortest "
+                        "dependent unit of the run's contenders stretched to 0.5 s, at least "
+                        "50; on the virtual clock (the default) to 0.05 s, at least 10")
     d.add_argument("--wire-scale", metavar="BxR",
                    help="batch and rows-per-rank divisors of the problem on the wire (the device "
                         "times the full problem; links slow down by B*R); default: chosen so "

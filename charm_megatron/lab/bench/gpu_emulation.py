@@ -41,6 +41,14 @@ MIN_DILATION = 50.0
 #: per cent.
 STEP_WALL_S = 0.5
 MAX_DILATION = 5000.0
+#: On the virtual clock with the links in start order (``device_clock="virtual"``) a late host
+#: no longer reaches the measured time, so the dilation only has to keep the hosts within the
+#: links' lag bound: a tenth of the step, within [:data:`VIRTUAL_MIN_DILATION`, ...]. Measured
+#: 2026-12-06 (docs/emulator.md, *Time dilation on the virtual clock*): 2x8 Llama-8B-like 32k
+#: gave the same device times to six digits at D = 1500, 150, 15 and 3 (373 s of wall at 1500,
+#: 50 s at 150), and 4x8 with one NIC per node at 32k the same at D = 50 and 5.
+VIRTUAL_STEP_WALL_S = 0.05
+VIRTUAL_MIN_DILATION = 10.0
 #: How a rank's timed device keeps time (``--device-clock``, docs/emulator.md): ``virtual``
 #: (ops and posts on the rank's virtual clock, calls timed on it; issue 41), ``async`` (ops
 #: queued on the wall clock, a747235), ``sync`` (every op slept at its call, before issue 41).
@@ -204,10 +212,11 @@ class DeviceSetup:
 
 def auto_dilation(cluster: Cluster, points: Sequence, groups: Sequence[Sequence[int]],
                   causal: bool, elem: int, algos: Sequence[str] = ("ring",),
-                  te: Cluster | None = None) -> float:
+                  te: Cluster | None = None, *, step_wall_s: float = STEP_WALL_S,
+                  floor: float = MIN_DILATION) -> float:
     """The dilation of ``--dilation auto``: the shortest dependent unit of any contender of the
     run (``algos``, registered algorithms; those whose entry refuses a point are skipped there)
-    at any point, stretched to :data:`STEP_WALL_S`, within [:data:`MIN_DILATION`,
+    at any point, stretched to ``step_wall_s`` (:data:`STEP_WALL_S`), within [``floor``,
     :data:`MAX_DILATION`], rounded to two significant digits.
 
     A contender's dependent unit at a point is the model's time of one direction on the device
@@ -255,9 +264,10 @@ def auto_dilation(cluster: Cluster, points: Sequence, groups: Sequence[Sequence[
             unit = min(unit, pred.forward.time_s / units(fwd),
                        pred.backward.time_s / units(bwd))
     if not math.isfinite(unit):  # every contender refused every point
-        return auto_dilation(cluster, points, groups, causal, elem) \
-            if [c[0] for c in contenders] != ["ring"] else MIN_DILATION
-    d = min(MAX_DILATION, max(MIN_DILATION, STEP_WALL_S / unit)) if unit > 0 else MIN_DILATION
+        return auto_dilation(cluster, points, groups, causal, elem, step_wall_s=step_wall_s,
+                             floor=floor) \
+            if [c[0] for c in contenders] != ["ring"] else floor
+    d = min(MAX_DILATION, max(floor, step_wall_s / unit)) if unit > 0 else floor
     digits = 10 ** (len(str(int(d))) - 2)
     return float(round(d / digits) * digits)
 
@@ -318,8 +328,12 @@ def setup_for(profile: str, grid: tuple[int, int], points: Sequence, causal: boo
     if dilation is None:
         links = DeviceSetup(profile, cross_Bps=cross_Bps, intra_Bps=intra_Bps, nic=nic,
                             link_order=link_order)
-        dilation = auto_dilation(links.model_cluster, points, groups, causal, elem, algos,
-                                 links.with_links(links.te_cluster()))
+        virtual = device_clock == "virtual"
+        dilation = auto_dilation(
+            links.model_cluster, points, groups, causal, elem, algos,
+            links.with_links(links.te_cluster()),
+            step_wall_s=VIRTUAL_STEP_WALL_S if virtual else STEP_WALL_S,
+            floor=VIRTUAL_MIN_DILATION if virtual else MIN_DILATION)
     return DeviceSetup(profile, dilation, batch, rows, cross_Bps, intra_Bps, sm_contention,
                        groups, nic, link_order, device_clock)
 
