@@ -113,13 +113,19 @@ def test_reports_without_a_flagged_row_have_no_note(tmp_path):
 def test_the_virtual_clock_sizes_auto_dilation_on_a_tenth_of_the_step():
     # On the virtual clock a late host no longer reaches the measured time (the same device
     # times at D = 1500 and 3, docs/emulator.md), so auto stretches the unit to 0.05 s, not 0.5.
-    from charm_megatron.lab.bench.gpu_emulation import VIRTUAL_MIN_DILATION, setup_for
+    from charm_megatron.lab.bench.gpu_emulation import (
+        VIRTUAL_MIN_DILATION,
+        VIRTUAL_STEP_WALL_S,
+        setup_for,
+    )
 
     algos = ["ring", "charm"]
     wall = setup_for("h100", (2, 4), [POINT], True, 2, algos=algos, device_clock="sync")
     virtual = setup_for("h100", (2, 4), [POINT], True, 2, algos=algos)
     assert wall.dilation == auto_dilation(H100, [POINT], GROUPS_2X4, True, 2, algos)
-    assert virtual.dilation < wall.dilation
-    assert virtual.dilation == max(VIRTUAL_MIN_DILATION, round(wall.dilation / 10, -1)) \
-        or abs(virtual.dilation * 10 / wall.dilation - 1) < 0.1, (virtual.dilation,
-                                                                    wall.dilation)
+    assert virtual.dilation == auto_dilation(H100, [POINT], GROUPS_2X4, True, 2, algos,
+                                             step_wall_s=VIRTUAL_STEP_WALL_S,
+                                             floor=VIRTUAL_MIN_DILATION)
+    assert VIRTUAL_MIN_DILATION < virtual.dilation
+    assert abs(virtual.dilation * 10 / wall.dilation - 1) < 0.1, (virtual.dilation,
+                                                                  wall.dilation)

@@ -20,6 +20,7 @@ Plan layer: no torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -243,35 +244,35 @@ def _diagonal(mode: DiagonalMode, fwd: CharmVariant, bwd: CharmVariant,
     cross pass to place its sub-tiles around); ``auto`` per direction where ``ctx.timer``
     predicts the split plan more than :data:`SPLIT_MARGIN` faster than the one with the
     visiting / counterpart splits already chosen (:func:`_beats`); off without a timer."""
-    if mode is DiagonalMode.OFF or not ctx.causal or len(ctx.groups) < 2:
+    if not ctx.causal or len(ctx.groups) < 2:
         return fwd, bwd
-    if mode is DiagonalMode.ON:
-        return replace(fwd, split_diagonal=True), replace(bwd, split_diagonal=True)
-    if ctx.timer is None:
-        return fwd, bwd
-    out = []
-    for d, v in ((Direction.FORWARD, fwd), (Direction.BACKWARD, bwd)):
-        split = replace(v, split_diagonal=True)
-        out.append(split if _faster(_plan(d, ctx, split), _plan(d, ctx, v), ctx.timer) else v)
-    return out[0], out[1]
+    return _switched(mode.value, "split_diagonal", fwd, bwd, ctx,
+                     lambda split, whole: _faster(split, whole, ctx.timer))
 
 
 def _super_tiles(mode: SuperTileMode, fwd: CharmVariant, bwd: CharmVariant,
                  ctx: VariantContext) -> tuple[CharmVariant, CharmVariant]:
     """``fwd`` and ``bwd`` with super-tiles as ``mode`` says: ``auto`` per direction where
     ``ctx.timer`` predicts the plan with them faster (off without a timer)."""
-    if mode is SuperTileMode.OFF:
+    return _switched(mode.value, "super_tiles", fwd, bwd, ctx,
+                     lambda on, off: (on.ops != off.ops
+                                      and ctx.timer.seconds(on) < ctx.timer.seconds(off)))
+
+
+def _switched(mode: str, field: str, fwd: CharmVariant, bwd: CharmVariant,
+              ctx: VariantContext, wins: Callable[[Plan, Plan], bool]
+              ) -> tuple[CharmVariant, CharmVariant]:
+    """``fwd`` and ``bwd`` with the boolean variant ``field`` as an on / off / auto setting
+    says (``mode``: its value): ``on`` both, ``off`` neither, ``auto`` per direction where
+    ``wins(plan with it, plan without)`` (only with ``ctx.timer``; off without one)."""
+    if mode == "off" or (mode == "auto" and ctx.timer is None):
         return fwd, bwd
-    if mode is SuperTileMode.ON:
-        return replace(fwd, super_tiles=True), replace(bwd, super_tiles=True)
-    if ctx.timer is None:
-        return fwd, bwd
+    if mode == "on":
+        return replace(fwd, **{field: True}), replace(bwd, **{field: True})
     out = []
     for d, v in ((Direction.FORWARD, fwd), (Direction.BACKWARD, bwd)):
-        fused = replace(v, super_tiles=True)
-        on, off = _plan(d, ctx, fused), _plan(d, ctx, v)
-        faster = on.ops != off.ops and ctx.timer.seconds(on) < ctx.timer.seconds(off)
-        out.append(fused if faster else v)
+        switched = replace(v, **{field: True})
+        out.append(switched if wins(_plan(d, ctx, switched), _plan(d, ctx, v)) else v)
     return out[0], out[1]
 
 

@@ -84,9 +84,10 @@ class RankState:
     home_stream: bool = False
     split_counterpart_q: bool = False  # pass-q's counterpart q in row halves (charm_pass_q)
     # split_diagonal: the own causal diagonal tile runs as its three sub-tiles
-    # (plan.core.diagonal_sub_tiles), the first where the whole tile ran (before the first
-    # cross block can have landed) and the others after the last cross pass, where they hide
-    # that pass's trip home. Read by rmplus (the tile) and charm_program (the rest).
+    # (plan.core.diagonal_sub_tiles), the two causal squares where the whole tile ran (before
+    # the first cross block can have landed) and the unmasked block between them after the
+    # last cross pass, where it hides that pass's trip home. Read by rmplus (the tile) and
+    # charm_program (the rest).
     split_diagonal: bool = False
     # super_tiles: adjacent kv units whose tiles share their q rows are fetched together and
     # their tiles written side by side (one super-tile per q block once fused, plan/fuse.py).
