@@ -223,3 +223,60 @@ def test_cross_only_slowdown_counts_only_cross_transfers_alike_in_model_and_emul
 def test_slowdown_links_must_be_all_or_cross():
     with pytest.raises(ValueError, match="comm_slowdown_links must be one of"):
         _cluster(1.0, 1.0).with_(comm_slowdown_links="intra")
+
+
+# A tile's whole price is slowed, not only its FLOPs: WORK_S of FLOPs, FOLD_S to fold its
+# result (out and lse) into the accumulators, OVER_S per op.
+FOLD_S, OVER_S = 0.5, 0.25
+
+
+def _priced(cluster: Cluster) -> Cluster:
+    return cluster.with_(merge_gbps=P.local_bytes("out", N) / FOLD_S / 1e9,
+                         op_overhead_us=OVER_S * 1e6)
+
+
+def _frozen_device(monkeypatch, cluster: Cluster, intra_s: float, cross_s: float,
+                   groups) -> TimedBackend:
+    monkeypatch.setattr("charm_megatron.lab.emulate.device.time.perf_counter", lambda: 100.0)
+    links = LinkClock(0, tuple(tuple(g) for g in groups), intra_Bps=BLOCK / intra_s,
+                      cross_Bps=BLOCK / cross_s)
+    return TimedBackend(cluster, dilation=3.0, links=links, sleep=lambda s: None)
+
+
+def test_a_tiles_fold_and_overhead_are_slowed_too_alike_in_model_and_emulator(monkeypatch):
+    """The model's compute op is one job at its whole cost (FLOPs, fold, per-op overhead),
+    capped at ``1 / contention`` while bytes move; the timed device slows the same whole
+    (until 2026-12-07 it slowed the FLOPs alone: 1.25 + 0.5 + 0.25 = 2.0 s here, where the
+    model says 1.75 x 1.25 = 2.1875 s; on the h100 ring's short backward steps that put the
+    emulator 7 % under the model). One stream moving for 30 s, longer than the tile."""
+    cluster = _priced(_cluster(intra_s=30.0, cross_s=30.0))
+    hand = (WORK_S + FOLD_S + OVER_S) * (1 + S)
+    rank0 = [_send(0, "kv", [1])]
+    groups = [[r] for r in range(N)]
+    assert _tile_busy_s(rank0, _peers(rank0), cluster, groups) == pytest.approx(hand, rel=1e-9)
+    dev = _frozen_device(monkeypatch, cluster, 30.0, 30.0, groups)
+    dev.posted(0, [(1, BLOCK)], "kv")
+    rows = P.s // N
+    tile = dev.tile_seconds(rows, rows, P.b, P.hq, P.hkv, P.d, P.elem, False, False)
+    assert tile == pytest.approx(hand, rel=1e-9)
+
+
+def test_a_merge_is_slowed_while_bytes_move_alike_in_model_and_emulator(monkeypatch):
+    """Rank 0 sends a kv block on stream kv inside its group (30 s) and receives one on
+    stream q across (0.5 s), then merges it: the merge (the block at the merge rate, plus
+    OVER_S) runs while the kv stream moves, ``1 + S`` times slower in the model and on the
+    timed device (which did not slow merges before 2026-12-07)."""
+    from charm_megatron.plan.core import Merge
+
+    cluster = _priced(_cluster(intra_s=30.0, cross_s=0.5))
+    groups = [[0, 1], [2], [3]]
+    hand = (BLOCK / (cluster.merge_gbps * 1e9) + OVER_S) * (1 + S)
+    send, recv = _send(0, "kv", [1]), _recv(1, "q", 2)
+    plan = Plan("contention", "backward", N, (tuple(range(N)),), False)
+    plan.ops = [[send, recv, Wait(1), Merge("acc.dkv", "kv.rx"), Wait(0)],
+                [_recv(0, "kv", 0), Wait(0)], [_send(0, "q", [0]), Wait(0)], []]
+    assert simulate(plan, P, cluster, groups).ranks[0].busy_s == pytest.approx(hand, rel=1e-9)
+    dev = _frozen_device(monkeypatch, cluster, 30.0, 0.5, groups)
+    dev.posted(0, [(1, BLOCK)], "kv")
+    dev.merged(BLOCK)
+    assert dev.clock.device_s == pytest.approx(hand, rel=1e-9)

@@ -344,21 +344,23 @@ class TimedBackend:
         """Device seconds of one tile of ``sq`` x ``sk`` *virtual* rows, batch ``b``, ``hq`` /
         ``hkv`` heads of dim ``d``, ``elem`` bytes per element: the model's price
         (:mod:`charm_megatron.model.sim`'s ``_op_cost``): FLOPs at the profile's rate and tile
-        efficiency (slowed while a transfer is in flight), the fold of its result into the
-        accumulators at the merge rate, the per-op overhead. ``kept``: the share of the
-        tile's pairs a sliding window keeps (its FLOPs scale with it)."""
+        efficiency, the fold of its result into the accumulators at the merge rate, the
+        per-op overhead, the whole of it slowed while a transfer is in flight (the model's
+        compute job is one op at its full cost, capped at ``1 / contention``; until
+        2026-12-07 only the FLOPs were slowed here). ``kept``: the share of the tile's pairs
+        a sliding window keeps (its FLOPs scale with it)."""
         cl = self.cluster
         flops = 4.0 * b * hq * d * sq * sk * (0.5 if causal else 1.0) * kept
         if backward:
             flops *= cl.bwd_factor
         eff = effects.kernel_efficiency(cl, sq, sk, d)
-        seconds = self._slowed(flops / (cl.tflops * 1e12 * eff))
         if backward:
             folded = (Problem(b, sq, hq, hkv, d, elem).block_bytes(Kind.DQ, 1)
                       + Problem(b, sk, hq, hkv, d, elem).block_bytes(Kind.DKV, 1))
         else:
             folded = Problem(b, sq, hq, hkv, d, elem).block_bytes(Kind.OUT, 1)
-        return seconds + self.merge_seconds(folded) + cl.op_overhead_us * 1e-6
+        return self._slowed(flops / (cl.tflops * 1e12 * eff) + self.merge_seconds(folded)
+                            + cl.op_overhead_us * 1e-6)
 
     def _slowed(self, work_s: float) -> float:
         """Device seconds of ``work_s`` of compute while this rank's transfers move: the
@@ -456,6 +458,9 @@ class TimedBackend:
 
     def merged(self, wire_bytes: float) -> None:
         """The executor merged a received partial of ``wire_bytes``: its device time (the
-        model's ``Merge`` op: the virtual bytes at the merge rate, plus the per-op overhead)."""
+        model's ``Merge`` op: the virtual bytes at the merge rate, plus the per-op overhead),
+        slowed while a transfer is in flight as the model slows every compute op (not before
+        2026-12-07)."""
         virtual = wire_bytes * self.scale.bytes
-        self._wait(self.merge_seconds(virtual) + self.cluster.op_overhead_us * 1e-6, False)
+        self._wait(self._slowed(self.merge_seconds(virtual)
+                                + self.cluster.op_overhead_us * 1e-6), False)
