@@ -246,7 +246,7 @@ def _frozen_device(monkeypatch, cluster: Cluster, intra_s: float, cross_s: float
 def test_a_tiles_fold_and_overhead_are_slowed_too_alike_in_model_and_emulator(monkeypatch):
     """The model's compute op is one job at its whole cost (FLOPs, fold, per-op overhead),
     capped at ``1 / contention`` while bytes move; the timed device slows the same whole
-    (until 2026-12-07 it slowed the FLOPs alone: 1.25 + 0.5 + 0.25 = 2.0 s here, where the
+    (until 2026-12-06 it slowed the FLOPs alone: 1.25 + 0.5 + 0.25 = 2.0 s here, where the
     model says 1.75 x 1.25 = 2.1875 s; on the h100 ring's short backward steps that put the
     emulator 7 % under the model). One stream moving for 30 s, longer than the tile."""
     cluster = _priced(_cluster(intra_s=30.0, cross_s=30.0))
@@ -265,7 +265,7 @@ def test_a_merge_is_slowed_while_bytes_move_alike_in_model_and_emulator(monkeypa
     """Rank 0 sends a kv block on stream kv inside its group (30 s) and receives one on
     stream q across (0.5 s), then merges it: the merge (the block at the merge rate, plus
     OVER_S) runs while the kv stream moves, ``1 + S`` times slower in the model and on the
-    timed device (which did not slow merges before 2026-12-07)."""
+    timed device (which did not slow merges before 2026-12-06)."""
     from charm_megatron.plan.core import Merge
 
     cluster = _priced(_cluster(intra_s=30.0, cross_s=0.5))

@@ -347,7 +347,7 @@ class TimedBackend:
         efficiency, the fold of its result into the accumulators at the merge rate, the
         per-op overhead, the whole of it slowed while a transfer is in flight (the model's
         compute job is one op at its full cost, capped at ``1 / contention``; until
-        2026-12-07 only the FLOPs were slowed here). ``kept``: the share of the tile's pairs
+        2026-12-06 only the FLOPs were slowed here). ``kept``: the share of the tile's pairs
         a sliding window keeps (its FLOPs scale with it)."""
         cl = self.cluster
         flops = 4.0 * b * hq * d * sq * sk * (0.5 if causal else 1.0) * kept
@@ -460,7 +460,7 @@ class TimedBackend:
         """The executor merged a received partial of ``wire_bytes``: its device time (the
         model's ``Merge`` op: the virtual bytes at the merge rate, plus the per-op overhead),
         slowed while a transfer is in flight as the model slows every compute op (not before
-        2026-12-07)."""
+        2026-12-06)."""
         virtual = wire_bytes * self.scale.bytes
         self._wait(self._slowed(self.merge_seconds(virtual)
                                 + self.cluster.op_overhead_us * 1e-6), False)
