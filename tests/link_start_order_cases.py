@@ -106,3 +106,26 @@ def stuck_rank(rank: int, world: int, spec: SoftwareLinks, nbytes: int, stuck_s:
     except TimeoutError as exc:
         return f"{time.monotonic() - t0:.3f} {exc}"
     return "served"
+
+
+def two_batches_on_one_stream(rank: int, world: int, spec: SoftwareLinks, nbytes: int,
+                              tile_wall_s: float) -> dict:
+    """2 nodes of 2 ranks on one NIC each: ranks 0 and 1 each post two batches of one send
+    (to rank 2, to rank 3) on one communicator back to back, rank 1 a tile after the call's
+    start; ranks 2 and 3 post their two receives so at the start. The call's start and the
+    two messages' arrivals of each rank."""
+    virtual = VirtualTime()
+    dev = cases.timed_device(tile_wall_s, virtual)
+    transport = spec.for_rank(rank).transport(clock=virtual)
+    start = _common_start(virtual)
+    if rank == 1:
+        cases.tile(dev)
+    dev.before_post()
+    peer = rank + 2 if rank < 2 else rank - 2
+    works = [transport.post([P2P(rank < 2, torch.zeros(nbytes // 4), peer)])[0]
+             for _ in range(2)]
+    for w in works:
+        w.wait(TIMEOUT)
+    dev.posts_done()
+    dev.synchronize()
+    return {"start": start, "arrivals": [w.deadline for w in works]}

@@ -52,8 +52,8 @@ def test_a_message_that_starts_earlier_is_served_first_even_when_posted_later(
 
 
 def test_an_all_to_all_posted_in_any_wall_order_gets_the_arrivals_of_rank_order(tmp_path):
-    """Four ranks on two nodes (a NIC per node, intra ports of their own): every message of
-    the all-to-all starts at the call's start; posted in rank order on the wall, then in two
+    """Four ranks on two nodes (a NIC per node, intra ports of their own): every rank posts
+    its ops of the all-to-all at the call's start; posted in rank order on the wall, then in two
     shuffled wall orders, every message arrives at the same time after the start."""
     spec = _links(tmp_path, True, intra_rate=4 * RATE)
     got = run_ranks(cases.all_to_all, 4, spec, NBYTES, [None, 1, 2], timeout_s=120,
@@ -64,16 +64,35 @@ def test_an_all_to_all_posted_in_any_wall_order_gets_the_arrivals_of_rank_order(
             call.update(arrivals)
     ordered = calls[0]
     assert len(ordered) == 12
-    # Node 0's egress carries four messages to node 1, one at a time. All start together;
-    # each was completed by its receiver (the higher rank, as the model advances ranks in
-    # order), each post a batch of its own: they go by the receiver's batch number (its
-    # receive from rank 0 is its 4th, from rank 1 its 5th), then by receiver.
+    # Node 0's egress carries four messages to node 1, one at a time. Each op is a batch of
+    # its own on one communicator, so a rank's batches start one after another, each when the
+    # one before could have arrived alone (latency + bytes: 50 ms across, 20 ms inside a
+    # node). Ranks 2 and 3 send first (across, across, inside: 120 ms), so their receives from
+    # rank 0 start at 120 ms, completed by the receiver: by receiver, one at a time on node
+    # 0's egress; their receives from rank 1 start at 170 ms, behind them.
     for n, key in enumerate([(0, 2), (0, 3), (1, 2), (1, 3)]):
-        assert ordered[key] == pytest.approx((n + 1) * MOVE_S + LATENCY_S, abs=1e-9)
+        assert ordered[key] == pytest.approx(0.12 + (n + 1) * MOVE_S + LATENCY_S, abs=1e-9)
     for shuffled in calls[1:]:
         assert shuffled.keys() == ordered.keys()
         for key, t in ordered.items():
             assert shuffled[key] == pytest.approx(t, abs=1e-9), key
+
+
+def test_a_communicators_next_batch_starts_after_its_previous_one_could_complete(tmp_path):
+    """One communicator runs its batches one after another (NCCL; the model activates a
+    stream's batches in turn): ranks 0 and 1 each post two single-send batches back to back
+    on node 0's NIC, rank 1 a tile later. Each second batch starts when the first could have
+    arrived alone (latency + bytes), so rank 1's first message goes before rank 0's second,
+    as in the model; booked at their posts, rank 0's two went first and rank 1's first
+    arrived two messages late (2x8, visiting kv in quarters: forward 1.20x the model)."""
+    got = run_ranks(cases.two_batches_on_one_stream, 4, _links(tmp_path, True), NBYTES,
+                    TILE_S, timeout_s=120, pg_timeout_s=60)
+    t = got[0]["start"]
+    assert all(g["start"] == t for g in got)
+    first = [t + (n + 1) * MOVE_S + LATENCY_S for n in range(4)]  # node 0's egress, in turn
+    expected = {0: [first[0], first[2]], 1: [first[1], first[3]]}
+    for rank, g in enumerate(got):
+        assert g["arrivals"] == pytest.approx(expected[rank % 2], abs=1e-9), rank
 
 
 def test_a_stuck_rank_makes_the_others_fail_in_time_naming_it(tmp_path):

@@ -26,7 +26,13 @@ class LinkTransport:
     :meth:`~.virtual_time.VirtualTime.ready` time (its data is ready then) instead of the wall
     clock's now, and each handle's wait reports its message's arrival to the clock. A host
     early for that time sleeps until it, so wall and virtual time agree while the host is on
-    time."""
+    time. One communicator (``op.group``) runs its batches one after another (NCCL; the model's
+    streams): on the virtual clock a batch starts no earlier than the communicator's previous
+    batch could have completed, its messages alone on their links from its start (latency +
+    bytes at the per-message rate; a lower bound: the real completion, with queueing, is not
+    known when the host posts). Before 2026-12-07 every batch started at its post, so the four
+    quarters of a rank posted a few us before another's all went ahead of the other's first
+    on a shared NIC (docs/emulator.md, *A communicator's batches in turn*)."""
 
     name = "software_links"
 
@@ -37,6 +43,10 @@ class LinkTransport:
             inner = TorchTransport()
         self.links, self.inner = links, inner
         self._call = self._batches = 0
+        # communicator -> when its last batch can have completed at the earliest (its
+        # messages alone on their links from its start): the next batch there starts no
+        # earlier (one communicator runs its batches one after another, the model's streams)
+        self._stream_free: dict[object, float] = {}
         self.follow(clock)
 
     def follow(self, clock: Any) -> None:
@@ -71,8 +81,17 @@ class LinkTransport:
                 self._call, self._batches = self.clock.calls, 0
             self._batches += 1
             seqs = [self._batches * BATCH_SEQ + i for i in range(len(ops))]
-        handles = [self.links.post(op.nbytes, op.peer, op.send, op.group, at=at,
-                                   clock=self.clock, seq=seq) for op, seq in zip(ops, seqs)]
+        starts = [at] * len(ops)
+        if at is not None:
+            starts = [max(at, self._stream_free.get(self._stream(op), at)) for op in ops]
+            for op, start in zip(ops, starts):
+                key = self._stream(op)
+                self._stream_free[key] = max(self._stream_free.get(key, start),
+                                             start + self.links.alone_s(op.peer, op.nbytes,
+                                                                        op.send))
+        handles = [self.links.post(op.nbytes, op.peer, op.send, op.group, at=start,
+                                   clock=self.clock, seq=seq)
+                   for op, seq, start in zip(ops, seqs, starts)]
         if self.clock is not None:
             for h in handles:
                 h.on_arrival = self.clock.arrived
@@ -81,6 +100,10 @@ class LinkTransport:
             raise RuntimeError("software link model: the backend coalesced a P2P batch; it "
                                "only works with gloo (one work handle per operation)")
         return [h.attach(w) for h, w in zip(handles, works)]
+
+    @staticmethod
+    def _stream(op: Any) -> object:
+        return id(op.group) if op.group is not None else None
 
     def __repr__(self) -> str:
         return f"LinkTransport(rank {self.links.rank})"

@@ -69,7 +69,8 @@ Where it differs from the model (``model/sim.py``): the links always serve in st
 without ``start_order`` the order is the order of bookings on the wall clock, whose start
 times are post times taken before the locks, so two posts a few microseconds apart (or, on a
 virtual clock, a late host's early post) may be served in the other order; the model activates a
-stream's batches one after another, here each op is booked when posted; no intra bus,
+stream's batches one after another when the previous one completed, here (``LinkTransport``) a
+batch starts when the previous one could have completed alone; no intra bus,
 ``cross_via_intra``, burst buckets or concurrency penalty. The emulator's own limits
 (docs/topology.md): no CPU contention in a network stack or TCP fair sharing, and a transfer
 that only progresses inside ``wait()`` is not penalised.
@@ -479,6 +480,15 @@ class RankLinks:
         if self.same_node(peer):
             return None if self.intra is None else self.intra[0 if outgoing else 1]
         return self.cross_out if outgoing else self.cross_in
+
+    def alone_s(self, peer: int, nbytes: int, outgoing: bool) -> float:
+        """Seconds a message of ``nbytes`` to (``outgoing``) or from ``peer`` takes alone on
+        its links: the latency plus its bytes at the per-message rate (0 on free links)."""
+        src, dst = (self.rank, peer) if outgoing else (peer, self.rank)
+        links = self.spec.links(src, dst)
+        if links is None:
+            return 0.0
+        return self.spec.latency_s + nbytes / min(links[0].rate, links[1].rate)
 
     def post(self, nbytes: int, peer: int, outgoing: bool, group: Any = None,
              tag: int = 0, at: float | None = None, clock: Any = None,
