@@ -30,7 +30,7 @@ class LinkTransport:
     streams): on the virtual clock a batch starts no earlier than the communicator's previous
     batch could have completed, its messages alone on their links from its start (latency +
     bytes at the per-message rate; a lower bound: the real completion, with queueing, is not
-    known when the host posts). Before 2026-12-07 every batch started at its post, so the four
+    known when the host posts). Before 2026-12-06 every batch started at its post, so the four
     quarters of a rank posted a few us before another's all went ahead of the other's first
     on a shared NIC (docs/emulator.md, *A communicator's batches in turn*)."""
 
