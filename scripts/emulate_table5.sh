@@ -2,12 +2,13 @@
 # The CHARM+ paper's Table 5 (H100, 12 heads x 192, bf16, full attention) on the emulated GPU
 # cluster (docs/emulator.md): one bench run per row, ring / rmplus / charm, device time.
 #   OUT=runs/emulated-t5 scripts/emulate_table5.sh [2x8|4x8 ...]
+#   (ROWS_2x8 / ROWS_4x8="B:S ...": a subset of the rows)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/emulated-t5}
 BENCH=${BENCH:-.venv/bin/charm-megatron}
-ROWS_2x8="16:26880 16:13440 64:6720 128:3360"
-ROWS_4x8="16:31744 16:15872 64:7936 128:3968"
+ROWS_2x8=${ROWS_2x8:-"16:26880 16:13440 64:6720 128:3360"}
+ROWS_4x8=${ROWS_4x8:-"16:31744 16:15872 64:7936 128:3968"}
 topos=("$@")
 [ ${#topos[@]} -gt 0 ] || topos=(2x8 4x8)
 mkdir -p "$OUT"
