@@ -12,7 +12,9 @@ Forward plus backward milliseconds.
 ``--emulated CSV...``: the emulated check instead. Each ``NAME.csv`` is a bench run with
 CHARM+ at ``head_parallel=auto`` (beside ring, and ``a2a+p2p`` where it runs); its
 ``NAME-d1.csv`` the same point with CHARM+ alone at ``--setting head_parallel=1``. Device ms
-per forward + backward, the contender's bound in brackets, and CHARM+'s measured / model.
+per forward + backward, the contender's bound in brackets, CHARM+'s measured / model, and
+TransformerEngine's fastest CP type as shipped there by the model beside the fastest of ours
+(:func:`~charm_megatron.lab.reports.te_shipped.te_beside`).
 """
 
 from __future__ import annotations
@@ -133,9 +135,12 @@ def bench_cell(row: BenchRow | None) -> str:
 
 def emulated(paths: list[str]) -> list[str]:
     """The emulated check's Markdown lines: one row per ``NAME.csv`` with a ``NAME-d1.csv``."""
+    # te_shipped imports this module's topology_groups: imported here, not at the top
+    from charm_megatron.lab.reports.te_shipped import te_beside
+
     out = ["| point | GPUs / NIC | ring | a2a+p2p | charm d=1 | charm auto | auto vs a2a+p2p | "
-           "auto vs d=1 | charm auto measured / model |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "auto vs d=1 | charm auto measured / model | fastest TE, model (TE / ours, model) |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     by_name = {Path(p).stem: p for p in paths}
     for name, path in sorted(by_name.items()):
         if name.endswith("-d1") or f"{name}-d1" not in by_name:
@@ -154,7 +159,8 @@ def emulated(paths: list[str]) -> list[str]:
         out.append(f"| {name} ({first.device_model}) | {first.topology} / {first.nic} | "
                    f"{bench_cell(ring)} | {bench_cell(a2a)} | {bench_cell(one)} | "
                    f"{bench_cell(auto)} | "
-                   f"{ratio(a2a, auto)} | {ratio(one, auto)} | {vs_model} |")
+                   f"{ratio(a2a, auto)} | {ratio(one, auto)} | {vs_model} | "
+                   f"{te_beside(first, rows)} |")
     out.append("")
     out.append("† more than 10 % off the model: not a headline")
     return out
