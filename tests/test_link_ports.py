@@ -98,8 +98,8 @@ def test_two_messages_from_one_rank_share_a_wider_port_as_the_model_does():
     and by hand; the egress is booked at 450 (full) until T, then at 365."""
     links = _ports(3, PORT)
     t0 = time.monotonic() + 5.0  # in the future: nothing is pruned as past
-    first = book_message(links["out0"], links["in1"], t0, NBYTES, LATENCY_S)
-    second = book_message(links["out0"], links["in2"], t0, NBYTES, LATENCY_S)
+    first = book_message((links["out0"], links["in1"]), t0, NBYTES, LATENCY_S)
+    second = book_message((links["out0"], links["in2"]), t0, NBYTES, LATENCY_S)
     assert first - t0 == pytest.approx(T + LATENCY_S, rel=1e-9)
     assert second - t0 == pytest.approx(SECOND + LATENCY_S, rel=1e-9)
     assert second - t0 == pytest.approx(0.5501369863, rel=1e-9)  # the number, written out
@@ -125,7 +125,7 @@ def test_egress_and_ingress_limits_together_match_the_model():
     t0 = time.monotonic() + 5.0
     arr = {}
     for src, dst, start in ((0, 2, 0.0), (0, 3, 0.0), (1, 3, d), (1, 4, d)):
-        arr[src, dst] = book_message(links[f"out{src}"], links[f"in{dst}"], t0 + start,
+        arr[src, dst] = book_message((links[f"out{src}"], links[f"in{dst}"]), t0 + start,
                                      NBYTES, LATENCY_S) - t0
     emulated = [max(arr[0, 2], arr[0, 3]), max(arr[1, 3], arr[1, 4]), arr[0, 2],
                 max(arr[0, 3], arr[1, 3]), arr[1, 4]]
@@ -153,7 +153,7 @@ def test_a_port_no_wider_than_a_message_queues_as_before():
     msgs = [("out0", "in1", t0, NBYTES), ("out0", "in2", t0, NBYTES // 2),
             ("out0", "in3", t0 + 0.1, NBYTES), ("out2", "in1", t0 + 0.05, NBYTES),
             ("out3", "in1", t0 + 0.9, 3 * NBYTES), ("out0", "in2", t0 + 2.0, NBYTES)]
-    new = [book_message(links[e], links[i], s, b, LATENCY_S) for e, i, s, b in msgs]
+    new = [book_message((links[e], links[i]), s, b, LATENCY_S) for e, i, s, b in msgs]
     assert new == pytest.approx(_old_rule(links, msgs), abs=1e-9)
     assert new[1] - t0 == pytest.approx(1.5 * T + LATENCY_S, rel=1e-9)
 
@@ -165,9 +165,9 @@ def test_a_message_waiting_for_its_ingress_leaves_its_egress_to_others():
     rule held the egress for the waiting message: 3T). The model says T too."""
     links = _ports(4, None)
     t0 = time.monotonic() + 5.0
-    a = book_message(links["out0"], links["in2"], t0, NBYTES, LATENCY_S) - t0
-    b = book_message(links["out1"], links["in2"], t0, NBYTES, LATENCY_S) - t0
-    c = book_message(links["out1"], links["in3"], t0, NBYTES, LATENCY_S) - t0
+    a = book_message((links["out0"], links["in2"]), t0, NBYTES, LATENCY_S) - t0
+    b = book_message((links["out1"], links["in2"]), t0, NBYTES, LATENCY_S) - t0
+    c = book_message((links["out1"], links["in3"]), t0, NBYTES, LATENCY_S) - t0
     assert (a, b, c) == pytest.approx((T + LATENCY_S, 2 * T + LATENCY_S, T + LATENCY_S))
     ops = [[_send([2]), Wait(0)], [_send([2, 3]), Wait(0)], [_recv([0, 1]), Wait(0)],
            [_recv([1]), Wait(0)]]
@@ -194,7 +194,7 @@ def test_cross_links_unchanged():
     links = {"out": e0, "in": i2}
     msgs = [("out", "in", t0, 100_000), ("out", "in", t0, 50_000),
             ("out", "in", t0 + 0.5, 100_000)]
-    new = [book_message(links[e], links[i], s, b, LATENCY_S) for e, i, s, b in msgs]
+    new = [book_message((links[e], links[i]), s, b, LATENCY_S) for e, i, s, b in msgs]
     assert new == pytest.approx(_old_rule(links, msgs), abs=1e-9)
     assert new[1] - t0 == pytest.approx(0.15 + LATENCY_S, rel=1e-9)
 
@@ -207,11 +207,11 @@ def test_link_state_in_a_file_keeps_segments_and_prunes_the_past(tmp_path):
     b = LinkModel(MSG, port_rate=PORT, shared_path=path)  # another process would open it so
     ingress = [LinkModel(MSG, port_rate=PORT) for _ in range(3)]
     now = time.monotonic()
-    book_message(a, ingress[0], now - KEEP_PAST_S - 1.0, 1000, 0.0)  # long over
+    book_message((a, ingress[0]), now - KEEP_PAST_S - 1.0, 1000, 0.0)  # long over
     t0 = now + 5.0
-    book_message(a, ingress[1], t0, NBYTES, 0.0)
+    book_message((a, ingress[1]), t0, NBYTES, 0.0)
     assert b.reserved(t0 + 0.1) == pytest.approx(MSG)
-    second = book_message(b, ingress[2], t0, NBYTES, 0.0)
+    second = book_message((b, ingress[2]), t0, NBYTES, 0.0)
     assert second - t0 == pytest.approx(SECOND, rel=1e-9)
     _, count, segs = a._state()
     assert count == 3 and len(segs) == 3  # the first one's segment was pruned

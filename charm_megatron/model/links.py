@@ -10,9 +10,11 @@ of one :class:`~charm_megatron.model.cluster.Cluster` (:meth:`Links.of`).
 The model's engine (:mod:`charm_megatron.model.sim`) sizes its ports and caps its messages with
 it; the emulated GPU cluster (``lab/bench/gpu_emulation.py``, ``DeviceSetup.links``) builds its
 software links (``lab/emulate/linkmodel.py``) from the same object, scaled to the wire
-(:meth:`Links.on_wire`), so the two cannot describe a link differently. What the emulator
-leaves out (an intra bus, ``cross_via_intra``, burst buckets, the concurrency penalty) is the
-cluster's, not the link description's: docs/emulator.md lists it.
+(:meth:`Links.on_wire`), so the two cannot describe a link differently. ``Links`` also says
+whether cross messages cross the ranks' intra ports too (``cross_via_intra``, the cluster's:
+the software links then book a cross message on them as well; the model reads it from the
+cluster). What the emulator leaves out (an intra bus, burst buckets, the concurrency penalty)
+is the cluster's, not the link description's: docs/emulator.md lists it.
 """
 
 from __future__ import annotations
@@ -63,10 +65,13 @@ class LinkSpec:
 @dataclass(frozen=True)
 class Links:
     """A cluster's two kinds of link: ``intra`` (between ranks of one hardware group) and
-    ``cross`` (between groups)."""
+    ``cross`` (between groups). ``cross_via_intra``: a cross message from src to dst also
+    takes src's intra egress port and dst's intra ingress port (its own rate still the cross
+    one; the cluster's :attr:`~charm_megatron.model.cluster.Cluster.cross_via_intra`)."""
 
     intra: LinkSpec
     cross: LinkSpec
+    cross_via_intra: bool = False
 
     @classmethod
     def of(cls, cluster: Cluster) -> Links:
@@ -79,9 +84,9 @@ class Links:
         return cls(LinkSpec(cluster.intra_gbps * 1e9, intra_port * 1e9, latency,
                             cluster.link_order, "rank"),
                    LinkSpec(cluster.cross_gbps * 1e9, cluster.cross_gbps * 1e9, latency,
-                            cluster.link_order, cluster.nic))
+                            cluster.link_order, cluster.nic), cluster.cross_via_intra)
 
     def on_wire(self, bytes_scale: float, dilation: float) -> Links:
         """Both kinds scaled to the wire (:meth:`LinkSpec.on_wire`)."""
-        return Links(self.intra.on_wire(bytes_scale, dilation),
-                     self.cross.on_wire(bytes_scale, dilation))
+        return replace(self, intra=self.intra.on_wire(bytes_scale, dilation),
+                       cross=self.cross.on_wire(bytes_scale, dilation))

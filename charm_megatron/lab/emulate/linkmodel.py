@@ -16,7 +16,11 @@ and arrives ``latency_s`` after its last byte left::
     rate(t)  = min(message rate, egress port - booked on it at t, ingress port - booked at t)
     arrival  = (when rate(t) integrated from start reaches bytes) + latency_s
 
-and its ``rate(t)`` is then booked on both links. Each link is described as the model
+and its ``rate(t)`` is then booked on both links. With ``cross_via_intra`` (the ``l20-pcie``
+profile's: a PCIe GPU's cross-NUMA traffic also crosses its own PCIe port) a cross message
+takes two more, the sender's intra egress and the receiver's intra ingress, as the model's
+``("iout", src)`` / ``("iin", dst)``: its rate(t) is bounded by what all four ports have
+left (its own cap stays the cross one) and booked on all four. Each link is described as the model
 describes it (:class:`~charm_megatron.model.links.LinkSpec`): the most one message reaches
 (``rate``, the profiles' ``intra_gbps``) and what the port carries in all (``port_rate``, the
 profiles' ``intra_port_gbps``): on an H100 profile a rank's intra egress carries one message at
@@ -70,8 +74,8 @@ without ``start_order`` the order is the order of bookings on the wall clock, wh
 times are post times taken before the locks, so two posts a few microseconds apart (or, on a
 virtual clock, a late host's early post) may be served in the other order; the model activates a
 stream's batches one after another when the previous one completed, here (``LinkTransport``) a
-batch starts when the previous one could have completed alone; no intra bus,
-``cross_via_intra``, burst buckets or concurrency penalty. The emulator's own limits
+batch starts when the previous one could have completed alone; no intra bus, burst
+buckets or concurrency penalty. The emulator's own limits
 (docs/topology.md): no CPU contention in a network stack or TCP fair sharing, and a transfer
 that only progresses inside ``wait()`` is not penalised.
 
@@ -89,7 +93,8 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -105,7 +110,7 @@ if TYPE_CHECKING:
     from charm_megatron.model.links import Links
 
 __all__ = ["LinkModel", "LinkWork", "RankLinks", "SoftwareLinks",
-           "ThrottledWork", "book_message", "fill"]
+           "ThrottledWork", "book_message", "fill", "message_rate"]
 
 _HEADER = struct.Struct("=QQQ")  # a link's bytes posted, transfers posted, segments stored
 _SEGMENT = struct.Struct("=ddd")  # one reservation: from, until (monotonic s), bytes/s
@@ -222,20 +227,31 @@ class LinkModel(Locked):
         return f"LinkModel({self.name or 'link'}, {self.rate:.3g} B/s{port})"
 
 
-def book_message(egress: LinkModel, ingress: LinkModel, earliest: float, nbytes: int,
+def message_rate(links: Sequence[LinkModel]) -> float:
+    """The most one message on ``links`` reaches: its own egress's and ingress's (the first
+    two; further ones, ``cross_via_intra``'s intra ports, only lend what their port has left)."""
+    return min(links[0].rate, links[1].rate)
+
+
+def book_message(links: Sequence[LinkModel], earliest: float, nbytes: int,
                  latency_s: float) -> float:
-    """Book one message on both its links at once (module doc): from ``earliest`` it moves at
-    what both ports have left, up to the per-message rate, and its rate over time is booked on
-    both; returns its arrival (``time.monotonic`` s)."""
-    if egress is ingress:
-        raise ValueError("a message needs two links (the sender's egress, the receiver's ingress)")
-    with egress._held() as fo, ingress._held() as fi:  # always egress first: no lock cycle
-        bytes_o, n_o, segs_o = egress._read(fo)
-        bytes_i, n_i, segs_i = ingress._read(fi)
-        end, pieces = fill(earliest, nbytes, min(egress.rate, ingress.rate),
-                           [(egress.port_rate, segs_o), (ingress.port_rate, segs_i)])
-        egress._write(fo, bytes_o + nbytes, n_o + 1, segs_o + pieces)
-        ingress._write(fi, bytes_i + nbytes, n_i + 1, segs_i + pieces)
+    """Book one message on all its links at once (module doc): its egress and ingress, then
+    any others it crosses (``cross_via_intra``: the sender's intra egress, the receiver's intra
+    ingress). From ``earliest`` it moves at what every port has left, up to its per-message
+    rate (:func:`message_rate`), and its rate over time is booked on each; returns its arrival
+    (``time.monotonic`` s). The links are locked in the order given: callers give them in one
+    global order (:meth:`SoftwareLinks.links`: cross-out, cross-in, intra-out, intra-in), so
+    no two messages wait on each other's locks."""
+    if len(links) < 2 or len({id(link) for link in links}) != len(links):
+        raise ValueError("a message needs distinct links (at least the sender's egress and "
+                         "the receiver's ingress)")
+    with ExitStack() as stack:
+        fds = [stack.enter_context(link._held()) for link in links]
+        states = [link._read(fd) for link, fd in zip(links, fds)]
+        end, pieces = fill(earliest, nbytes, message_rate(links),
+                           [(link.port_rate, st[2]) for link, st in zip(links, states)])
+        for link, fd, (total, count, segs) in zip(links, fds, states):
+            link._write(fd, total + nbytes, count + 1, segs + pieces)
     return end + latency_s
 
 
@@ -354,7 +370,9 @@ class SoftwareLinks:
     ``start_order``: serve messages in virtual start order, not in the order they are booked
     on the wall clock (:mod:`.link_order`); every rank must then post through a
     :class:`LinkTransport` that follows its virtual clock (the bench's ``--device-clock
-    virtual``), whose floors it waits for.
+    virtual``), whose floors it waits for. ``cross_via_intra``: a cross message also takes
+    its sender's intra egress and its receiver's intra ingress (module doc; needs
+    ``intra_rate``).
     """
 
     groups: int
@@ -368,6 +386,7 @@ class SoftwareLinks:
     intra_port_rate: str | float | None = None
     cross_port_rate: str | float | None = None
     start_order: bool = False
+    cross_via_intra: bool = False
     # Tells this spec's in-process links apart from another's when there is no state_dir.
     token: str = field(default_factory=lambda: uuid.uuid4().hex, compare=False, repr=False)
 
@@ -389,7 +408,8 @@ class SoftwareLinks:
         """The software links of the model's description ``links``
         (:class:`~charm_megatron.model.links.Links`, already on the wire: rates in wire
         bytes/s, latency in wall seconds): per-message rates and port aggregates of both kinds,
-        the cross ports' sharing and the latency. ``kw``: ``state_dir``, ``pair_timeout_s``.
+        the cross ports' sharing, ``cross_via_intra`` and the latency. ``kw``: ``state_dir``,
+        ``pair_timeout_s``.
         The links always serve in start order (their ``order``: the bench tells the model
         ``fifo``)."""
         if links.intra.latency_s != links.cross.latency_s:
@@ -401,7 +421,7 @@ class SoftwareLinks:
         return cls(groups, ranks_per_group, links.cross.message_Bps, links.intra.message_Bps,
                    links.cross.shared_by, latency_s=links.intra.latency_s,
                    intra_port_rate=links.intra.port_Bps, cross_port_rate=links.cross.port_Bps,
-                   **kw)
+                   cross_via_intra=links.cross_via_intra, **kw)
 
     def _link(self, rate: str | float, kind: str, who: str,
               port: str | float | None = None) -> LinkModel:
@@ -419,15 +439,23 @@ class SoftwareLinks:
     def node(self, rank: int) -> int:
         return rank // self.ranks_per_group
 
-    def links(self, src: int, dst: int) -> tuple[LinkModel, LinkModel] | None:
-        """The (egress, ingress) a message from ``src`` to ``dst`` takes; None: not throttled."""
+    def links(self, src: int, dst: int) -> tuple[LinkModel, ...] | None:
+        """The links a message from ``src`` to ``dst`` takes, in the one order every booking
+        locks them in (:func:`book_message`): its egress and ingress, then, for a cross message
+        with ``cross_via_intra``, ``src``'s intra egress and ``dst``'s intra ingress (cross-out,
+        cross-in, intra-out, intra-in); None: not throttled."""
+        intra = None if self.intra_rate is None else (self._intra("intra-out", src),
+                                                      self._intra("intra-in", dst))
         if self.node(src) == self.node(dst):
-            if self.intra_rate is None:
-                return None
-            return self._intra("intra-out", src), self._intra("intra-in", dst)
+            return intra
         out, into = (f"node{self.node(src)}", f"node{self.node(dst)}") if self.nic == "node" \
             else (f"rank{src}", f"rank{dst}")
-        return self._cross("cross-out", out), self._cross("cross-in", into)
+        cross = (self._cross("cross-out", out), self._cross("cross-in", into))
+        if self.cross_via_intra:
+            if intra is None:
+                raise ValueError("cross_via_intra needs intra links (an intra_rate)")
+            return cross + intra
+        return cross
 
     def pair(self, src: int, dst: int, channel: str) -> _PairBox:
         return self._shared(f"pair-{src}-{dst}-{channel}.fifo", _PairBox)
@@ -446,7 +474,7 @@ class SoftwareLinks:
     def _book_matched(self, m: Matched) -> float:
         links = self.links(m.src, m.dst)
         assert links is not None  # free links are never queued
-        return book_message(links[0], links[1], m.start, m.nbytes, self.latency_s)
+        return book_message(links, m.start, m.nbytes, self.latency_s)
 
     def _deliver(self, m: Matched, arrival: float) -> None:
         self.pair(m.src, m.dst, m.channel).deliver(m.k, arrival)
@@ -483,12 +511,14 @@ class RankLinks:
 
     def alone_s(self, peer: int, nbytes: int, outgoing: bool) -> float:
         """Seconds a message of ``nbytes`` to (``outgoing``) or from ``peer`` takes alone on
-        its links: the latency plus its bytes at the per-message rate (0 on free links)."""
+        its links: the latency plus its bytes at its per-message rate or the narrowest of its
+        links' ports, whichever is lower (0 on free links)."""
         src, dst = (self.rank, peer) if outgoing else (peer, self.rank)
         links = self.spec.links(src, dst)
         if links is None:
             return 0.0
-        return self.spec.latency_s + nbytes / min(links[0].rate, links[1].rate)
+        rate = min(message_rate(links), *(link.port_rate for link in links))
+        return self.spec.latency_s + nbytes / rate
 
     def post(self, nbytes: int, peer: int, outgoing: bool, group: Any = None,
              tag: int = 0, at: float | None = None, clock: Any = None,
@@ -509,7 +539,7 @@ class RankLinks:
         latency = self.spec.latency_s
 
         def book(start: float, size: int) -> float:
-            return book_message(links[0], links[1], start, size, latency)
+            return book_message(links, start, size, latency)
 
         ordered = self.spec.start_order
         if ordered and (at is None or clock is None):
@@ -535,7 +565,7 @@ class RankLinks:
             else:  # reserves nothing: the order cannot matter
                 box.deliver(k, book(message.start, 0))
         wait = Await(queue, clock, box, k, outgoing, peer, now, int(nbytes),
-                     min(links[0].rate, links[1].rate), latency)
+                     message_rate(links), latency)
         return LinkWork(None, box, k, what, self.spec.pair_timeout_s, order=wait)
 
     def wrap(self, work: Any, nbytes: int, peer: int, outgoing: bool, group: Any = None,
