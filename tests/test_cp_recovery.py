@@ -56,8 +56,10 @@ def _never_wrong(res) -> None:
     twice the bound (plus the late rank's sleep): never a wrong result, never a hang."""
     for rank, outcomes in enumerate(res):
         for kind, text, took in outcomes:
-            assert kind in ("ok", "CPAttentionError", "CPMismatchError", "RuntimeError"), \
-                (rank, kind, text)
+            # CommError: a transfer's bounded wait ran out (ops/executor.py), which on a loaded
+            # machine can come before the agreement's check does: our error either way
+            assert kind in ("ok", "CPAttentionError", "CPMismatchError", "CommError",
+                            "RuntimeError"), (rank, kind, text)
             assert kind != "ok" or float(text) < 1e-5, (rank, "silently wrong", text)
             assert took < 2 * T + LATE + 2, (rank, kind, took)
 

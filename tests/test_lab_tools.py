@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from charm_megatron.lab.bench import tile_rates
 from charm_megatron.lab.reports import bound_gap
 
@@ -52,10 +54,11 @@ def test_head_parallel_report_pairs_each_emulated_run_with_its_degree_one_run():
 
     docs = sorted(str(p) for p in (Path(__file__).parents[1] / "docs" / "performance" /
                                    "head-parallel").glob("*.csv"))
-    lines = head_parallel.emulated(docs)
+    lines = head_parallel.emulated(docs, te=False)  # TE's column: test_te_contenders.py
     rows = [line for line in lines if line.startswith("| ") and "(h100)" in line]
     assert len(rows) == len(docs) // 2
     for line in rows:
         cells = [c.strip() for c in line.split("|")[1:-1]]
         one, auto = float(cells[4].split()[0].rstrip("†")), float(cells[5].split()[0].rstrip("†"))
-        assert f"{one / auto:.2f}x" == cells[7]
+        # the cells are rounded to 0.01 ms, the ratio is of the unrounded times
+        assert float(cells[7].rstrip("x")) == pytest.approx(one / auto, abs=0.01)

@@ -230,7 +230,7 @@ def test_report_te_emulated_reads_the_docs_runs(capsys) -> None:
     from pathlib import Path
 
     csvs = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "docs" /
-                                   "performance" / "te").glob("*.csv"))
+                                   "performance" / "te-grid").glob("llama8b-2x8-s[36]*.csv"))
     assert csvs
     out = _out(capsys, "report", "te", "--emulated", *csvs)
     rows = {line.split("|")[1].split()[0]: [c.strip() for c in line.split("|")]

@@ -133,8 +133,9 @@ def bench_cell(row: BenchRow | None) -> str:
     return f"{row.median_ms:.2f}{mark}{bound}"
 
 
-def emulated(paths: list[str]) -> list[str]:
-    """The emulated check's Markdown lines: one row per ``NAME.csv`` with a ``NAME-d1.csv``."""
+def emulated(paths: list[str], te: bool = True) -> list[str]:
+    """The emulated check's Markdown lines: one row per ``NAME.csv`` with a ``NAME-d1.csv``;
+    ``te=False`` leaves TransformerEngine's column (the model's prices of it) empty."""
     # te_shipped imports this module's topology_groups: imported here, not at the top
     from charm_megatron.lab.reports.te_shipped import te_beside
 
@@ -160,7 +161,7 @@ def emulated(paths: list[str]) -> list[str]:
                    f"{bench_cell(ring)} | {bench_cell(a2a)} | {bench_cell(one)} | "
                    f"{bench_cell(auto)} | "
                    f"{ratio(a2a, auto)} | {ratio(one, auto)} | {vs_model} | "
-                   f"{te_beside(first, rows)} |")
+                   f"{te_beside(first, rows) if te else '-'} |")
     out.append("")
     out.append("† more than 10 % off the model: not a headline")
     return out
