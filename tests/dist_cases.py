@@ -129,6 +129,16 @@ def bad_input(rank: int, world: int, case: str):
     return None
 
 
+def over_tolerance(per_rank: list[dict], tol_of) -> list[str]:
+    """Every case, rank and quantity of a matrix run (``run_matrix``, or any runner returning
+    per rank ``{case: {quantity: error}}``) whose error against the float64 reference is not
+    below ``tol_of(case, quantity)``, as readable lines; ``vs_ring`` (agreement with ring, not
+    a reference error) is left out."""
+    return [f"{case} rank {r}: {name} {err:.3g}"
+            for r, res in enumerate(per_rank) for case, errs in res.items()
+            for name, err in errs.items() if name != "vs_ring" and not err < tol_of(case, name)]
+
+
 def run_matrix(rank: int, world: int, cases: list[tuple], rows_per_rank: int = 8,
                head_dim: int = 16, heads: int = 8):
     """Run many (algo, topology, causal, dtype, hkv[, roles or settings]) cases in one process

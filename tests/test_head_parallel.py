@@ -119,12 +119,6 @@ def test_auto_is_the_fastest_degree_the_model_predicts(g: int, hq: int, hkv: int
 TOL = {"fp32": 1e-5, "bf16": 2e-2, "fp64": 1e-12}
 
 
-def _bad(per_rank: list[dict], tol_of) -> list[str]:
-    return [f"{case} rank {r}: {name} {err:.3g}"
-            for r, res in enumerate(per_rank) for case, errs in res.items()
-            for name, err in errs.items() if name != "vs_ring" and not err < tol_of(case, name)]
-
-
 # world -> (topology, degree, kv heads) with 8 query heads
 DENSE = {4: [("2x2", 2, 4), ("2x2", 2, 2)],
          8: [("2x4", 2, 4), ("2x4", 4, 4), ("4x2", 2, 2)]}
@@ -136,7 +130,7 @@ def test_dense_matches_float64_at_every_degree(world: int) -> None:
              for topo, d, hkv in DENSE[world] for causal in (True, False)
              for dtype in ("fp32", "bf16") if dtype == "fp32" or hkv == 4]
     res = run_ranks(dist_cases.run_matrix, world, cases, 8, 16, 8, timeout_s=600)
-    assert not _bad(res, lambda c, n: TOL[c[3]])
+    assert not dist_cases.over_tolerance(res, lambda c, n: TOL[c[3]])
 
 
 _ENV = {"CHARM_HEAD_PARALLEL": "2"}  # the case modules' calls take no options: the variable
@@ -147,11 +141,11 @@ def test_windows_and_sinks_match_float64_after_the_head_all_to_all() -> None:
                for causal, left, right in ((True, 2, 0), (True, 9, 0), (False, 3, 5))
                for dtype in ("fp64", "bf16")]
     res = run_ranks(window_cases.run_sbhd, 4, windows, timeout_s=300, env=_ENV)
-    assert not _bad(res, lambda c, n: window_cases.TOL[c[3]])
+    assert not dist_cases.over_tolerance(res, lambda c, n: window_cases.TOL[c[3]])
     sinks = [("charm", "2x2", causal, dtype, 2, True) for causal in (True, False)
              for dtype in ("fp32", "bf16")]
     res = run_ranks(sink_cases.run_sbhd, 4, sinks, timeout_s=300, env=_ENV)
-    assert not _bad(res, lambda c, n: 5e-2 if (n, c[3]) == ("doffset", "bf16")
+    assert not dist_cases.over_tolerance(res, lambda c, n: 5e-2 if (n, c[3]) == ("doffset", "bf16")
                     else sink_cases.TOL[c[3]])
 
 
@@ -166,7 +160,7 @@ def test_packed_and_mla_match_float64_after_the_head_all_to_all() -> None:
     mla = [("charm", "2x2", causal, dtype, 2, 24, 16) for causal in (True, False)
            for dtype in ("fp64", "bf16")]
     res = run_ranks(mla_cases.run_sbhd, 4, mla, timeout_s=300, env=_ENV)
-    assert not _bad(res, lambda c, n: mla_cases.TOL[c[3]])
+    assert not dist_cases.over_tolerance(res, lambda c, n: mla_cases.TOL[c[3]])
 
 
 def test_a_degree_the_heads_refuse_fails_on_every_rank_before_data_moves() -> None:
