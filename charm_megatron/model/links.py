@@ -12,8 +12,8 @@ it; the emulated GPU cluster (``lab/bench/gpu_emulation.py``, ``DeviceSetup.link
 software links (``lab/emulate/linkmodel.py``) from the same object, scaled to the wire
 (:meth:`Links.on_wire`), so the two cannot describe a link differently. ``Links`` also says
 whether cross messages cross the ranks' intra ports too (``cross_via_intra``, the cluster's:
-the software links then book a cross message on them as well; the model reads it from the
-cluster). What the emulator leaves out (an intra bus, burst buckets, the concurrency penalty)
+the model's engine and the software links both read it here and book a cross message on
+them as well). What the emulator leaves out (an intra bus, burst buckets, the concurrency penalty)
 is the cluster's, not the link description's: docs/emulator.md lists it.
 """
 

@@ -180,7 +180,7 @@ class _Engine(OpInterpreter[None]):
         else:  # one message can fill a cross port (Links.of): no cap of its own
             a, b = (src, dst) if cl.nic == "rank" else (gs, gd)
             uses += [(("xout", a), 1.0), (("xin", b), 1.0)]
-            if cl.cross_via_intra:
+            if self.links.cross_via_intra:  # the emulator's links read the same field
                 uses += [(("iout", src), 1.0), (("iin", dst), 1.0)]
         if cl.cpu_ns_per_byte:
             uses.append(("pool", cl.cpu_ns_per_byte * 1e-9))
