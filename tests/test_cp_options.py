@@ -25,7 +25,7 @@ def test_from_env_reads_every_listed_variable():
     assert o.auto_algos == ("ring", "charm", "a2a+p2p")
     assert o.head_parallel == "4" and CPOptions().head_parallel == "auto"
     assert o.super_tiles == "on" and CPOptions().super_tiles == "off"
-    assert o.split_diagonal == "on" and CPOptions().split_diagonal == "off"
+    assert o.split_diagonal == "on" and CPOptions().split_diagonal == "auto"
     assert o.partials == "fp32" and o.wide_partials and not CPOptions().wide_partials
     assert o.auto_tune == 1.25 and CPOptions().auto_tune is None
     assert o.auto_tune_file == "runs/picks.json" and CPOptions().auto_tune_file is None

@@ -34,10 +34,10 @@ def _tiles(ops):
     return [op for op in ops if type(op) in (Tile, TileBwd)]
 
 
-def _plan(direction: str, g: int = 2, m: int = 2, **kw):
+def _plan(direction: str, g: int = 2, m: int = 2, split_diagonal_value: str = "on", **kw):
     kw.setdefault("shape", SHAPE)
     return registry.build_plan("charm", direction, _groups(g, m), True,
-                               split_diagonal="on", **kw)
+                               split_diagonal=split_diagonal_value, **kw)
 
 
 def _split_ranks(plan) -> list[int]:
@@ -78,6 +78,19 @@ def test_split_plans_validate_and_split_where_the_first_block_comes_whole(
     assert 0 in split and (g * m - 1) not in split
 
 
+@pytest.mark.parametrize("g,m,kw", [(2, 2, {}), (2, 4, {"head_parallel": 2}), (3, 2, {}),
+                                    (2, 4, {"roles": "paper"})])
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_all_splits_the_diagonal_on_every_rank(g, m, kw, direction) -> None:
+    """``split_diagonal=all``: the upper group's ranks split too (their first cross block
+    arrives in halves), and the plans still compute every pair once."""
+    plan = _plan(direction, g, m, split_diagonal_value="all", **kw)
+    validate(plan)
+    assert _split_ranks(plan) == list(range(g * m))
+    lower = _plan(direction, g, m, **kw)
+    assert set(_split_ranks(lower)) < set(_split_ranks(plan))
+
+
 def test_on_is_a_no_op_without_a_mask_or_a_second_group() -> None:
     for causal, groups in ((False, _groups(2, 2)), (True, _groups(1, 4))):
         on = registry.build_plan("charm", "backward", groups, causal, shape=SHAPE,
@@ -113,12 +126,16 @@ def test_the_validator_rejects_a_missing_or_a_repeated_sub_tile(direction) -> No
 
 # ------------------------------------------------------------------- settings, model
 def test_the_setting_parses_and_auto_times_both_plans() -> None:
-    with pytest.raises(ValueError, match=r"split_diagonal='halves'.*auto, off, on"):
+    with pytest.raises(ValueError, match=r"split_diagonal='halves'.*auto, off, on, all"):
         registry.variants("charm", _groups(2, 2), True, split_diagonal="halves")
     fwd, bwd = registry.variants("charm", _groups(2, 2), True, split_diagonal="on")
     assert fwd.split_diagonal and bwd.split_diagonal
+    assert not fwd.split_diagonal_all and not bwd.split_diagonal_all
+    fwd, bwd = registry.variants("charm", _groups(2, 2), True, split_diagonal="all")
+    assert fwd.split_diagonal_all and bwd.split_diagonal_all
+    # The default, auto, is off where nothing times the plans.
     assert not any(registry.variants("charm", _groups(2, 2), True)[i].split_diagonal
-                   for i in (0, 1))  # the default: off
+                   for i in (0, 1))
 
 
 class _Timer:
@@ -146,17 +163,50 @@ def test_auto_picks_the_split_only_beyond_the_margin(factor, picked) -> None:
     assert bool(_split_ranks(plan)) == picked
 
 
+class _EveryTimer:
+    """Prices a plan by how many ranks split their diagonal: ``each`` less per rank."""
+
+    def __init__(self, each: float) -> None:
+        self.each = each
+
+    def seconds(self, plan) -> float:
+        return 1.0 - self.each * len(_split_ranks(plan))
+
+
+@pytest.mark.parametrize("each,picked", [(0.1, (True, True)), (0.01, (False, False)),
+                                         (-0.01, (False, False))])
+def test_auto_picks_the_faster_of_the_two_splits(each, picked) -> None:
+    """``auto`` times both splits (the lower group's ranks, every rank) and keeps the faster
+    where it beats the whole tile by more than SPLIT_MARGIN: with 4 ranks, every rank at
+    0.1 each (0.6) beats the lower group (0.8) and whole (1.0); at 0.01 each neither passes
+    the margin; at a cost, neither."""
+    values = registry.settings_values(split_diagonal="auto", split_visiting="off",
+                                      split_counterpart_q="off")
+    ctx = entry.VariantContext(tuple(map(tuple, _groups(2, 2))), True, SHAPE,
+                               _EveryTimer(each))
+    fwd, bwd = entry.charm_variants(values.only(s.name for s in entry.SETTINGS_WITH_HEADS),
+                                    ctx)
+    assert (fwd.split_diagonal_all, bwd.split_diagonal_all) == picked
+    assert (fwd.split_diagonal, bwd.split_diagonal) == picked
+
+
 # ------------------------------------------------------------------- real ranks
 _ON = (("split_diagonal", "on"),)
+_ALL = (("split_diagonal", "all"),)
 
 
 def test_split_diagonal_matches_float64_on_gloo_ranks() -> None:
-    """2x2 and 2x4 (2x4: 8 ranks), GQA under the byte rule (pass-kv), with visiting quarters
-    and a head-parallel degree of 2; out, lse, dq, dk, dv against float64."""
+    """2x2, GQA under the byte rule (pass-kv), with visiting quarters and a head-parallel
+    degree of 2, MHA with the paper's roles (pass-q); the lower group's ranks split (on) or
+    every rank (all); out, lse, dq, dk, dv against float64."""
     cases = [("charm", "2x2", True, "fp32", 2, _ON),
              ("charm", "2x2", True, "fp32", 2, (*_ON, ("split_visiting", "quarters"))),
              ("charm", "2x2", True, "fp32", 2, (*_ON, ("head_parallel", 2))),
-             ("charm", "2x2", True, "fp32", 8, (*_ON, ("roles", "paper")))]
+             ("charm", "2x2", True, "fp32", 8, (*_ON, ("roles", "paper"))),
+             # every rank splits (split_diagonal=all): pass-kv, pass-q, head-parallel
+             ("charm", "2x2", True, "fp32", 2, _ALL),
+             ("charm", "2x2", True, "fp32", 8, (*_ALL, ("roles", "paper"))),
+             ("charm", "2x2", True, "fp32", 2, (*_ALL, ("head_parallel", 2)))]
     per_rank = run_ranks(dist_cases.run_matrix, 4, cases, 6, 16, 8, timeout_s=300)
     bad = dist_cases.over_tolerance(per_rank, lambda case, name: TOL[case[3]])
     assert not bad, bad

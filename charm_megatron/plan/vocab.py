@@ -143,12 +143,15 @@ class SuperTileMode(_Named):
 
 class DiagonalMode(_Named):
     """Whether CHARM+ runs the own causal diagonal tile as its three sub-tiles, placed to fill
-    the waits on the cross exchange (``split_diagonal``): ``on``, ``off``, or ``auto`` (the
-    performance model's per-direction pick; off where no model times the plans)."""
+    the waits on the cross exchange (``split_diagonal``): ``on`` (the ranks whose first cross
+    block arrives whole), ``all`` (every rank with a cross pass), ``off``, or ``auto`` (the
+    performance model's per-direction pick among the three; off where no model times the
+    plans)."""
 
     AUTO = "auto"
     OFF = "off"
     ON = "on"
+    ALL = "all"
 
 
 class HeadParallel(_Named):

@@ -80,14 +80,16 @@ SPLIT_COUNTERPART_Q = Setting(
     "charm pass-q: a counterpart's q block that every tile needs whole crosses in two row "
     "halves, its partial going home per half (docs/algorithm.md; no quarters)",
     env="CHARM_SPLIT_COUNTERPART_Q")
-# Off by default: the model predicts it at most ~3 % faster where it was asked (below
-# SPLIT_MARGIN, so auto would not pick it there) and slower in every forward.
+# auto by default, like the other splits: the model's pick where a profile times the plans
+# (every rank's split pays where later returns sit exposed: 4x8 pass-q forwards, the
+# backward with one NIC per node; docs/algorithm.md), off without one.
 SPLIT_DIAGONAL = Setting(
-    "split_diagonal", DiagonalMode, DiagonalMode.OFF,
-    "charm: on the ranks whose first cross block arrives whole, the own causal diagonal tile "
-    "runs as its three sub-tiles, the two causal squares before the first cross block, the "
-    "block between them after the last cross pass (auto: the performance model's pick per "
-    "direction; a no-op without a causal mask or a second group; docs/algorithm.md)",
+    "split_diagonal", DiagonalMode, DiagonalMode.AUTO,
+    "charm: on the ranks whose first cross block arrives whole (on) or on every rank (all), "
+    "the own causal diagonal tile runs as its three sub-tiles, the two causal squares before "
+    "the first cross block, the block between them after the last cross pass (auto: the "
+    "performance model's pick per direction; a no-op without a causal mask or a second "
+    "group; docs/algorithm.md)",
     env="CHARM_SPLIT_DIAGONAL")
 SETTINGS = (PASS_ORDER, ROLES, SPLIT_VISITING, SPLIT_COUNTERPART_Q, SPLIT_DIAGONAL,
             SUPER_TILES)
@@ -124,7 +126,8 @@ class CharmVariant:
     (the backward runs on the heads layout the forward kept); ``super_tiles``: adjacent kv
     units fetched together, their tiles fused (plan/fuse.py); ``split_diagonal``: the own
     causal diagonal tile as its three sub-tiles, placed around the cross passes
-    (docs/algorithm.md, *The own diagonal tile in three*)."""
+    (docs/algorithm.md, *The own diagonal tile in three*), on the ranks whose first cross
+    block arrives whole, or with ``split_diagonal_all`` on every rank."""
 
     order: PassOrder = PassOrder.SPLIT
     roles: RoleChoice = RoleChoice()
@@ -137,6 +140,7 @@ class CharmVariant:
     head_parallel: int = 1
     super_tiles: bool = False
     split_diagonal: bool = False
+    split_diagonal_all: bool = False
 
     @property
     def visiting_split(self) -> str:
@@ -172,7 +176,9 @@ def charm_rank(rank: int, groups: Groups, causal: bool, direction: Direction,
                    split_visiting=variant.split_visiting,
                    visiting_pieces=variant.visiting_pieces, home_stream=variant.home_stream,
                    split_counterpart_q=variant.split_counterpart_q,
-                   split_diagonal=variant.split_diagonal, super_tiles=variant.super_tiles)
+                   split_diagonal=variant.split_diagonal,
+                   split_diagonal_all=variant.split_diagonal_all,
+                   super_tiles=variant.super_tiles)
     ops = rank_program(st)
     return (fuse_ops(ops) if variant.super_tiles else ops), st.decisions
 
@@ -239,15 +245,31 @@ def _with_splits(values: Values, base: CharmVariant,
 
 def _diagonal(mode: DiagonalMode, fwd: CharmVariant, bwd: CharmVariant,
               ctx: VariantContext) -> tuple[CharmVariant, CharmVariant]:
-    """``fwd`` and ``bwd`` with the own diagonal tile split as ``mode`` says: ``on`` both
+    """``fwd`` and ``bwd`` with the own diagonal tile split as ``mode`` says: ``on`` (the
+    ranks whose first cross block arrives whole) or ``all`` (every rank) in both directions
     (a no-op where there is no causal diagonal or no second group: nothing to split, or no
-    cross pass to place its sub-tiles around); ``auto`` per direction where ``ctx.timer``
-    predicts the split plan more than :data:`SPLIT_MARGIN` faster than the one with the
-    visiting / counterpart splits already chosen (:func:`_beats`); off without a timer."""
-    if not ctx.causal or len(ctx.groups) < 2:
+    cross pass to place its sub-tiles around); ``auto`` per direction the faster of the two
+    splits by ``ctx.timer``, kept where it is more than :data:`SPLIT_MARGIN` faster than the
+    plan with the visiting / counterpart splits already chosen (:func:`_beats`); off without
+    a timer."""
+    if not ctx.causal or len(ctx.groups) < 2 or mode is DiagonalMode.OFF:
         return fwd, bwd
-    return _switched(mode.value, "split_diagonal", fwd, bwd, ctx,
-                     lambda split, whole: _faster(split, whole, ctx.timer))
+    lower, every = ({"split_diagonal": True}, {"split_diagonal": True, "split_diagonal_all": True})
+    if mode is not DiagonalMode.AUTO:
+        kw = every if mode is DiagonalMode.ALL else lower
+        return replace(fwd, **kw), replace(bwd, **kw)
+    if ctx.timer is None:
+        return fwd, bwd
+    out = []
+    for d, v in ((Direction.FORWARD, fwd), (Direction.BACKWARD, bwd)):
+        whole = _plan(d, ctx, v)
+        timed = [(ctx.timer.seconds(plan), split) for split in (replace(v, **lower),
+                                                                 replace(v, **every))
+                 if (plan := _plan(d, ctx, split)).ops != whole.ops]
+        best = min(timed, key=lambda t: t[0], default=None)
+        keep = best is not None and _beats(best[0], ctx.timer.seconds(whole))
+        out.append(best[1] if keep else v)
+    return out[0], out[1]
 
 
 def _super_tiles(mode: SuperTileMode, fwd: CharmVariant, bwd: CharmVariant,

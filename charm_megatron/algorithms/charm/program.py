@@ -48,7 +48,8 @@ def rank_program(st: RankState) -> list[Op]:
         p.add(Reset(Plan.OUT, Kind.OUT, r))
     if st.cross:
         _post_cross_exchange(st, roles, 0)
-    st.split_diagonal = st.split_diagonal and _first_block_whole(st, roles)
+    st.split_diagonal = st.split_diagonal and (st.split_diagonal_all
+                                               or _first_block_whole(st, roles))
     order = passes(st, roles)
     last_cross = max((i for i, ps in enumerate(order) if ps.cross_round is not None),
                      default=None)

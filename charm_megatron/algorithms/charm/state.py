@@ -89,6 +89,10 @@ class RankState:
     # last cross pass, where it hides that pass's trip home. Read by rmplus (the tile) and
     # charm_program (the rest).
     split_diagonal: bool = False
+    # split_diagonal_all: every rank with a cross pass splits its diagonal tile, not only
+    # those whose first cross block arrives whole (charm_program's rule); with one NIC per
+    # GPU no rank's early returns share a link with another's blocks. Read by charm_program.
+    split_diagonal_all: bool = False
     # super_tiles: adjacent kv units whose tiles share their q rows are fetched together and
     # their tiles written side by side (one super-tile per q block once fused, plan/fuse.py).
     # Read by rmplus.
