@@ -211,6 +211,19 @@ def test_split_counterpart_q_against_float64_reference(world, topology):
         and (spec.kv_half is Half.FIRST or not causal))
 
 
+# split_counterpart_q="home": the halves with every pass-q partial going home on the home
+# streams (docs/algorithm.md); 2x2 (the plans: tests/test_plan.py), MHA under the paper's
+# roles and GQA under forced pass-q, causal and full, forward and backward.
+def test_split_counterpart_q_home_against_float64_reference():
+    cases = [("charm", "2x2", causal, "fp32", 8, "paper") for causal in (True, False)]
+    cases += [("charm", "2x2", True, "bf16", 8, "paper"), ("charm", "2x2", True, "fp32", 2, "q")]
+    per_rank = run_ranks(dist_cases.run_matrix, 4, cases, timeout_s=600,
+                         env={"CHARM_SPLIT_COUNTERPART_Q": "home"})
+    for case in cases:
+        for res in per_rank:
+            assert max(res[case].values()) < TOL[case[3]], (case, res[case])
+
+
 PARTIALS_CASES = [("ring", None, True), ("ring", None, False), ("rmplus", None, True),
                   ("charm", "2x2", True), ("allgather", None, True), ("a2a", None, True),
                   ("a2a+p2p", "2x2", True)]

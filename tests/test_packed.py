@@ -141,6 +141,13 @@ def test_packed_split_counterpart_q_against_float64_reference():
     _check_packed_references(cases, {"CHARM_SPLIT_COUNTERPART_Q": "on"})
 
 
+def test_packed_split_counterpart_q_home_against_float64_reference():
+    """CHARM_SPLIT_COUNTERPART_Q=home under packing: the same sub-tiles, the partials home on
+    the home streams (2x2, multi-head attention, causal, unequal documents)."""
+    cases = [("charm", "2x2", True, "fp32", 8, "unequal", "paper", 8)]
+    _check_packed_references(cases, {"CHARM_SPLIT_COUNTERPART_Q": "home"})
+
+
 def test_byte_rule_changes_the_gqa_plans():
     """The GQA role-mix cases above are not the paper's plans twice: for 8 query heads and 2 or
     1 kv heads the byte rule builds other forward and backward plans than Algorithm 1."""

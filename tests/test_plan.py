@@ -288,6 +288,37 @@ def test_split_counterpart_q_validates_and_splits_only_the_full_counterpart_bloc
     assert not any(_q_sub_tiles(ops) for ops in plain.ops)  # the default sends whole blocks
 
 
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("g,causal", [((2, 4), True), ((2, 2), False), ((3, 2), True)])
+def test_split_counterpart_q_home_sends_every_partial_on_the_home_streams(direction, g,
+                                                                          causal):
+    """``split_counterpart_q="home"``: the same halves, but every pass-q partial (the split
+    ones and the whole ones of the later group) goes home on the home streams, none on the
+    cross stream, which then carries only q blocks; ours come back on a receive posted
+    before the pass that serves the counterpart."""
+    plan = build_plan("charm", direction, _groups(*g), causal, roles="q",
+                      split_counterpart_q="home")
+    validate(plan)
+    on = build_plan("charm", direction, _groups(*g), causal, roles="q",
+                    split_counterpart_q="on")
+    partial = "dq" if direction == "backward" else "out"
+    for r in range(plan.n):
+        cross = [op for op in plan.comms(r) if op.stream is Stream.CROSS]
+        assert not any(x.kind == partial for op in cross for x in (*op.sends, *op.recvs)), r
+        home = [op for op in plan.comms(r) if op.stream not in (Stream.CROSS, Stream.KV,
+                                                                Stream.Q)]
+        sent = [x.half for op in home for x in op.sends if x.kind == partial]
+        got = [x.half for op in home for x in op.recvs if x.kind == partial]
+        want = [op for op in on.comms(r) if op.stream is Stream.CROSS]
+        assert sent == [x.half for op in want for x in op.sends if x.kind == partial], r
+        assert sorted(got, key=str) == sorted((x.half for op in want for x in op.recvs
+                                               if x.kind == partial), key=str), r
+        assert sent, r
+        # the same tiles, in the same order, as the halves on the cross stream
+        tiles = [[op for op in p.ops[r] if isinstance(op, (Tile, TileBwd))] for p in (plan, on)]
+        assert tiles[0] == tiles[1], r
+
+
 def test_split_counterpart_q_full_mask_splits_both_groups():
     plan = _q_split_plan(causal=False, g=(2, 2))
     validate(plan)

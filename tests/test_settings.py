@@ -29,10 +29,10 @@ def test_a_setting_parses_members_values_and_switch_bools():
     assert s.parse("on") is SplitMode.ON and s.parse(SplitMode.AUTO) is SplitMode.AUTO
     assert s.parse(True) is SplitMode.ON and s.parse(False) is SplitMode.OFF
     assert s.flag == "--split-visiting" and s.switch
-    assert s.choices == ("auto", "off", "on", "quarters")
+    assert s.choices == ("auto", "off", "on", "home", "quarters")
     with pytest.raises(ValueError, match=r"^cp_attention: split_visiting='yes' "
                                          r"\(CHARM_SPLIT_VISITING\); choose one of auto, off, on, "
-                                         r"quarters$"):
+                                         r"home, quarters$"):
         s.parse("yes", "cp_attention")
     with pytest.raises(ValueError, match=r"pass_order=True \(CHARM_PASS_ORDER\); choose one "
                                          "of split, joint"):
@@ -101,7 +101,7 @@ class OpsTimer:
 
 
 def test_auto_split_is_the_timers_pick_and_off_without_one():
-    kw = {"roles": "kv", "split_visiting": "auto"}
+    kw = {"roles": "kv", "split_visiting": "auto", "split_diagonal": "off"}
     whole = CharmVariant(roles=RoleChoice(RoleMix.KV))
     # The clock that favours more ops favours the most pieces: quarters (their returns on
     # the home stream, which adds no op).

@@ -242,7 +242,7 @@ def test_auto_weighs_charm_with_the_splits_it_runs():
     assert choose_algo(groups, problem, cluster, tune=False, algos=paper) == "ring"
     assert choose_algo(groups, problem, cluster, algos=paper) == "charm"
     assert choose_algo(groups, problem, cluster, split_visiting="off",
-                       split_counterpart_q="off", algos=paper) == "ring"
+                       split_counterpart_q="off", split_diagonal="off", algos=paper) == "ring"
     assert choose_algo(groups, problem, cluster, tune=False, split_counterpart_q="on",
                        algos=paper) == "charm"
     with pytest.raises(ValueError, match="split_visiting='sometimes'"):
@@ -269,8 +269,8 @@ def test_call_weighs_charm_with_its_options_splits():
 
     paper = "ring,rmplus,charm"  # auto_algos: a head all-to-all is faster still here
     assert pick(CPOptions(model_profile=name, auto_algos=paper), cluster) == "charm"
-    assert pick(CPOptions(model_profile=name, split_counterpart_q="off", auto_algos=paper),
-                cluster) == "ring"
+    assert pick(CPOptions(model_profile=name, split_counterpart_q="off", split_diagonal="off",
+                          auto_algos=paper), cluster) == "ring"
     assert pick(CPOptions(auto_algos=paper), None) == pick(
         CPOptions(split_counterpart_q="off", auto_algos=paper), None)
 
@@ -289,3 +289,17 @@ def test_under_a_window_auto_times_each_split_on_the_plan_pruned_to_it():
     pruned = variants("charm", groups, windowed, cluster, **settings)
     assert unpruned[1].visiting_split != "whole"  # the full causal plan's pick
     assert pruned[1].visiting_split == "whole"
+
+
+def test_counterpart_q_home_where_the_next_q_would_queue_behind_a_return():
+    """split_counterpart_q="auto" also weighs the halves' partials on the home streams: h200,
+    2x8, one NIC per node, multi-head 32 x 128 at 64k, head_parallel 8 (docs/algorithm.md,
+    *Counterpart q in two halves*): forward, home beats the halves on the cross stream by more
+    than SPLIT_MARGIN, so auto takes it; with one NIC per GPU it does not."""
+    groups = ((*range(8),), (*range(8, 16),))
+    mha = Problem(1, 65536, 32, 32, 128, 2)
+    cl = get_profile("h200").cluster
+    fwd, _ = variants("charm", groups, mha, cl.with_(nic="node"), head_parallel=8)
+    assert fwd.split_counterpart_q and fwd.q_home_stream
+    fwd, _ = variants("charm", groups, mha, cl.with_(nic="rank"), head_parallel=8)
+    assert not fwd.q_home_stream

@@ -122,7 +122,7 @@ def test_the_validator_rejects_a_missing_or_a_repeated_quarter() -> None:
 
 # ------------------------------------------------------------------- settings, model
 def test_split_counterpart_q_refuses_quarters_naming_the_setting() -> None:
-    with pytest.raises(ValueError, match=r"split_counterpart_q='quarters'.*auto, off, on"):
+    with pytest.raises(ValueError, match=r"split_counterpart_q='quarters'.*auto, off, on, home"):
         registry.variants("charm", _groups(2, 2), True, split_counterpart_q="quarters")
 
 

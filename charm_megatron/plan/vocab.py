@@ -121,13 +121,16 @@ class RoleMix(_Named):
 
 
 class SplitMode(_Named):
-    """Whether a CHARM+ block crosses in row pieces: ``on`` (two halves), ``quarters`` (four
-    quarters; visiting kv only), ``off``, or ``auto`` (the performance model's per-direction
-    pick; off where no model times the plans)."""
+    """Whether a CHARM+ block crosses in row pieces: ``on`` (two halves), ``home`` (two
+    halves, the partials going home on the home streams, one communicator per direction,
+    instead of the cross stream), ``quarters`` (four quarters, their returns on the home
+    streams; visiting kv only), ``off``, or ``auto`` (the performance model's per-direction
+    pick among them; off where no model times the plans)."""
 
     AUTO = "auto"
     OFF = "off"
     ON = "on"
+    HOME = "home"
     QUARTERS = "quarters"
 
 

@@ -72,13 +72,14 @@ ROLES = Setting(
 SPLIT_VISITING = Setting(
     "split_visiting", SplitMode, SplitMode.AUTO,
     "charm pass-kv: visiting kv blocks that every tile needs whole cross in two row halves "
-    "(on) or four quarters (quarters; their dK, dV go home on a stream of their own) "
-    "(docs/algorithm.md)",
+    "(on; home: their dK, dV go home on streams of their own) or four quarters (quarters; "
+    "their dK, dV on those streams) (docs/algorithm.md)",
     env="CHARM_SPLIT_VISITING")
 SPLIT_COUNTERPART_Q = Setting(
     "split_counterpart_q", SplitMode, SplitMode.AUTO,
     "charm pass-q: a counterpart's q block that every tile needs whole crosses in two row "
-    "halves, its partial going home per half (docs/algorithm.md; no quarters)",
+    "halves, its partial going home per half (on; home: every pass-q partial goes home on "
+    "streams of their own) (docs/algorithm.md; no quarters)",
     env="CHARM_SPLIT_COUNTERPART_Q")
 # auto by default, like the other splits: the model's pick where a profile times the plans
 # (every rank's split pays where later returns sit exposed: 4x8 pass-q forwards, the
@@ -120,7 +121,8 @@ class CharmVariant:
     ``visiting_pieces`` of them for the visiting kv (2: halves, 4: quarters), two for the
     counterpart's q; ``home_stream``: a split visiting pass's dK, dV go home on the home
     streams (:meth:`~charm_megatron.plan.vocab.Stream.home`, one per direction) instead of
-    the cross stream;
+    the cross stream; ``q_home_stream``: every pass-q partial likewise (``split_counterpart_q
+    = home``), so that no later q block queues behind a return on the cross stream;
     ``lean`` / ``early_returns``: the memory variants (:func:`within_memory_bound`);
     ``head_parallel``: the head all-to-all's degree (1: none), the same in both directions
     (the backward runs on the heads layout the forward kept); ``super_tiles``: adjacent kv
@@ -136,6 +138,7 @@ class CharmVariant:
     lean: bool = False
     visiting_pieces: int = 2
     home_stream: bool = False
+    q_home_stream: bool = False
     early_returns: bool = False
     head_parallel: int = 1
     super_tiles: bool = False
@@ -176,6 +179,7 @@ def charm_rank(rank: int, groups: Groups, causal: bool, direction: Direction,
                    split_visiting=variant.split_visiting,
                    visiting_pieces=variant.visiting_pieces, home_stream=variant.home_stream,
                    split_counterpart_q=variant.split_counterpart_q,
+                   q_home_stream=variant.q_home_stream,
                    split_diagonal=variant.split_diagonal,
                    split_diagonal_all=variant.split_diagonal_all,
                    super_tiles=variant.super_tiles)
@@ -237,8 +241,10 @@ def _with_splits(values: Values, base: CharmVariant,
             f"{', '.join(m.value for m in SplitMode if m is not SplitMode.QUARTERS)} "
             f"({SPLIT_COUNTERPART_Q.env})")
     visiting = _visiting(values[SPLIT_VISITING.name], base, ctx)
-    counterpart_q = _split(cq_mode, "split_counterpart_q", base, ctx)
-    fwd, bwd = (replace(v, split_counterpart_q=q) for v, q in zip(visiting, counterpart_q))
+    counterpart_q = _counterpart_q(cq_mode, base, ctx)
+    fwd, bwd = (replace(v, split_counterpart_q=q.split_counterpart_q,
+                        q_home_stream=q.q_home_stream)
+                for v, q in zip(visiting, counterpart_q))
     fwd, bwd = _diagonal(values.get(SPLIT_DIAGONAL.name, DiagonalMode.OFF), fwd, bwd, ctx)
     return _super_tiles(values[SUPER_TILES.name], fwd, bwd, ctx)
 
@@ -341,19 +347,25 @@ def _kv_heads_shared(d: int, shape: RoleShape | None) -> bool:
             and d % shape.hkv == 0)
 
 
-def _split(mode: SplitMode, field: str, base: CharmVariant,
-           ctx: VariantContext) -> tuple[bool, bool]:
-    """Forward and backward of the split ``field`` of :class:`CharmVariant` under ``mode``."""
+def _counterpart_q(mode: SplitMode, base: CharmVariant,
+                   ctx: VariantContext) -> tuple[CharmVariant, CharmVariant]:
+    """Forward and backward of ``base`` with the counterpart's q split as ``mode`` says:
+    ``on`` two halves (the partials home on the cross stream), ``home`` two halves with every
+    pass-q partial home on the home streams; ``auto``, per direction, halves where they beat
+    whole blocks by more than :data:`SPLIT_MARGIN`, their partials on the home streams where
+    that beats them by the same margin (:func:`_pick`); whole blocks without a timer."""
+    halves = replace(base, split_counterpart_q=True)
+    home = replace(halves, q_home_stream=True)
     if len(ctx.groups) < 2 or mode is SplitMode.OFF:
-        return False, False
+        return base, base
     if mode is SplitMode.ON:
-        return True, True
+        return halves, halves
+    if mode is SplitMode.HOME:
+        return home, home
     if ctx.timer is None:  # auto with nothing to time the plans with: whole blocks
-        return False, False
-    split = replace(base, **{field: True})
-    fwd, bwd = (_faster(_plan(d, ctx, split), _plan(d, ctx, base), ctx.timer)
-                for d in (Direction.FORWARD, Direction.BACKWARD))
-    return fwd, bwd
+        return base, base
+    return (_pick(Direction.FORWARD, ctx, base, halves, home, None),
+            _pick(Direction.BACKWARD, ctx, base, halves, home, None))
 
 
 def _visiting(mode: SplitMode, base: CharmVariant,
@@ -365,24 +377,29 @@ def _visiting(mode: SplitMode, base: CharmVariant,
     :data:`SPLIT_MARGIN` (the model's), the halves' returns on the home stream only where
     that is predicted faster by the same margin; whole blocks without a timer."""
     halves = replace(base, split_visiting=True)
+    home = replace(halves, home_stream=True)
     quarters = replace(halves, visiting_pieces=4, home_stream=True)
     if len(ctx.groups) < 2 or mode is SplitMode.OFF:
         return base, base
     if mode is SplitMode.ON:
         return halves, halves
+    if mode is SplitMode.HOME:
+        return home, home
     if mode is SplitMode.QUARTERS:
         return quarters, quarters
     if ctx.timer is None:  # auto with nothing to time the plans with: whole blocks
         return base, base
-    return (_visiting_pick(Direction.FORWARD, ctx, base, halves, quarters),
-            _visiting_pick(Direction.BACKWARD, ctx, base, halves, quarters))
+    return (_pick(Direction.FORWARD, ctx, base, halves, home, quarters),
+            _pick(Direction.BACKWARD, ctx, base, halves, home, quarters))
 
 
-def _visiting_pick(direction: Direction, ctx: VariantContext, whole: CharmVariant,
-                   halves: CharmVariant, quarters: CharmVariant) -> CharmVariant:
-    """``split_visiting=auto`` in one direction (:func:`_visiting`): halves (their returns on
-    the cross stream, or on the home stream where that is faster) where they beat whole
-    blocks, then quarters where they beat that; each plan built and simulated once."""
+def _pick(direction: Direction, ctx: VariantContext, whole: CharmVariant,
+          halves: CharmVariant, home: CharmVariant,
+          quarters: CharmVariant | None) -> CharmVariant:
+    """A split's ``auto`` in one direction (:func:`_visiting`, :func:`_counterpart_q`):
+    halves (their returns on the cross stream, or on the home streams where that is faster)
+    where they beat whole blocks, then quarters (if any) where they beat that; each plan
+    built and simulated once."""
     assert ctx.timer is not None
     timer = ctx.timer
     plans: dict[CharmVariant, Plan] = {}
@@ -399,10 +416,9 @@ def _visiting_pick(direction: Direction, ctx: VariantContext, whole: CharmVarian
                 seconds[v] = timer.seconds(plans[v])
         return _beats(seconds[split], seconds[simpler])
 
-    home = replace(halves, home_stream=True)
     two = home if faster(home, halves) else halves
     best = two if faster(two, whole) else whole
-    return quarters if faster(quarters, best) else best
+    return quarters if quarters is not None and faster(quarters, best) else best
 
 
 def _faster(split: Plan, whole: Plan, timer: PlanTimer) -> bool:

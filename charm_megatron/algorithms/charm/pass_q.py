@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from charm_megatron.algorithms.charm.cross import (
     CrossReturn,
     home,
+    home_receives,
     keep_one_return,
     post_cross_pieces,
 )
@@ -50,7 +51,8 @@ def post_counterpart_q(st: RankState, k: int, cp: int, other: Sequence[int]) -> 
 
 def run_q_pass(st: RankState, ps: Pass) -> None:
     """A pass with q blocks against the held kv blocks, then the counterpart's partial sent
-    home and ours coming back."""
+    home and ours coming back (with ``st.q_home_stream`` on the home streams, ours received
+    on a batch posted before the pass, so it can land whenever the counterpart sends it)."""
     p, r, k = st.p, st.rank, ps.cross_round
     hold_own_kv(st)
     held = owners(st, ps, st.local)
@@ -62,13 +64,15 @@ def run_q_pass(st: RankState, ps: Pass) -> None:
     if not ps.own and k in st.cross_rest:
         _run_counterpart_pass(st, ps, k, held[0])
         return
+    # One counterpart per pass at most (the pass's cross round): its return, and where it
+    # goes home on the home streams, the receive of ours posted now.
+    slot = st.n_cross_done % 2
+    rets = {it.owner: _q_return(st, k, it.owner, (it.acc, _CROSS_ACC[1].at(slot)), slot)
+            for it in items if it.owner != r}
+    received = {cp: home_receives(st, ret) for cp, ret in rets.items()}
     held_back = run_pass(st, ps, items, st.cross_in.get(k) if k is not None else None)
-    for it in items:
-        if it.owner == r:
-            continue
-        slot = st.n_cross_done % 2
-        ret = _q_return(st, k, it.owner, (it.acc, _CROSS_ACC[1].at(slot)), slot)
-        st.going_home.append(home(st, ret, 0))
+    for cp, ret in rets.items():
+        st.going_home.append(received[cp] + home(st, ret, 0))
         st.n_cross_done += 1
     for op in held_back:
         p.add(op)
@@ -81,7 +85,8 @@ def _q_return(st: RankState, k: int, cp: int, accs: tuple[Loc, Loc],
     home, and ours coming back, each in the row pieces its pass ran in."""
     other = st.groups[st.cross[k][st.g]]
     rows = _q_rows(st, k, st.group, other, cp), _q_rows(st, k, other, st.group, st.rank)
-    return CrossReturn(cp, st.pkind, st.own_acc, accs, rows, slot)
+    return CrossReturn(cp, st.pkind, st.own_acc, accs, rows, slot,
+                       home_streams=st.q_home_stream)
 
 
 def _q_rows(st: RankState, k: int, receiving: Sequence[int], visiting: Sequence[int],
@@ -107,7 +112,7 @@ def _run_counterpart_pass(st: RankState, ps: Pass, k: int, cp: int) -> None:
     slot = st.n_cross_done % 2
     accs = tuple(loc.at(slot) for loc in _CROSS_ACC)
     ret = _q_return(st, k, cp, accs, slot)
-    rets: list[Return] = []
+    rets: list[Return] = home_receives(st, ret)
     handles = (st.cross_in[k], *st.cross_rest[k])
     for i, (rows, handle) in enumerate(zip(Half.pieces(2), handles)):
         st.q_rows = rows

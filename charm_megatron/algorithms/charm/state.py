@@ -83,6 +83,10 @@ class RankState:
     # charm_pass_kv.
     home_stream: bool = False
     split_counterpart_q: bool = False  # pass-q's counterpart q in row halves (charm_pass_q)
+    # Every pass-q partial goes home on the home streams (one communicator per direction),
+    # so the next rounds' q blocks on the cross stream queue behind no return. Read by
+    # charm_pass_q.
+    q_home_stream: bool = False
     # split_diagonal: the own causal diagonal tile runs as its three sub-tiles
     # (plan.core.diagonal_sub_tiles), the two causal squares where the whole tile ran (before
     # the first cross block can have landed) and the unmasked block between them after the
