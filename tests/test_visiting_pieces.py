@@ -148,7 +148,8 @@ _Q = (("split_visiting", "quarters"),)
 def test_quarters_match_float64_on_gloo_ranks() -> None:
     """2x2, 6 rows per rank (odd halves: quarters of 1 and 2 rows): GQA under the byte rule
     (pass-kv), MHA under forced pass-kv, bf16, and a head-parallel degree of 2; causal and
-    full; out, lse, dq, dk, dv against float64."""
+    full; and the halves with their dK, dV on the home streams (``home``); out, lse, dq, dk,
+    dv against float64."""
     cases = [("charm", "2x2", causal, "fp32", 2, _Q) for causal in (True, False)]
     cases += [("charm", "2x2", causal, "fp32", 8, (*_Q, ("roles", "kv")))
               for causal in (True, False)]
@@ -159,7 +160,15 @@ def test_quarters_match_float64_on_gloo_ranks() -> None:
         plan = registry.build_plan("charm", "backward", _groups(2, 2), causal, shape=shape,
                                    **settings)
         assert any(op.spec.kv_half in QUARTERS for ops in plan.ops for op in _tiles(ops))
-    per_rank = run_ranks(dist_cases.run_matrix, 4, cases, 6, 16, 8, timeout_s=300)
+    # split_visiting="home": the halves, their dK, dV home on the home streams
+    home = [("charm", "2x2", causal, "fp32", 2, (("split_visiting", "home"),))
+            for causal in (True, False)]
+    for causal in (True, False):
+        plan = registry.build_plan("charm", "backward", _groups(2, 2), causal,
+                                   shape=RoleShape(8, 2, 16, 4), split_visiting="home")
+        assert any(op.stream not in (Stream.CROSS, Stream.KV, Stream.Q)
+                   for r in range(plan.n) for op in plan.comms(r))
+    per_rank = run_ranks(dist_cases.run_matrix, 4, cases + home, 6, 16, 8, timeout_s=300)
     bad = dist_cases.over_tolerance(per_rank, lambda case, name: TOL[case[3]])
     assert not bad, bad
 
