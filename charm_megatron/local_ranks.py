@@ -29,6 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 _CTX: mp.context.BaseContext | None = None
+#: What every rank imports anyway, once in the forkserver instead of in each child: torch's
+#: symbolic shapes (sympy, ~3 s of CPU per process) are imported lazily by the first
+#: backward; the attention path by the first call. :func:`preload` adds to it.
+_PRELOAD = ["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes",
+            "charm_megatron", "charm_megatron.ops.attention", "charm_megatron.model"]
 
 
 class RankFailure(RuntimeError):
@@ -39,14 +44,20 @@ def _context() -> mp.context.BaseContext:
     global _CTX
     if _CTX is None:
         ctx = mp.get_context("forkserver")
-        # What every rank imports anyway, once in the server instead of in each child:
-        # torch's symbolic shapes (sympy, ~3 s of CPU per process) are imported lazily by the
-        # first backward; the attention path by the first call.
-        ctx.set_forkserver_preload(["torch", "torch.distributed",
-                                    "torch.fx.experimental.symbolic_shapes", "charm_megatron",
-                                    "charm_megatron.ops.attention", "charm_megatron.model"])
+        ctx.set_forkserver_preload(list(_PRELOAD))
         _CTX = ctx
     return _CTX
+
+
+def preload(*modules: str) -> None:
+    """Have the forkserver import ``modules`` too, once, instead of every rank importing them
+    (e.g. megatron-core, ~3 s of CPU per rank). Only before this process's first
+    :func:`run_ranks` (which starts the server); a module that fails to import there is
+    skipped (the ranks then import it themselves, or fail as they would have)."""
+    if _CTX is not None:
+        raise RuntimeError("local_ranks.preload after the first run_ranks: the forkserver "
+                           "has its modules already")
+    _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
 def _child(

@@ -65,3 +65,11 @@ def abort_at_once(rank: int, world: int):
         os.abort()
     dist.barrier()
     time.sleep(60)
+
+
+def loaded(rank: int, world: int, modules: list[str]) -> list[str]:
+    """Which of ``modules`` this rank has imported when it starts (this module imports none
+    of megatron's: what it finds of those, the forkserver imported)."""
+    import sys
+
+    return [m for m in modules if m in sys.modules]

@@ -1,10 +1,13 @@
 """Issue 42: what an adversarial user broke, each case in its own ranks under a hard bound."""
 
+import importlib.util
+import os
 import time
 
 import adversarial_cases as cases
 import pytest
 
+from charm_megatron import local_ranks
 from charm_megatron.local_ranks import RankFailure, run_ranks
 
 JOB_S = 120
@@ -42,3 +45,17 @@ def test_run_ranks_reports_an_aborted_rank_while_the_others_block():
     with pytest.raises(RankFailure, match=r"ranks \[1\] exited without a result.*-6"):
         run_ranks(cases.abort_at_once, 2, timeout_s=JOB_S, pg_timeout_s=30)
     assert time.monotonic() - t0 < 20
+
+
+def test_every_rank_starts_with_the_preloaded_modules():
+    """What ``local_ranks.preload`` added (conftest.py: megatron-core) is imported once, in the
+    forkserver: every rank starts with each module of the list that imports here; adding to
+    the list once the server runs is refused (it would be silently ignored)."""
+    want = [m for m in local_ranks._PRELOAD if importlib.util.find_spec(m.split(".")[0])]
+    assert "megatron.core" in want or importlib.util.find_spec("megatron") is None \
+        or os.environ.get("MEGATRON_LM_PATH", "").strip()
+    for got in run_ranks(cases.loaded, 2, list(local_ranks._PRELOAD), timeout_s=JOB_S):
+        assert got == want
+    with pytest.raises(RuntimeError, match="after the first run_ranks"):
+        local_ranks.preload("json")
+    assert "json" not in local_ranks._PRELOAD
