@@ -112,22 +112,39 @@ def compute_caps(cluster: Cluster, jobs: Sequence[Job]) -> None:
     """Cap each compute job at ``1 / contention(k)`` where ``k`` is the number of distinct
     streams (communicators) with a message of its rank moving (sent or received; with
     ``comm_slowdown_links="cross"`` only cross-group messages count), full speed when none
-    moves. Mutates the jobs' ``cap``."""
+    moves. Mutates the jobs' ``cap``. (One pass over the jobs: the simulator calls this at
+    every event.)"""
     if not cluster.comm_slowdown:
         return
     moving: dict[int, set[Hashable]] = {}
+    computes: list[Job] = []
     cross_only = cluster.comm_slowdown_links == "cross"
     for j in jobs:
-        if j.tag and j.tag[0] == "msg" and j.remaining > 0:
+        tag = j.tag
+        if not tag:
+            continue
+        if tag[0] == "compute":
+            computes.append(j)
+        elif tag[0] == "msg" and j.remaining > 0:
             if cross_only and not any(isinstance(res, tuple) and res[0] in ("xout", "xin")
                                       for res, _ in j.uses):
                 continue
-            _, src, dst, stream = j.tag
-            moving.setdefault(src, set()).add(stream)
-            moving.setdefault(dst, set()).add(stream)
-    for j in jobs:
-        if j.tag and j.tag[0] == "compute":
-            j.cap = 1.0 / contention(cluster, len(moving.get(j.tag[1], ())))
+            _, src, dst, stream = tag
+            if src in moving:
+                moving[src].add(stream)
+            else:
+                moving[src] = {stream}
+            if dst in moving:
+                moving[dst].add(stream)
+            else:
+                moving[dst] = {stream}
+    caps: dict[int, float] = {}  # by streams moving: the same contention for every rank
+    for j in computes:
+        k = len(moving.get(j.tag[1], ()))
+        cap = caps.get(k)
+        if cap is None:
+            cap = caps[k] = 1.0 / contention(cluster, k)
+        j.cap = cap
 
 
 def burst_buckets(cluster: Cluster, capacity: Mapping[Hashable, float]) -> dict[Hashable, float]:

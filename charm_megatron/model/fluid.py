@@ -55,23 +55,33 @@ def allocate_in_order(jobs: Sequence[Job], capacity: Mapping[Hashable, float]) -
 def allocate(jobs: Sequence[Job], capacity: Mapping[Hashable, float]) -> None:
     """Set every job's ``rate`` to the max-min fair share (weighted by ``weight``)."""
     # Which jobs share each resource: a job alone on all its resources is not contended.
+    # (Plain loops, not generators: the simulator calls this at every event.)
     users: dict[Hashable, int] = {}
     for j in jobs:
         for res, _ in j.uses:
             users[res] = users.get(res, 0) + 1
     active = []
     for j in jobs:
-        if all(users[res] == 1 for res, _ in j.uses):
+        uses = j.uses
+        for res, _ in uses:
+            if users[res] != 1:
+                j.rate = 0.0
+                active.append(j)
+                break
+        else:
             bound = j.cap
-            for res, a in j.uses:
+            for res, a in uses:
                 if a > 0 and capacity[res] / a < bound:
                     bound = capacity[res] / a
             if bound == math.inf:
                 raise ValueError("a job is bounded by neither a resource nor a cap")
             j.rate = bound
-        else:
-            j.rate = 0.0
-            active.append(j)
+    if active:
+        _fill(active, capacity)
+
+
+def _fill(active: list[Job], capacity: Mapping[Hashable, float]) -> None:
+    """Progressive filling of the contended jobs (each sharing a resource with another)."""
     used: dict[Hashable, float] = {}
     level = 0.0
     while active:

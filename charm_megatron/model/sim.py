@@ -409,9 +409,12 @@ class _Engine(OpInterpreter[None]):
                 effects.compute_caps(self.cl, jobs)
                 share = allocate_in_order if self.cl.link_order == "fifo" else allocate
                 share(jobs, effects.link_capacity(self.cl, self.capacity, jobs))
-                for j, _, _ in self.jobs:
-                    if j.rate > 0:
-                        dt = min(dt, j.remaining / j.rate)
+                for j in jobs:  # the earliest finish (plain loops: this runs at every event)
+                    rate = j.rate
+                    if rate > 0:
+                        left = j.remaining / rate
+                        if left < dt:
+                            dt = left
             if self.timers:
                 dt = min(dt, self.timers[0][0] - self.t)
             if dt == math.inf:
@@ -423,7 +426,10 @@ class _Engine(OpInterpreter[None]):
             for entry in self.jobs:
                 j, total, _ = entry
                 j.remaining -= j.rate * dt
-                (finished if j.remaining <= total * 1e-9 else running).append(entry)
+                if j.remaining <= total * 1e-9:
+                    finished.append(entry)
+                else:
+                    running.append(entry)
             self.jobs = running
             for _, _, done in finished:
                 done()
