@@ -124,7 +124,9 @@ def _overlap(a: Half, b: Half) -> bool:
     return a.covers(b) or b.covers(a)
 
 
-@functools.lru_cache(maxsize=4096)  # pure functions of a tile, asked at every tile op
+# Pure functions of a tile, asked at every tile op. 65,536 entries: the n^2 tiles of 64 ranks
+# and their sub-tiles fit (4,096 did not, and a cache smaller than what a plan asks thrashes).
+@functools.lru_cache(maxsize=1 << 16)
 def sub_tiles(want: TileSpec) -> tuple[tuple[TileSpec, ...], ...]:
     """The ways tile ``want`` may be computed as sub-tiles: along each side (q or kv) whose
     rows it needs whole, the pieces of one partition of that side (its two halves, or its
@@ -139,7 +141,7 @@ def sub_tiles(want: TileSpec) -> tuple[tuple[TileSpec, ...], ...]:
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=1 << 16)
 def _variants(want: TileSpec) -> tuple[TileSpec, ...]:
     """The specs a plan may compute of the tile ``want`` of a block pair: the tile, or one of
     its sub-tiles (:func:`sub_tiles`)."""
@@ -168,13 +170,14 @@ def _pairs(t: TileSpec) -> float:
     return t.q_half.fraction * t.kv_half.fraction * (0.5 if t.causal else 1.0)
 
 
-def _rivals(t: TileSpec, want: TileSpec) -> tuple[TileSpec, ...]:
+@functools.lru_cache(maxsize=1 << 16)  # asked for every tile merged into an accumulator
+def _rivals(t: TileSpec, want: TileSpec) -> frozenset[TileSpec]:
     """The other specs of ``t``'s block pair that share (q row, kv row) pairs with it: a
     whole tile's sub-tiles, a sub-tile's whole tile and the other side's sub-tiles that cross
     it (the only specs that pass :meth:`_SymbolicRun.check_tile_halves` for one block
-    pair)."""
-    return tuple(u for u in _variants(want) if u != t
-                 and _overlap(u.q_half, t.q_half) and _overlap(u.kv_half, t.kv_half))
+    pair). A set: the validator asks whether an accumulator holds any of them."""
+    return frozenset(u for u in _variants(want) if u != t
+                     and _overlap(u.q_half, t.q_half) and _overlap(u.kv_half, t.kv_half))
 
 
 def _as_rule(rule: TileRule | bool, tiles) -> TileRule:
@@ -324,8 +327,8 @@ class _SymbolicRun(OpInterpreter[bool]):
             self.fail(f"accumulates rows {rows} into {acc}, which holds rows {c.half}")
         self.check_no_transfer(acc)
         rule = self.rule
-        dup = (c.tiles & new) | {t for t in new if any(
-            u in c.tiles for u in _rivals(t, rule.want(t.q_owner, t.kv_owner)))}
+        dup = (c.tiles & new) | {t for t in new if not c.tiles.isdisjoint(
+            _rivals(t, rule.want(t.q_owner, t.kv_owner)))}
         if dup:
             self.fail(f"merges tiles {sorted(map(_tile_name, dup))} into {acc} twice")
         c.tiles = c.tiles | new
