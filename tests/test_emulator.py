@@ -70,24 +70,31 @@ def test_a_merge_waits_its_virtual_bytes_at_the_merge_rate():
     assert sleep.slept == pytest.approx([want * 10.0])
 
 
-def test_a_head_stage_copy_waits_the_models_stage_copy_time():
-    """The all-to-all's packing and placing on the wire tensors = the model's stage copies of
-    the virtual blocks (model/sim.py ``stage_copy_s``) x D, through the executor's hook."""
+@pytest.mark.parametrize("style", ["charm", "te"])
+@pytest.mark.parametrize("home", [False, True])
+def test_a_head_stage_copy_waits_the_models_stage_copy_time(style, home):
+    """The all-to-all's copies on the wire tensors = the model's stage copies of the virtual
+    blocks (model/sim.py ``stage_copy_s``) x D, through the executor's hook: ours, or TE's
+    (``head_copies="te"``, a ``te-*`` contender's device), before the plan or on the way home."""
+    from dataclasses import replace
+
     from charm_megatron.model.sim import stage_copy_s
     from charm_megatron.plan.head_stage import copy_passes
     from charm_megatron.plan.vocab import Kind
 
     sleep = _Recorder()
     scale = WireScale(batch=2, rows=8)
-    dev = TimedBackend(H100, dilation=10.0, scale=scale, sleep=sleep,
-                       synchronous=True)
+    cluster = replace(H100, head_copies=style)
+    dev = TimedBackend(cluster, dilation=10.0, scale=scale, sleep=sleep, synchronous=True)
     n, s, b, h, d = 4, 8192, 4, 8, 128
     rows = s // n // scale.rows
     q, k, v = (torch.zeros(rows, b // scale.batch, h, d, dtype=torch.bfloat16)
                for _ in range(3))
-    Executor.copied(type("Ex", (), {"_copied": dev.copied})(), [q, k, v], copy_passes(4)[0])
-    want = stage_copy_s(Problem(b, s, h, h, d, 2), H100, n, (Kind.Q, Kind.KV),
-                        copy_passes(4)[0])
+    Executor.stage_copied(type("Ex", (), {"_stage_copied": dev.stage_copied})(), [q, k, v], 4,
+                          home=home)
+    passes = copy_passes(4, style)[1 if home else 0]
+    assert passes == (2.25 if style == "te" else 1.25)
+    want = stage_copy_s(Problem(b, s, h, h, d, 2), cluster, n, (Kind.Q, Kind.KV), passes)
     assert want > 0 and sleep.slept == pytest.approx([want * 10.0])
 
 

@@ -186,14 +186,15 @@ def test_shared_core_pool() -> None:
 
 def test_head_all_to_all_copies_are_compute() -> None:
     """Ulysses on 2 ranks, free communication: one super-tile each, plus the stage's local
-    copies at the merge rate (in: q and kv, 2 - 1/2 passes; home: out, 3 - 1/2), and those
-    copies stretched by n / cores on a shared pool (every rank copies at once)."""
+    copies at the merge rate (ours: 1 + 1/2 passes each way over q and kv, then out; TE's
+    all-to-all 2 + 1/2), and those copies stretched by n / cores on a shared pool (every rank
+    copies at once)."""
     groups = [[0, 1]]
     prob = Problem(b=1, s=2048, hq=2, hkv=2, d=64, elem=2)
     plan = build_plan("a2a", "forward", groups, causal=False)
     tile = tile_flops(tile_spec(0, 0, False), prob.for_plan(plan), 2) / 1e12
-    moved = 1.5 * (prob.block_bytes("q", 2) + prob.block_bytes("kv", 2)) \
-        + 2.5 * prob.block_bytes("out", 2)
+    moved = 1.5 * (prob.block_bytes("q", 2) + prob.block_bytes("kv", 2)
+                   + prob.block_bytes("out", 2))
     cl = _cluster(merge_gbps=1.0)
     fold = prob.for_plan(plan).block_bytes("out", 2) / 1e9  # the tile's fold into its acc
     assert simulate(plan, prob, cl, groups, comm=False).time_s == \
@@ -201,6 +202,8 @@ def test_head_all_to_all_copies_are_compute() -> None:
     pooled = simulate(plan, prob, cl.with_(cores=1), groups, comm=False)
     assert pooled.time_s == pytest.approx(2 * (tile + fold) + 2 * moved / 1e9)
     assert pooled.ranks[0].work_s == pytest.approx(tile + fold + moved / 1e9)
+    te = simulate(plan, prob, cl.with_(head_copies="te"), groups, comm=False)
+    assert te.time_s == pytest.approx(tile + fold + moved / 1.5 * 2.5 / 1e9)
     # Without compute the copies are free too (the CCR's communication part).
     assert simulate(plan, prob, cl, groups, compute=False).time_s < moved / 1e9
 

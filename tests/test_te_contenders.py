@@ -80,8 +80,9 @@ def test_kernel_curves_survive_the_profile_file_and_bad_ones_are_named() -> None
     # A profile without curves has its own cluster's, marked assumed.
     plain = replace(h200, kernel="", kernels=())
     assert kernels_of(plain)["default"].status == "assumed"
-    # No TE curve: TE priced on the profile's own, its SM contention on one communicator.
-    assert te_cluster(plain) == plain.cluster.with_(comm_slowdown_streams=1)
+    # No TE curve: TE priced on the profile's own, its SM contention on one communicator,
+    # its all-to-alls' copies TE's.
+    assert te_cluster(plain) == plain.cluster.with_(comm_slowdown_streams=1, head_copies="te")
     with pytest.raises(ValueError, match="must be > 0"):
         KernelRates("x", "assumed", "", 0.0, 1.0)
 

@@ -217,10 +217,12 @@ def test_the_model_times_a_window_and_auto_picks_from_it():
     assert times["ring"] < 0.3 * predict("ring", groups, full, cluster, True).total_s
     # All-gather still moves every k and v: the window leaves it the slowest.
     assert times["allgather"] > max(times["ring"], times["charm"])
+    # auto weighs each algorithm with its settings decided on the cluster (tune=True: CHARM+'s
+    # head_parallel and splits), so its pick is within 5 % of the fastest so tuned.
     pick = choose_algo(groups, windowed, cluster, causal=True)
-    best = min(times, key=times.get)
-    assert times.get(pick, predict(pick, groups, windowed, cluster, True).total_s) <= \
-        1.05 * times[best]
+    tuned = {a: predict(a, groups, windowed, cluster, True, tune=True).total_s for a in times}
+    assert tuned.get(pick, predict(pick, groups, windowed, cluster, True, tune=True).total_s) \
+        <= 1.05 * min(tuned.values())
 
 
 def test_a_window_prunes_the_lanes_ring_of_hierarchical_cp():

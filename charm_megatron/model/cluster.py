@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 
+from charm_megatron.plan.head_stage import HEAD_COPIES
+
 NICS = ("rank", "node")
 #: How a link serves the messages on it at once: ``fair`` (max-min fair shares, as a NIC
 #: arbitrates among flows of separate communicators) or ``fifo`` (in the order they started:
@@ -51,6 +53,9 @@ class Cluster:
     ends); with ``link_order="fifo"`` the one that started first takes what it can use and the
     later ones the rest, in start order (:data:`LINK_ORDERS`; GPU profiles only: a shared core
     pool stays fair). Each message first waits ``latency_us`` without using bandwidth.
+    ``head_copies``: whose head all-to-all's local copies to price (:data:`HEAD_COPIES`,
+    ``plan.head_stage.copy_passes``): ours, or TransformerEngine's for its ``te-*``
+    contenders.
 
     Compute: a tile of ``F`` FLOPs takes ``F / (tflops * 1e12)`` seconds (backward tiles have
     ``bwd_factor`` times the forward FLOPs). ``cores`` switches on a *shared* compute pool: all
@@ -110,6 +115,7 @@ class Cluster:
     cross_burst_kb: float = 0.0
     intra_burst_kb: float = 0.0
     link_order: str = "fair"
+    head_copies: str = "charm"
 
     def __post_init__(self) -> None:
         if self.nic not in NICS:
@@ -117,6 +123,8 @@ class Cluster:
         if self.comm_slowdown_links not in SLOWDOWN_LINKS:
             raise ValueError(f"comm_slowdown_links must be one of {SLOWDOWN_LINKS}, "
                              f"got {self.comm_slowdown_links!r}")
+        if self.head_copies not in HEAD_COPIES:
+            raise ValueError(f"head_copies must be one of {HEAD_COPIES}, got {self.head_copies!r}")
         if self.link_order not in LINK_ORDERS:
             raise ValueError(f"link_order must be one of {LINK_ORDERS}, got {self.link_order!r}")
         if self.link_order == "fifo" and self.cores is not None:
@@ -191,6 +199,8 @@ class Cluster:
             parts.append(f"burst cross {self.cross_burst_kb:g} / intra {self.intra_burst_kb:g} KiB")
         if self.link_order != "fair":
             parts.append("links in start order (fifo)")
+        if self.head_copies != "charm":
+            parts.append(f"{self.head_copies} all-to-all copies")
         return ", ".join(parts)
 
 

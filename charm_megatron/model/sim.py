@@ -491,7 +491,7 @@ def simulate(plan: Plan, problem: Problem, cluster: Cluster,
 
         into, back = stage_plans(plan.n, plan.head_group, plan.direction, plan.causal)
         kinds_in, kinds_back = stage_kinds(plan.direction)
-        passes = copy_passes(plan.head_group)
+        passes = copy_passes(plan.head_group, cluster.head_copies)
         copies = (stage_copy_s(problem, cluster, plan.n, kinds_in, passes[0]),
                   stage_copy_s(problem, cluster, plan.n, kinds_back, passes[1]))
         if not compute:

@@ -111,9 +111,11 @@ def te_cluster(profile: Profile) -> Cluster:
     (``comm_slowdown_streams=1``): TE's ring posts a step's kv and dk, dv on one process group
     (``flash_attn_p2p_communicate(..., cp_group, ...)``, docs/model.md "Link order") and its
     all-to-alls and all-gathers block, so no two of its communicators move data while it
-    computes, where our plans' streams (kv, q, cross) are communicators of their own."""
+    computes, where our plans' streams (kv, q, cross) are communicators of their own; its
+    head all-to-alls copy as TE's do (``head_copies="te"``: a reorder on each side of the
+    collective, plan/head_stage.copy_passes)."""
     cl = cluster_on(profile, TE_KERNEL) if TE_KERNEL in kernels_of(profile) else profile.cluster
-    return replace(cl, comm_slowdown_streams=1)
+    return replace(cl, comm_slowdown_streams=1, head_copies="te")
 
 
 def predict_te(name: str, groups: Sequence[Sequence[int]], problem: Problem,

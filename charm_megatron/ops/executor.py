@@ -155,6 +155,7 @@ class Executor(OpInterpreter[None]):
         self._waited = getattr(backend, "waited", None)
         self._merged = getattr(backend, "merged", None)
         self._copied = getattr(backend, "copied", None)
+        self._stage_copied = getattr(backend, "stage_copied", None)
         # An asynchronous timed device queues its ops: the host waits for it before posting
         # messages (their sends may hold its results; a GPU's NCCL starts after the kernels
         # before it on the stream) and at the end of a call (synchronize).
@@ -531,6 +532,14 @@ class Executor(OpInterpreter[None]):
         devices did the work already."""
         if self._copied is not None:
             self._copied(passes * sum(t.numel() * t.element_size() for t in tensors))
+
+    def stage_copied(self, tensors: list[torch.Tensor], a: int, *, home: bool) -> None:
+        """A head all-to-all of ``a`` ranks copied ``tensors`` outside any op (ops/head_stage.py;
+        ``home``: the one after the plan): a timed device charges the copies its profile says
+        the all-to-all makes (``plan.head_stage.copy_passes``: ours, or TE's for a ``te-*``
+        contender); real devices did the work already."""
+        if self._stage_copied is not None:
+            self._stage_copied(sum(t.numel() * t.element_size() for t in tensors), a, home)
 
     def exchange(self, stream, sends: list[tuple[int, torch.Tensor]],
                  recvs: list[tuple[int, torch.Tensor]]) -> None:

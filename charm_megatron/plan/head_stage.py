@@ -44,7 +44,7 @@ from charm_megatron.plan.core import (
 )
 from charm_megatron.plan.vocab import OWN, RESULT, Direction, Half, Kind, Loc, Stream
 
-__all__ = ["HeadStage", "copy_passes", "flat_super_groups", "lift_ops", "lift_rank", "stage_kinds",
+__all__ = ["HEAD_COPIES", "HeadStage", "copy_passes", "flat_super_groups", "lift_ops", "lift_rank", "stage_kinds",
            "stage_plans", "stage_refusal", "super_groups"]
 
 Groups = tuple[tuple[int, ...], ...]
@@ -186,12 +186,24 @@ def stage_kinds(direction: Direction) -> tuple[tuple[Kind, ...], tuple[Kind, ...
     return _MOVES[Direction(direction)]
 
 
-def copy_passes(a: int) -> tuple[float, float]:
-    """How many times the executor copies a rank's blocks in each all-to-all, outside any
-    kernel (ops/head_stage.py): before the plan it packs the ``(a-1)/a`` it sends and places
-    every slice (``2 - 1/a``); on the way home it first gathers each member's rows of the
-    super-block (``3 - 1/a``). The model prices these copies; a timed device charges them."""
-    return 2.0 - 1.0 / a, 3.0 - 1.0 / a
+#: Whose head all-to-all a copy count describes: ours (ops/head_stage.py) or
+#: TransformerEngine's (``flash_attn_a2a_communicate``), which the ``te-*`` contenders run.
+HEAD_COPIES = ("charm", "te")
+
+
+def copy_passes(a: int, style: str = "charm") -> tuple[float, float]:
+    """How many times a rank's blocks are copied outside any kernel in each all-to-all of
+    ``a`` ranks (before the plan, and on the way home). ``charm`` (ops/head_stage.py): one
+    strided copy of every tensor (its head slices side by side, every message a contiguous
+    piece of it, received in place) and the own slice's placement, ``1 + 1/a`` each way.
+    ``te``: TransformerEngine's reorder on each side of its ``all_to_all_single`` (a
+    ``movedim(...).contiguous()`` and an ``index_select`` of the causal chunks, sbhd) and the
+    collective's copy of the own slice, ``2 + 1/a`` each way. The model prices these copies;
+    a timed device charges them."""
+    if style not in HEAD_COPIES:
+        raise ValueError(f"head all-to-all copies must be one of {HEAD_COPIES}, got {style!r}")
+    each = (1.0 if style == "charm" else 2.0) + 1.0 / a
+    return each, each
 
 
 _STAGE = "a2a"  # the stage's buffers (a2a.q0: q from rank 0): priced by bytes, not by name
@@ -202,9 +214,8 @@ def stage_plans(n: int, a: int, direction: Direction, causal: bool) -> tuple[Pla
     """The all-to-alls before and after a lifted plan, as plans of sends and receives of head
     slices (``Xfer.parts = a``: a message carries one of ``a`` head slices of a rank's rows),
     one batch per rank on the kv stream: what the performance model times and the byte counts
-    add (memoised and shared: do not modify). One message per peer and kind (the executor
-    packs a peer's tensors of one dtype into one message: the same bytes, a latency or two
-    fewer). Not attention plans (no tiles, no results): they are never validated or
+    add (memoised and shared: do not modify). One message per peer and kind (the executor sends
+    one per tensor and row piece, in place: the same bytes, their latencies side by side). Not attention plans (no tiles, no results): they are never validated or
     executed."""
     stage = HeadStage(n, a, causal)
     direction = Direction(direction)

@@ -61,6 +61,7 @@ from charm_megatron.lab.emulate.virtual_time import VirtualTime, WallTime
 from charm_megatron.model import effects
 from charm_megatron.model.cluster import Cluster
 from charm_megatron.plan.cost import Problem
+from charm_megatron.plan.head_stage import copy_passes
 from charm_megatron.plan.tile_rule import scaled
 from charm_megatron.plan.vocab import Kind
 
@@ -455,6 +456,14 @@ class TimedBackend:
         packing and placing head slices): the model's stage copies, the virtual bytes at the
         merge rate (model/sim.py, ``stage_copy_s``)."""
         self._wait(self.merge_seconds(nbytes * self.scale.bytes), False)
+
+    def stage_copied(self, nbytes: float, a: int, home: bool) -> None:
+        """A head all-to-all of ``a`` ranks copied tensors of ``nbytes`` (wire bytes, once):
+        as the model prices the stage (model/sim.py, ``stage_copy_s``), the passes its
+        profile's all-to-all makes (``copy_passes(a, cluster.head_copies)``: ours, or TE's on
+        a ``te-*`` contender's device), before the plan or on the way ``home``."""
+        passes = copy_passes(a, self.cluster.head_copies)[1 if home else 0]
+        self.copied(passes * nbytes)
 
     def merged(self, wire_bytes: float) -> None:
         """The executor merged a received partial of ``wire_bytes``: its device time (the
