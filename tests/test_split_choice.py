@@ -303,3 +303,29 @@ def test_counterpart_q_home_where_the_next_q_would_queue_behind_a_return():
     assert fwd.split_counterpart_q and fwd.q_home_stream
     fwd, _ = variants("charm", groups, mha, cl.with_(nic="rank"), head_parallel=8)
     assert not fwd.q_home_stream
+
+
+def test_visiting_home_is_weighed_against_whole_blocks_where_halves_alone_are_not_enough():
+    """split_visiting="auto" walks whole blocks, halves, halves with their dK, dV home on the
+    home streams and quarters, taking each that beats the one kept so far by SPLIT_MARGIN:
+    h200, 4x8, one NIC per node, 70B-like 64 / 8 heads at 32k, head_parallel 8, backward: the
+    halves alone are under the margin (about 2.6 % faster), their home streams well over it
+    (about 5.9 %); before 2026-12-07 home was weighed only against the halves and the plan
+    stayed whole."""
+    groups = tuple(tuple(range(i * 8, (i + 1) * 8)) for i in range(4))
+    llama70b = Problem(1, 32768, 64, 8, 128, 2)
+    cl = get_profile("h200").cluster.with_(nic="node")
+    _, bwd = variants("charm", groups, llama70b, cl, head_parallel=8, split_diagonal="off",
+                      split_counterpart_q="off")
+    assert bwd.split_visiting and bwd.home_stream and bwd.visiting_pieces != 4
+    timer = ClusterTimer(cl, llama70b, groups)
+    times = {}
+    for mode in ("off", "on", "home"):
+        plan = registry.build_plan("charm", "backward", groups, True,
+                                   shape=role_shape(llama70b), split_visiting=mode,
+                                   split_counterpart_q="off", split_diagonal="off",
+                                   head_parallel=8)
+        times[mode] = timer.seconds(plan)
+    times["whole"], times["halves"] = times["off"], times["on"]
+    assert times["halves"] > (1 - SPLIT_MARGIN) * times["whole"]  # the halves: not enough
+    assert times["home"] < (1 - SPLIT_MARGIN) * times["whole"]
