@@ -329,3 +329,20 @@ def test_visiting_home_is_weighed_against_whole_blocks_where_halves_alone_are_no
     times["whole"], times["halves"] = times["off"], times["on"]
     assert times["halves"] > (1 - SPLIT_MARGIN) * times["whole"]  # the halves: not enough
     assert times["home"] < (1 - SPLIT_MARGIN) * times["whole"]
+
+
+def test_the_diagonal_split_is_also_weighed_on_whole_blocks():
+    """split_diagonal="auto" times its splits on the plan with the visiting / counterpart
+    splits chosen and on the plan without them: h200, 2x8, one NIC per GPU, MHA 32 x 128 at
+    64k, head_parallel 8, forward: the counterpart q's halves with their partials on the home
+    streams beat whole blocks by more than SPLIT_MARGIN, but every rank's diagonal split on
+    whole blocks beats those by more than it again, so auto runs that (the splits decided one
+    after the other kept the halves until 2026-12-07, 7.9 -> 8.4 ms)."""
+    groups = ((*range(8),), (*range(8, 16),))
+    mha = Problem(1, 65536, 32, 32, 128, 2)
+    cl = get_profile("h200").cluster.with_(nic="rank")
+    fwd, _ = variants("charm", groups, mha, cl, head_parallel=8)
+    assert fwd.split_diagonal_all and not fwd.split_counterpart_q
+    # the counterpart split alone is what auto would take without the diagonal split
+    fwd_q, _ = variants("charm", groups, mha, cl, head_parallel=8, split_diagonal="off")
+    assert fwd_q.split_counterpart_q and fwd_q.q_home_stream

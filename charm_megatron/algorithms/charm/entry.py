@@ -245,19 +245,25 @@ def _with_splits(values: Values, base: CharmVariant,
     fwd, bwd = (replace(v, split_counterpart_q=q.split_counterpart_q,
                         q_home_stream=q.q_home_stream)
                 for v, q in zip(visiting, counterpart_q))
-    fwd, bwd = _diagonal(values.get(SPLIT_DIAGONAL.name, DiagonalMode.OFF), fwd, bwd, ctx)
+    fwd, bwd = _diagonal(values.get(SPLIT_DIAGONAL.name, DiagonalMode.OFF), fwd, bwd, ctx,
+                         plain=base)
     return _super_tiles(values[SUPER_TILES.name], fwd, bwd, ctx)
 
 
 def _diagonal(mode: DiagonalMode, fwd: CharmVariant, bwd: CharmVariant,
-              ctx: VariantContext) -> tuple[CharmVariant, CharmVariant]:
+              ctx: VariantContext, plain: CharmVariant | None = None
+              ) -> tuple[CharmVariant, CharmVariant]:
     """``fwd`` and ``bwd`` with the own diagonal tile split as ``mode`` says: ``on`` (the
     ranks whose first cross block arrives whole) or ``all`` (every rank) in both directions
     (a no-op where there is no causal diagonal or no second group: nothing to split, or no
-    cross pass to place its sub-tiles around); ``auto`` per direction the faster of the two
-    splits by ``ctx.timer``, kept where it is more than :data:`SPLIT_MARGIN` faster than the
-    plan with the visiting / counterpart splits already chosen (:func:`_beats`); off without
-    a timer."""
+    cross pass to place its sub-tiles around); ``auto`` per direction the fastest by
+    ``ctx.timer`` of the two splits on the plan with the visiting / counterpart splits
+    already chosen and, where those differ from ``plain`` (the variant without them), on
+    ``plain`` too, kept where it is more than :data:`SPLIT_MARGIN` faster than the plan with
+    those splits (:func:`_beats`); off without a timer. (The splits are decided one after
+    the other; a diagonal split can pay on whole blocks more than the visiting or
+    counterpart split it would otherwise sit on: 2x8 MHA 64k forward, one NIC per GPU,
+    ``d = 8``, 2026-12-07.)"""
     if not ctx.causal or len(ctx.groups) < 2 or mode is DiagonalMode.OFF:
         return fwd, bwd
     lower, every = ({"split_diagonal": True}, {"split_diagonal": True, "split_diagonal_all": True})
@@ -269,8 +275,10 @@ def _diagonal(mode: DiagonalMode, fwd: CharmVariant, bwd: CharmVariant,
     out = []
     for d, v in ((Direction.FORWARD, fwd), (Direction.BACKWARD, bwd)):
         whole = _plan(d, ctx, v)
-        timed = [(ctx.timer.seconds(plan), split) for split in (replace(v, **lower),
-                                                                 replace(v, **every))
+        starts = [v] if plain is None or plain == v else [v, plain]
+        timed = [(ctx.timer.seconds(plan), split)
+                 for start in starts for split in (replace(start, **lower),
+                                                   replace(start, **every))
                  if (plan := _plan(d, ctx, split)).ops != whole.ops]
         best = min(timed, key=lambda t: t[0], default=None)
         keep = best is not None and _beats(best[0], ctx.timer.seconds(whole))
