@@ -109,6 +109,11 @@ _LIFETIMES: dict[int, tuple[list[Op], Lifetimes]] = {}
 _LIFETIMES_MAX = 1024
 
 
+def _nbytes(tensors) -> int:
+    """The bytes of ``tensors`` together (what a timed device is told was moved or copied)."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def _lifetimes_of(ops: list[Op]) -> Lifetimes:
     hit = _LIFETIMES.get(id(ops))
     if hit is not None and hit[0] is ops:
@@ -509,8 +514,7 @@ class Executor(OpInterpreter[None]):
                                             exc)) from exc
         self.pending[op.handle] = (works, keep, op.stream, peers)
         if self._posted is not None and works:
-            self._posted(op.handle, [(x.peer, sum(t.numel() * t.element_size()
-                                                  for t in self._view(x.loc, x.half)))
+            self._posted(op.handle, [(x.peer, _nbytes(self._view(x.loc, x.half)))
                                      for x in (*op.sends, *op.recvs)], op.stream,
                          works=list(zip(peer_of, works)))
 
@@ -531,15 +535,13 @@ class Executor(OpInterpreter[None]):
         packing and placing): a timed device charges the bytes as the model does; real
         devices did the work already."""
         if self._copied is not None:
-            self._copied(passes * sum(t.numel() * t.element_size() for t in tensors))
+            self._copied(passes * _nbytes(tensors))
 
     def stage_copied(self, tensors: list[torch.Tensor], a: int, *, home: bool) -> None:
-        """A head all-to-all of ``a`` ranks copied ``tensors`` outside any op (ops/head_stage.py;
-        ``home``: the one after the plan): a timed device charges the copies its profile says
-        the all-to-all makes (``plan.head_stage.copy_passes``: ours, or TE's for a ``te-*``
-        contender); real devices did the work already."""
+        """A head all-to-all of ``a`` ranks (``home``: after the plan) copied ``tensors``: a timed
+        device charges its profile's ``copy_passes`` (ours or TE's); real devices did the work."""
         if self._stage_copied is not None:
-            self._stage_copied(sum(t.numel() * t.element_size() for t in tensors), a, home)
+            self._stage_copied(_nbytes(tensors), a, home)
 
     def exchange(self, stream, sends: list[tuple[int, torch.Tensor]],
                  recvs: list[tuple[int, torch.Tensor]]) -> None:

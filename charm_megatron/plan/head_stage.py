@@ -44,8 +44,8 @@ from charm_megatron.plan.core import (
 )
 from charm_megatron.plan.vocab import OWN, RESULT, Direction, Half, Kind, Loc, Stream
 
-__all__ = ["HEAD_COPIES", "HeadStage", "copy_passes", "flat_super_groups", "lift_ops", "lift_rank", "stage_kinds",
-           "stage_plans", "stage_refusal", "super_groups"]
+__all__ = ["HEAD_COPIES", "HeadStage", "copy_passes", "flat_super_groups", "lift_ops",
+           "lift_rank", "stage_kinds", "stage_plans", "stage_refusal", "super_groups"]
 
 Groups = tuple[tuple[int, ...], ...]
 
@@ -214,8 +214,9 @@ def stage_plans(n: int, a: int, direction: Direction, causal: bool) -> tuple[Pla
     """The all-to-alls before and after a lifted plan, as plans of sends and receives of head
     slices (``Xfer.parts = a``: a message carries one of ``a`` head slices of a rank's rows),
     one batch per rank on the kv stream: what the performance model times and the byte counts
-    add (memoised and shared: do not modify). One message per peer and kind (the executor sends
-    one per tensor and row piece, in place: the same bytes, their latencies side by side). Not attention plans (no tiles, no results): they are never validated or
+    add (memoised and shared: do not modify). One message per peer and kind (the executor
+    sends one per tensor and row piece, in place: the same bytes, their latencies side by
+    side). Not attention plans (no tiles, no results): they are never validated or
     executed."""
     stage = HeadStage(n, a, causal)
     direction = Direction(direction)

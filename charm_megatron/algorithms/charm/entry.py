@@ -251,15 +251,14 @@ def _with_splits(values: Values, base: CharmVariant,
 
 
 def _diagonal(mode: DiagonalMode, fwd: CharmVariant, bwd: CharmVariant,
-              ctx: VariantContext, plain: CharmVariant | None = None
-              ) -> tuple[CharmVariant, CharmVariant]:
+              ctx: VariantContext, plain: CharmVariant) -> tuple[CharmVariant, CharmVariant]:
     """``fwd`` and ``bwd`` with the own diagonal tile split as ``mode`` says: ``on`` (the
     ranks whose first cross block arrives whole) or ``all`` (every rank) in both directions
     (a no-op where there is no causal diagonal or no second group: nothing to split, or no
     cross pass to place its sub-tiles around); ``auto`` per direction the fastest by
     ``ctx.timer`` of the two splits on the plan with the visiting / counterpart splits
-    already chosen and, where those differ from ``plain`` (the variant without them), on
-    ``plain`` too, kept where it is more than :data:`SPLIT_MARGIN` faster than the plan with
+    already chosen and, where those differ from ``plain`` (the same variant without them),
+    on ``plain`` too, kept where it is more than :data:`SPLIT_MARGIN` faster than the plan with
     those splits (:func:`_beats`); off without a timer. (The splits are decided one after
     the other; a diagonal split can pay on whole blocks more than the visiting or
     counterpart split it would otherwise sit on: 2x8 MHA 64k forward, one NIC per GPU,
@@ -275,7 +274,7 @@ def _diagonal(mode: DiagonalMode, fwd: CharmVariant, bwd: CharmVariant,
     out = []
     for d, v in ((Direction.FORWARD, fwd), (Direction.BACKWARD, bwd)):
         whole = _plan(d, ctx, v)
-        starts = [v] if plain is None or plain == v else [v, plain]
+        starts = [v] if plain == v else [v, plain]
         timed = [(ctx.timer.seconds(plan), split)
                  for start in starts for split in (replace(start, **lower),
                                                    replace(start, **every))
