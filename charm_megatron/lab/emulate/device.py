@@ -57,6 +57,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from charm_megatron.lab.emulate import moving
+from charm_megatron.lab.emulate.moving import DeviceChain, MovingBatch, QueuedOp
 from charm_megatron.lab.emulate.virtual_time import VirtualTime, WallTime
 from charm_megatron.model import effects
 from charm_megatron.model.cluster import Cluster
@@ -64,6 +66,10 @@ from charm_megatron.plan.cost import Problem
 from charm_megatron.plan.head_stage import copy_passes
 from charm_megatron.plan.tile_rule import scaled
 from charm_megatron.plan.vocab import Kind
+
+#: How many times the host prices the ops it queued again while it waits for the device
+#: (:meth:`TimedBackend._drain`): each sleep can end with more of their transfers booked.
+REPRICE_ROUNDS = 4
 
 
 @dataclass(frozen=True)
@@ -95,9 +101,10 @@ class LinkClock:
 
     It assumes each message moves alone on its ports at that rate: a message sharing a port
     (a second intra message of the rank at once on a port wider than one message, or any
-    message queued behind another) moves longer on the links than this span says, so its
-    slowdown ends early here; the model counts a stream as moving while any of its messages
-    has bytes left."""
+    message queued behind another) moves longer on the links than this span says. It is the
+    span only until the software links have booked the message (:mod:`.moving`); links that
+    book nothing (netns) keep it, and there the slowdown ends early; the model counts a
+    stream as moving while any of its messages has bytes left."""
 
     rank: int
     groups: tuple[tuple[int, ...], ...]
@@ -112,24 +119,6 @@ class LinkClock:
     def seconds(self, peer: int, nbytes: float) -> float:
         rate = self.cross_Bps if self.crosses(peer) else self.intra_Bps
         return self.latency_s + nbytes / rate
-
-
-@dataclass(frozen=True)
-class _Moving:
-    """A posted batch whose bytes may still move: until ``estimate`` (its longest message
-    alone on its links), or, once the links have booked every transfer of it (``works``:
-    handles with a ``deadline``, the software links'), until the last arrival."""
-
-    estimate: float
-    stream: object
-    works: tuple[object, ...] = ()
-
-    def end(self) -> float:
-        known = [getattr(w, "deadline", None) for w in self.works]
-        known = [d for d in known if d is not None and not math.isnan(d)]
-        if self.works and len(known) == len(self.works):
-            return max(known)
-        return max([self.estimate, *known])
 
 
 @dataclass
@@ -152,6 +141,11 @@ class DeviceClock:
                 self.tiles += 1
             else:
                 self.merges += 1
+
+    def add_repriced(self, device_s: float) -> None:
+        """Ops already queued took ``device_s`` longer once priced again (:mod:`.moving`)."""
+        with self.lock:
+            self.device_s += device_s
 
     def add_wait(self, waited_s: float) -> None:
         """The host waited ``waited_s`` (device seconds) for the asynchronous device."""
@@ -192,7 +186,11 @@ class TimedBackend:
         self.links = links
         # handle -> its transfers that may still move, on which stream: the slowdown counts
         # the streams with something still moving (contention)
-        self._moving: dict[int, _Moving] = {}
+        self._moving: dict[int, MovingBatch] = {}
+        # the ops queued since the host last waited for the device, priced again then on what
+        # the links know by that time (moving.py), and where the last of them ends
+        self._chain = DeviceChain()
+        self._chain_end = -math.inf
         if synchronous and virtual is not None:
             raise ValueError("the synchronous device sleeps every op at its call: it has no "
                              "virtual clock")
@@ -229,10 +227,12 @@ class TimedBackend:
         unnamed stream): ``(peer, wire bytes)`` per message, and ``(peer, handle)`` per
         transfer it posted. Its bytes move until its last message arrives: the span during
         which this rank's compute is slowed (``comm_slowdown`` for this stream; only its
-        cross messages count with ``comm_slowdown_links="cross"``). The software links know
-        each arrival once both sides have posted (a handle's ``deadline``: the message's
-        queueing behind others on a shared link included, as the model counts it); until
-        then the device's links (:class:`LinkClock`) give the longest message's time alone."""
+        cross messages count with ``comm_slowdown_links="cross"``). When it moves is what the
+        software links know (:mod:`.moving`): from the match (both sides posted) to the
+        booked arrival, queueing behind others on a shared link included, as the model
+        counts it; until booked, the longest message's time alone on this rank's links
+        (:class:`LinkClock`); ops queued before then are priced again when the host next
+        waits for the device (:meth:`_drain`)."""
         if self.links is None or not (self.sm_contention and self.cluster.comm_slowdown):
             return
         if self.cluster.comm_slowdown_links == "cross":  # intra copies hold no SMs here
@@ -242,12 +242,17 @@ class TimedBackend:
                 return
         seconds = max((self.links.seconds(peer, nbytes * self.scale.bytes)
                        for peer, nbytes in messages), default=0.0)
-        self._moving[handle] = _Moving(self._post_time() + seconds * self.dilation, stream,
-                                       tuple(w for _, w in works))
+        self._moving[handle] = MovingBatch(self._post_time(), seconds * self.dilation, stream,
+                                           tuple(w for _, w in works),
+                                           self.links.latency_s * self.dilation)
 
     def waited(self, handle: int) -> None:
-        """Batch ``handle`` completed: whatever it moved has arrived by now."""
-        self._moving.pop(handle, None)
+        """Batch ``handle`` completed: whatever it moved has arrived by now (its spans end at
+        the host's time; kept until the device is committed, for the ops priced again)."""
+        batch = self._moving.get(handle)
+        if batch is not None:
+            batch.waited_at = (self.timeline.host() if self.timeline is not None
+                               else time.perf_counter())
 
     # -- where the host waits for the device --------------------------------------------------
     @property
@@ -307,13 +312,52 @@ class TimedBackend:
     def _drain(self) -> None:
         """Sleep until the device's queue ends on the wall clock. On the virtual clock too:
         the wall must not run behind the times the rank books and reports (causality among
-        ranks); a host already late sleeps nothing."""
-        remaining = self.busy_until - time.perf_counter()
-        if remaining <= 0:
-            return
-        t0 = time.perf_counter()
-        self._sleep(remaining)
-        self.clock.add_wait((time.perf_counter() - t0) / self.dilation)
+        ranks); a host already late sleeps nothing. The ops queued since the last drain are
+        priced again first and once more after the sleep (the links may have booked the
+        transfers that run under them meanwhile: :mod:`.moving`), then the host commits to
+        their end."""
+        self._reprice()
+        for _ in range(REPRICE_ROUNDS):
+            remaining = self.busy_until - time.perf_counter()
+            if remaining > 0:
+                t0 = time.perf_counter()
+                self._sleep(remaining)
+                self.clock.add_wait((time.perf_counter() - t0) / self.dilation)
+            if not self._reprice():
+                break
+        self._commit()
+
+    def _reprice(self) -> bool:
+        """Price the chain of ops queued since the last drain again; push the device's end
+        later if they take longer now (never earlier: the rank's floor was published on it).
+        True if it moved."""
+        timeline = self.timeline
+        if timeline is None or not self._chain.ops:
+            return False
+        if timeline.busy_until != self._chain_end:  # another device queued on this timeline
+            self._chain.clear()
+            return False
+
+        def price(op: QueuedOp, start: float) -> float:
+            work = self._slowed_at(op.work_s, start) if op.slowed else op.work_s
+            return work * self.dilation
+
+        end = self._chain.end(price)
+        if end <= self._chain_end:
+            return False
+        self.clock.add_repriced((end - self._chain_end) / self.dilation)
+        timeline.extend(end)
+        self._chain_end = timeline.busy_until
+        return True
+
+    def _commit(self) -> None:
+        """The host has waited for the device: its queued ops are final, and batches whose
+        bytes stopped moving before the device's end can slow nothing more."""
+        self._chain.clear()
+        done = self.busy_until if self.timeline is not None else time.perf_counter()
+        for h in [h for h, b in self._moving.items()
+                  if b.end() <= done and (b.waited_at < math.inf or b.settled())]:
+            del self._moving[h]
 
     def _start(self) -> float:
         """When an op queued now starts on the device: when the device is free, or, if it is
@@ -324,20 +368,6 @@ class TimedBackend:
         """When a batch posted now starts: when its data is ready (after the host synced with
         the device before posting: the wall clock's now, or the virtual time)."""
         return self.timeline.ready() if self.timeline is not None else time.perf_counter()
-
-    def _contended_s(self, at: float | None = None) -> list[float]:
-        """Wall seconds from ``at`` (default now; an op's start on the device) during which
-        each stream of this rank still moves bytes (one entry per stream: its latest
-        transfer's end)."""
-        at = self._post_time() if at is None else at
-        # An op queued later starts no earlier than ``at``: what ends by then never counts.
-        ends_of = {h: m.end() for h, m in self._moving.items()}
-        for h in [h for h, end in ends_of.items() if end <= at]:
-            del self._moving[h]
-        ends: dict[object, float] = {}
-        for h, m in self._moving.items():
-            ends[m.stream] = max(ends.get(m.stream, at), ends_of[h])
-        return [end - at for end in ends.values()]
 
     # -- device time ------------------------------------------------------------------------
     def tile_seconds(self, sq: int, sk: int, b: int, hq: int, hkv: int, d: int, elem: int,
@@ -350,6 +380,12 @@ class TimedBackend:
         compute job is one op at its full cost, capped at ``1 / contention``; until
         2026-12-06 only the FLOPs were slowed here). ``kept``: the share of the tile's pairs
         a sliding window keeps (its FLOPs scale with it)."""
+        return self._slowed(self._tile_work_s(sq, sk, b, hq, hkv, d, elem, causal, backward,
+                                              kept))
+
+    def _tile_work_s(self, sq: int, sk: int, b: int, hq: int, hkv: int, d: int, elem: int,
+                     causal: bool, backward: bool, kept: float = 1.0) -> float:
+        """:meth:`tile_seconds` at full speed (no transfer moving)."""
         cl = self.cluster
         flops = 4.0 * b * hq * d * sq * sk * (0.5 if causal else 1.0) * kept
         if backward:
@@ -360,18 +396,23 @@ class TimedBackend:
                       + Problem(b, sk, hq, hkv, d, elem).block_bytes(Kind.DKV, 1))
         else:
             folded = Problem(b, sq, hq, hkv, d, elem).block_bytes(Kind.OUT, 1)
-        return self._slowed(flops / (cl.tflops * 1e12 * eff) + self.merge_seconds(folded)
-                            + cl.op_overhead_us * 1e-6)
+        return (flops / (cl.tflops * 1e12 * eff) + self.merge_seconds(folded)
+                + cl.op_overhead_us * 1e-6)
 
     def _slowed(self, work_s: float) -> float:
-        """Device seconds of ``work_s`` of compute while this rank's transfers move: the
-        model's effect from the tile's start on the device (:func:`.effects.slowed_s`: ``1 +
-        comm_slowdown * k`` times slower with ``k`` streams moving, ``k`` falling as each
-        stream's transfers end, then at full speed)."""
+        """Device seconds of ``work_s`` of compute queued now while this rank's transfers
+        move (:meth:`_slowed_at` from the op's start on the device)."""
+        return self._slowed_at(work_s, self._start())
+
+    def _slowed_at(self, work_s: float, start: float) -> float:
+        """Device seconds of ``work_s`` of compute from ``start`` while this rank's transfers
+        move as far as its links know now (:mod:`.moving`): the model's effect, ``1 +
+        comm_slowdown * k`` times slower while ``k`` streams move, at full speed where none
+        does."""
         if not (self.sm_contention and self.cluster.comm_slowdown) or not self._moving:
             return work_s
-        remaining = [s / self.dilation for s in self._contended_s(self._start())]
-        return effects.slowed_s(self.cluster, work_s, remaining)
+        return moving.slowed_over(self.cluster, work_s, start, moving.spans_by_stream(self._moving.values()),
+                           self.dilation)
 
     def merge_seconds(self, nbytes: float) -> float:
         """Device seconds to accumulate ``nbytes`` of partials (virtual bytes)."""
@@ -379,15 +420,28 @@ class TimedBackend:
         return nbytes / (gbps * 1e9) if gbps else 0.0
 
     def _wait(self, device_s: float, tile: bool) -> None:
-        """Run an op of ``device_s`` on the device: queued after what it holds (the host goes
-        on at once), or, on the synchronous device, slept through here."""
-        if self.timeline is not None:
-            self.timeline.queue(device_s * self.dilation)
+        """Run an op of ``device_s`` on the device, as it is (never slowed)."""
+        self._run(device_s, tile, slowed=False)
+
+    def _run(self, work_s: float, tile: bool, slowed: bool = True) -> None:
+        """Run an op of ``work_s`` at full speed on the device, ``slowed`` while this rank's
+        transfers move: queued after what it holds (the host goes on at once; priced again
+        when the host next waits for the device, :meth:`_drain`), or, on the synchronous
+        device, slept through here."""
+        timeline = self.timeline
+        if timeline is not None:
+            floor, base = timeline.host(), timeline.busy_until
+            device_s = self._slowed(work_s) if slowed else work_s
+            start = timeline.queue(device_s * self.dilation)
+            self._chain.add(base, QueuedOp(floor, work_s, slowed))
+            self._chain_end = start + device_s * self.dilation
             self.clock.add(device_s, 0.0, tile)
             return
+        device_s = self._slowed(work_s) if slowed else work_s
         t0 = time.perf_counter()
         self._sleep(device_s * self.dilation)
         self.clock.add(device_s, (time.perf_counter() - t0) / self.dilation, tile)
+        self._commit()
 
     def _virtual(self, rows: int, batch: int) -> tuple[int, int]:
         return rows * self.scale.rows, batch * self.scale.batch
@@ -397,8 +451,8 @@ class TimedBackend:
                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         sq, b = self._virtual(q.shape[0], q.shape[1])
         sk, _ = self._virtual(k.shape[0], k.shape[1])
-        self._wait(self.tile_seconds(sq, sk, b, q.shape[2], k.shape[2], q.shape[3],
-                                     q.element_size(), causal, False), True)
+        self._run(self._tile_work_s(sq, sk, b, q.shape[2], k.shape[2], q.shape[3],
+                                    q.element_size(), causal, False), True)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         lse = torch.zeros((q.shape[1], q.shape[2], q.shape[0]), dtype=lse_dtype,
                           device=q.device)
@@ -409,8 +463,8 @@ class TimedBackend:
                  scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         sq, b = self._virtual(q.shape[0], q.shape[1])
         sk, _ = self._virtual(k.shape[0], k.shape[1])
-        self._wait(self.tile_seconds(sq, sk, b, q.shape[2], k.shape[2], q.shape[3],
-                                     q.element_size(), causal, True), True)
+        self._run(self._tile_work_s(sq, sk, b, q.shape[2], k.shape[2], q.shape[3],
+                                    q.element_size(), causal, True), True)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     def forward_masked(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -442,8 +496,8 @@ class TimedBackend:
         sk, _ = self._virtual(k.shape[0], k.shape[1])
         kept, causal = self._kept(allowed, window, spec)
         backward = dout is not None
-        self._wait(self.tile_seconds(sq, sk, b, q.shape[2], k.shape[2], q.shape[3],
-                                     q.element_size(), causal, backward, kept), True)
+        self._run(self._tile_work_s(sq, sk, b, q.shape[2], k.shape[2], q.shape[3],
+                                    q.element_size(), causal, backward, kept), True)
         if backward:
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -471,5 +525,4 @@ class TimedBackend:
         slowed while a transfer is in flight as the model slows every compute op (not before
         2026-12-06)."""
         virtual = wire_bytes * self.scale.bytes
-        self._wait(self._slowed(self.merge_seconds(virtual)
-                                + self.cluster.op_overhead_us * 1e-6), False)
+        self._run(self.merge_seconds(virtual) + self.cluster.op_overhead_us * 1e-6, False)

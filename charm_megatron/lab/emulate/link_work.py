@@ -67,6 +67,7 @@ class LinkWork(ThrottledWork):
         # can come; the wait publishes this rank's lookahead and serves what is due meanwhile
         self.order = order
         self._arrival: float | None = None
+        self._matched: float | None = None
 
     @property  # type: ignore[override]
     def deadline(self) -> float | None:
@@ -77,6 +78,17 @@ class LinkWork(ThrottledWork):
     @deadline.setter
     def deadline(self, value: float) -> None:
         pass  # set by the booking, not by the base class
+
+    @property
+    def matched(self) -> float | None:
+        """When both sides had posted (the later post's time), the earliest the message can
+        start moving; ``None`` while the peer has not posted (a timed device's SM-contention
+        span starts here, as the model's does: :mod:`.moving`)."""
+        if self._matched is None:
+            send_t, recv_t = self.box.slot(self.index)[:2]
+            if not (math.isnan(send_t) or math.isnan(recv_t)):
+                self._matched = max(send_t, recv_t)
+        return self._matched
 
     def wait(self, timeout: Any = None) -> bool:
         """Wait for the real transfer, then (bounded by ``timeout``, a ``timedelta`` or

@@ -175,6 +175,21 @@ class VirtualTime:
             self.busy_until = start + seconds
             return start
 
+    def host(self) -> float:
+        """The host's time now (``host_t``): an op queued now starts no earlier."""
+        with self._lock:
+            self._anchor()
+            return self.host_t
+
+    def extend(self, until: float) -> None:
+        """The ops queued on the device end at ``until`` after all (priced again once their
+        transfers were booked, :mod:`.moving`); never earlier than before, so every floor
+        published stays a lower bound."""
+        with self._lock:
+            if until > self.busy_until:
+                self.busy_until = until
+                self._publish()
+
     def ready(self) -> float:
         """When what the host has queued and waited for is all done: a post's virtual time
         (its sends hold what the device made) and a call's virtual end."""
