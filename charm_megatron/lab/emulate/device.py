@@ -411,8 +411,8 @@ class TimedBackend:
         does."""
         if not (self.sm_contention and self.cluster.comm_slowdown) or not self._moving:
             return work_s
-        return moving.slowed_over(self.cluster, work_s, start, moving.spans_by_stream(self._moving.values()),
-                           self.dilation)
+        spans = moving.spans_by_stream(self._moving.values())
+        return moving.slowed_over(self.cluster, work_s, start, spans, self.dilation)
 
     def merge_seconds(self, nbytes: float) -> float:
         """Device seconds to accumulate ``nbytes`` of partials (virtual bytes)."""
