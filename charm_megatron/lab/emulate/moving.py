@@ -27,7 +27,7 @@ host commits to their end (:class:`DeviceChain`, :meth:`.device.TimedBackend._dr
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from charm_megatron.model import effects
@@ -162,11 +162,12 @@ class DeviceChain:
     ops: list[QueuedOp] = field(default_factory=list)
 
     def add(self, base: float, op: QueuedOp) -> None:
+        """Queue ``op``; ``base``: when the device was free before it (kept for the first)."""
         if not self.ops:
             self.base = base
         self.ops.append(op)
 
-    def end(self, price) -> float:
+    def end(self, price: Callable[[QueuedOp, float], float]) -> float:
         """When the chain ends with each op priced by ``price(op, start)`` (wall seconds)."""
         t = self.base
         for op in self.ops:
@@ -175,5 +176,6 @@ class DeviceChain:
         return t
 
     def clear(self) -> None:
+        """The host has waited for the device: these ops are final."""
         self.ops.clear()
         self.base = -math.inf
