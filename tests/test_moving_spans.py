@@ -16,8 +16,8 @@ import pytest
 
 from charm_megatron.devices import get_profile
 from charm_megatron.lab.emulate.device import LinkClock, TimedBackend
-from charm_megatron.lab.emulate.moving import MovingBatch, slowed_over
-from charm_megatron.model.effects import slowed_s
+from charm_megatron.lab.emulate.moving import MovingBatch
+from charm_megatron.model.effects import slowed_over, slowed_s
 
 H200 = get_profile("h200").cluster
 SLOW = 1.0 + H200.comm_slowdown

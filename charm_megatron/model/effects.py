@@ -97,15 +97,31 @@ def slowed_s(cluster: Cluster, work_s: float, remaining: Sequence[float]) -> flo
     """Seconds that ``work_s`` of compute at full speed takes from now when each of the rank's
     communicators in ``remaining`` still moves data for that many seconds: slowed by
     :func:`contention` of those still moving, which fall away one by one as each ends."""
+    return slowed_over(cluster, work_s, 0.0, {i: [(0.0, end)] for i, end in enumerate(remaining)})
+
+
+def slowed_over(cluster: Cluster, work_s: float, start: float,
+                spans: Mapping[Hashable, Sequence[tuple[float, float]]],
+                scale: float = 1.0) -> float:
+    """Seconds that ``work_s`` of compute at full speed takes from ``start`` while each
+    communicator moves data during its ``spans`` (``(from, to)`` times, ``scale`` of them per
+    second of compute: the emulator's dilation): :func:`contention` of the ``k`` moving at
+    each moment, full speed where none is. With every span under way at ``start`` it is
+    :func:`slowed_s`; the timed device (``lab/emulate/moving.py``) gives spans that start
+    later too."""
+    rel = {c: [((lo - start) / scale, (hi - start) / scale) for lo, hi in v if hi > start]
+           for c, v in spans.items()}
+    rel = {c: v for c, v in rel.items() if v}
+    cuts = sorted({p for v in rel.values() for span in v for p in span if p > 0})
     t, left = 0.0, work_s
-    ends = sorted(e for e in remaining if e > 0)
-    for i, end in enumerate(ends):
-        slow = contention(cluster, len(ends) - i)
-        if left * slow <= end - t:
+    for cut in cuts:
+        k = sum(1 for v in rel.values() if any(lo <= t < hi for lo, hi in v))
+        slow = contention(cluster, k)
+        if left * slow <= cut - t:
             return t + left * slow
-        left -= (end - t) / slow
-        t = end
-    return t + left
+        left -= (cut - t) / slow
+        t = cut
+    return t + left  # nothing moves after the last cut
 
 
 def compute_caps(cluster: Cluster, jobs: Sequence[Job]) -> None:

@@ -338,9 +338,10 @@ class TimedBackend:
             self._chain.clear()
             return False
 
+        spans = self._spans()  # once: what the links know now holds for every op
+
         def price(op: QueuedOp, start: float) -> float:
-            work = self._slowed_at(op.work_s, start) if op.slowed else op.work_s
-            return work * self.dilation
+            return self._priced(op.work_s, op.slowed, start, spans) * self.dilation
 
         end = self._chain.end(price)
         if end <= self._chain_end:
@@ -401,18 +402,24 @@ class TimedBackend:
 
     def _slowed(self, work_s: float) -> float:
         """Device seconds of ``work_s`` of compute queued now while this rank's transfers
-        move (:meth:`_slowed_at` from the op's start on the device)."""
-        return self._slowed_at(work_s, self._start())
+        move (:meth:`_priced` from the op's start on the device)."""
+        return self._priced(work_s, True, self._start(), self._spans())
 
-    def _slowed_at(self, work_s: float, start: float) -> float:
-        """Device seconds of ``work_s`` of compute from ``start`` while this rank's transfers
-        move as far as its links know now (:mod:`.moving`): the model's effect, ``1 +
-        comm_slowdown * k`` times slower while ``k`` streams move, at full speed where none
-        does."""
-        if not (self.sm_contention and self.cluster.comm_slowdown) or not self._moving:
+    def _spans(self) -> dict[object, list[moving.Span]]:
+        """Each stream's moving spans as far as this rank's links know now (:mod:`.moving`);
+        none where SM contention is off."""
+        if not (self.sm_contention and self.cluster.comm_slowdown):
+            return {}
+        return moving.spans_by_stream(self._moving.values())
+
+    def _priced(self, work_s: float, slowed: bool, start: float,
+                spans: dict[object, list[moving.Span]]) -> float:
+        """Device seconds of an op of ``work_s`` at full speed from ``start``: ``slowed`` (a
+        kernel or merge) it is the model's effect, ``1 + comm_slowdown * k`` times slower
+        while ``k`` streams move (:func:`.effects.slowed_over`); a copy is never slowed."""
+        if not slowed or not spans:
             return work_s
-        spans = moving.spans_by_stream(self._moving.values())
-        return moving.slowed_over(self.cluster, work_s, start, spans, self.dilation)
+        return effects.slowed_over(self.cluster, work_s, start, spans, self.dilation)
 
     def merge_seconds(self, nbytes: float) -> float:
         """Device seconds to accumulate ``nbytes`` of partials (virtual bytes)."""
@@ -428,16 +435,15 @@ class TimedBackend:
         transfers move: queued after what it holds (the host goes on at once; priced again
         when the host next waits for the device, :meth:`_drain`), or, on the synchronous
         device, slept through here."""
+        device_s = self._slowed(work_s) if slowed else work_s
         timeline = self.timeline
         if timeline is not None:
             floor, base = timeline.host(), timeline.busy_until
-            device_s = self._slowed(work_s) if slowed else work_s
             start = timeline.queue(device_s * self.dilation)
             self._chain.add(base, QueuedOp(floor, work_s, slowed))
             self._chain_end = start + device_s * self.dilation
             self.clock.add(device_s, 0.0, tile)
             return
-        device_s = self._slowed(work_s) if slowed else work_s
         t0 = time.perf_counter()
         self._sleep(device_s * self.dilation)
         self.clock.add(device_s, (time.perf_counter() - t0) / self.dilation, tile)

@@ -3,7 +3,7 @@
 The timed device (:mod:`.device`) slows a compute op ``1 + comm_slowdown * k`` times while
 ``k`` of its rank's streams (communicators) have bytes moving, as the model does
 (:func:`charm_megatron.model.effects.compute_caps`). This module says *when* a posted batch
-moves and prices an op over those spans.
+moves; :func:`charm_megatron.model.effects.slowed_over` prices an op over those spans.
 
 The model counts a message as moving from the time both sides have posted (its batches are
 active; plus the link latency) until its last byte arrives, queueing behind other messages on
@@ -27,11 +27,8 @@ host commits to their end (:class:`DeviceChain`, :meth:`.device.TimedBackend._dr
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-
-from charm_megatron.model import effects
-from charm_megatron.model.cluster import Cluster
 
 Span = tuple[float, float]
 
@@ -115,30 +112,6 @@ def spans_by_stream(batches: Iterable[MovingBatch]) -> dict[object, list[Span]]:
         if spans:
             out.setdefault(b.stream, []).extend(spans)
     return out
-
-
-def slowed_over(cluster: Cluster, work_s: float, start: float,
-                spans: Mapping[object, list[Span]], scale: float = 1.0) -> float:
-    """Device seconds that ``work_s`` of compute at full speed takes from ``start`` while the
-    streams' ``spans`` move (times on the device's clock, ``scale`` of them per device second:
-    the dilation): ``1 + comm_slowdown * k`` times slower while ``k`` streams move
-    (:func:`.effects.contention`), at full speed where none does. With every span starting by
-    ``start`` it is the model's :func:`.effects.slowed_s`."""
-    rel = {s: [((lo - start) / scale, (hi - start) / scale) for lo, hi in v if hi > start]
-           for s, v in spans.items()}
-    rel = {s: v for s, v in rel.items() if v}
-    if not rel:
-        return work_s
-    cuts = sorted({p for v in rel.values() for span in v for p in span if p > 0})
-    t, left = 0.0, work_s
-    for cut in [*cuts, math.inf]:
-        k = sum(1 for v in rel.values() if any(lo <= t < hi for lo, hi in v))
-        slow = effects.contention(cluster, k)
-        if left * slow <= cut - t:
-            return t + left * slow
-        left -= (cut - t) / slow
-        t = cut
-    return t + left  # not reached: the last cut is infinite
 
 
 @dataclass
